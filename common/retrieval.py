@@ -1,0 +1,360 @@
+"""Retrieval: FlashRAG corpus loading, encoders (offline TF-IDF, transformers), a faiss dense index, BM25.
+
+    python -m common.retrieval build --corpus corpus.jsonl --encoder intfloat/e5-base-v2 --out index/e5
+    python -m common.retrieval search --index index/e5 --query "who directed kanikx" -k 5
+
+A retriever folder holds index.faiss, doc_ids.json and retriever.json (encoder spec, corpus path, factory
+string), plus corpus.jsonl when the index was built from an in-memory corpus rather than a file.
+IVF indexes search with faiss's nprobe=1 by default: raise it with
+faiss.ParameterSpace().set_index_parameter(retriever.index, "nprobe", 64).
+"""
+import argparse
+import json
+import math
+import os
+import re
+from collections import Counter
+from pathlib import Path
+
+import numpy as np
+from tqdm.auto import tqdm
+
+from common.data import DataError, iter_jsonl, write_jsonl
+
+BGE_QUERY_INSTRUCTION = "Represent this sentence for searching relevant passages: "
+ENCODER_PRESETS = {  # matched against the lowercased model name, first hit wins
+    "bge": dict(pooling="cls", query_prefix=BGE_QUERY_INSTRUCTION, passage_prefix=""),
+    "contriever": dict(pooling="mean", query_prefix="", passage_prefix=""),
+    "e5": dict(pooling="mean", query_prefix="query: ", passage_prefix="passage: "),
+}
+RETRIEVER_FILES = ("index.faiss", "doc_ids.json", "retriever.json")
+
+
+class EncoderLoadError(ValueError):
+    """An encoder model cannot be loaded (not a local folder, and not in the hub cache when offline)."""
+
+
+# ---------------------------------------------------------------- corpus
+
+def split_contents(contents):
+    """'"Title"\\ntext' -> ("Title", "text"); contents without a newline -> ("", contents)."""
+    if "\n" not in contents:
+        return "", contents.strip()
+    title, text = contents.split("\n", 1)
+    title = title.strip()
+    if len(title) >= 2 and title[0] == title[-1] == '"':
+        title = title[1:-1]
+    return title, text.strip()
+
+
+def load_corpus(path):
+    """Load a FlashRAG corpus jsonl ({"id", "contents"}) as a list of {"id", "contents", "title", "text"}."""
+    docs, seen = [], set()
+    for lineno, row in iter_jsonl(path, required=("id", "contents")):
+        doc_id, contents = row["id"], row["contents"]
+        if not isinstance(contents, str):
+            raise DataError(f"{path}:{lineno}: field 'contents' must be a string, got {type(contents).__name__}")
+        if not isinstance(doc_id, (str, int)) or isinstance(doc_id, bool):
+            raise DataError(f"{path}:{lineno}: field 'id' must be a string or an integer, got {doc_id!r}")
+        if doc_id in seen:
+            raise DataError(f"{path}:{lineno}: duplicate id {doc_id!r}")
+        seen.add(doc_id)
+        title, text = split_contents(contents)
+        docs.append({"id": doc_id, "contents": contents, "title": title, "text": text})
+    if not docs:
+        raise DataError(f"{path}: no passages")
+    return docs
+
+
+def make_hit(doc, score):
+    """A search hit from a doc (only "id" and "contents" are needed): id, title, text, contents, score."""
+    title, text = split_contents(doc["contents"])
+    return {"id": doc["id"], "title": title, "text": text, "contents": doc["contents"], "score": float(score)}
+
+
+# ---------------------------------------------------------------- encoders
+
+def tokenize_words(text):
+    """Lowercase words: runs of letters and digits (anything else separates)."""
+    return re.findall(r"[^\W_]+", text.lower())
+
+
+class TfidfEncoder:
+    """Offline dense encoder: log1p(tf) * idf over a vocabulary fitted on the corpus, rows L2-normalised."""
+
+    def __init__(self, vocab=None, idf=None):
+        self.vocab = {w: i for i, w in enumerate(vocab or [])}
+        self.idf = np.asarray(idf if idf is not None else [], dtype=np.float32)
+
+    @property
+    def dim(self):
+        return len(self.vocab)
+
+    def fit(self, texts):
+        """Fit vocabulary and idf = log((1 + N) / (1 + df)) + 1 on the texts; returns self."""
+        df = Counter(w for text in texts for w in set(tokenize_words(text)))
+        words = sorted(df)
+        self.vocab = {w: i for i, w in enumerate(words)}
+        self.idf = np.array([math.log((1 + len(texts)) / (1 + df[w])) + 1 for w in words], dtype=np.float32)
+        return self
+
+    def encode(self, texts, is_query=False):
+        """(len(texts), dim) float32; unknown words are ignored, a text with none is the zero vector."""
+        if not self.vocab:
+            raise ValueError("TfidfEncoder is not fitted: call fit(texts) or build a DenseRetriever with it")
+        out = np.zeros((len(texts), self.dim), dtype=np.float32)
+        for row, text in enumerate(texts):
+            counts = Counter(w for w in tokenize_words(text) if w in self.vocab)
+            cols = [self.vocab[w] for w in counts]
+            out[row, cols] = np.log1p(np.fromiter(counts.values(), np.float32, len(counts))) * self.idf[cols]
+        return normalize_rows(out)
+
+    def spec(self):
+        """What load needs to rebuild this encoder."""
+        return {"name": "tfidf", "vocab": list(self.vocab), "idf": self.idf.tolist()}
+
+
+def normalize_rows(x):
+    """L2-normalise the rows of a float matrix (zero rows stay zero)."""
+    norms = np.linalg.norm(x, axis=1, keepdims=True)
+    return x / np.maximum(norms, 1e-12)
+
+
+def pool(last_hidden_state, attention_mask, pooling):
+    """Sentence vectors from token states: masked mean over real tokens, or the first ([CLS]) token."""
+    if pooling == "cls":
+        return last_hidden_state[:, 0]
+    if pooling == "mean":
+        mask = attention_mask.unsqueeze(-1).to(last_hidden_state.dtype)
+        return (last_hidden_state * mask).sum(1) / mask.sum(1).clamp(min=1)
+    raise ValueError(f"pooling must be 'mean' or 'cls', got {pooling!r}")
+
+
+class HFEncoder:
+    """A transformers encoder (AutoModel) with pooling, query/passage prefixes and L2-normalised outputs."""
+
+    def __init__(self, name_or_path, pooling="mean", query_prefix="", passage_prefix="", max_length=512,
+                 batch_size=64, device=None):
+        import torch
+        from transformers import AutoModel, AutoTokenizer
+        self.name_or_path, self.pooling, self.max_length, self.batch_size = name_or_path, pooling, max_length, batch_size
+        self.query_prefix, self.passage_prefix = query_prefix, passage_prefix
+        self.device = device or ("cuda" if torch.cuda.is_available() else "cpu")
+        local = Path(name_or_path).is_dir()
+        try:
+            self.tokenizer = AutoTokenizer.from_pretrained(name_or_path, local_files_only=local)
+            self.model = AutoModel.from_pretrained(name_or_path, local_files_only=local).to(self.device).eval()
+        except (OSError, ValueError) as e:
+            raise EncoderLoadError(f"cannot load encoder {name_or_path!r}: not a local folder and not loadable from "
+                                   f"the hub (offline: HF_HUB_OFFLINE={os.environ.get('HF_HUB_OFFLINE', '')!r}); "
+                                   f"download it first or pass a local folder. ({str(e).splitlines()[0]})") from None
+        self.dim = self.model.config.hidden_size
+
+    def encode(self, texts, is_query=False):
+        """(len(texts), dim) float32 rows of norm 1, in batches (a progress bar for long passage lists)."""
+        import torch
+        prefix = self.query_prefix if is_query else self.passage_prefix
+        texts = [prefix + t for t in texts]
+        starts = range(0, len(texts), self.batch_size)
+        chunks = [np.zeros((0, self.dim), dtype=np.float32)]
+        for start in tqdm(starts, desc="encode", leave=False, disable=is_query or len(starts) < 2):
+            batch = self.tokenizer(texts[start:start + self.batch_size], padding=True, truncation=True,
+                                   max_length=self.max_length, return_tensors="pt").to(self.device)
+            with torch.inference_mode():
+                states = self.model(**batch).last_hidden_state
+                vectors = torch.nn.functional.normalize(pool(states, batch["attention_mask"], self.pooling), dim=-1)
+            chunks.append(vectors.float().cpu().numpy())
+        return np.concatenate(chunks)
+
+    def spec(self):
+        """What load needs to rebuild this encoder (device and batch size are chosen at load time)."""
+        return {"name": "hf", "name_or_path": str(self.name_or_path), "pooling": self.pooling,
+                "query_prefix": self.query_prefix, "passage_prefix": self.passage_prefix, "max_length": self.max_length}
+
+
+def encoder_preset(name):
+    """Pooling and prefixes documented for E5 / BGE / Contriever, looked up from the model name; else mean, none."""
+    lowered = str(name).lower()
+    for key, preset in ENCODER_PRESETS.items():
+        if key in lowered:
+            return dict(preset)
+    return dict(pooling="mean", query_prefix="", passage_prefix="")
+
+
+def make_encoder(name, **kwargs):
+    """"tfidf" -> TfidfEncoder (unfitted); else HFEncoder with the name's preset, overridden by kwargs."""
+    if name == "tfidf":
+        return TfidfEncoder(**kwargs)
+    return HFEncoder(name, **{**encoder_preset(name), **kwargs})
+
+
+def encoder_from_spec(spec, **kwargs):
+    """Rebuild an encoder from its saved spec (kwargs such as device or batch_size go to HFEncoder)."""
+    spec = dict(spec)
+    if spec.pop("name") == "tfidf":
+        return TfidfEncoder(spec["vocab"], spec["idf"])
+    return HFEncoder(**spec, **kwargs)
+
+
+# ---------------------------------------------------------------- dense retrieval
+
+def new_index(dim, index_factory, encoder, texts, train_size, seed=0):
+    """An empty inner-product faiss index from a factory string, trained on a sample of texts if it needs it."""
+    import faiss
+    index = faiss.index_factory(dim, index_factory, faiss.METRIC_INNER_PRODUCT)
+    if not index.is_trained:
+        rng = np.random.default_rng(seed)
+        sample = rng.choice(len(texts), size=min(train_size, len(texts)), replace=False)
+        index.train(encoder.encode([texts[i] for i in sorted(sample)]))
+    return index
+
+
+def atomic_write(path, write):
+    """Call write(tmp_path), then rename the temporary file to path."""
+    tmp = path.with_name(path.name + ".tmp")
+    write(str(tmp))
+    os.replace(tmp, path)
+
+
+class DenseRetriever:
+    """A faiss inner-product index over encoded passages, with the doc ids in index order."""
+
+    def __init__(self, index, corpus, encoder, corpus_path=None, index_factory="Flat"):
+        self.index, self.corpus, self.encoder = index, corpus, encoder
+        self.corpus_path, self.index_factory = corpus_path, index_factory
+
+    @classmethod
+    def build(cls, corpus, encoder, index_factory="Flat", chunk_size=100_000, train_size=100_000):
+        """Encode a corpus (jsonl path, or docs with "id", "contents") in chunks into a new index; fits an unfitted TF-IDF."""
+        corpus_path = str(Path(corpus).resolve()) if isinstance(corpus, (str, Path)) else None
+        docs = load_corpus(corpus) if corpus_path else corpus
+        texts = [d["contents"] for d in docs]
+        if isinstance(encoder, TfidfEncoder) and not encoder.vocab:
+            encoder.fit(texts)
+        index = new_index(encoder.dim, index_factory, encoder, texts, train_size)
+        starts = range(0, len(texts), chunk_size)
+        for start in tqdm(starts, desc="index", disable=len(starts) < 2):
+            index.add(encoder.encode(texts[start:start + chunk_size]))
+        return cls(index, docs, encoder, corpus_path, index_factory)
+
+    def search(self, queries, k):
+        """Top-k passages per query, best first: list (per query) of {"id","title","text","contents","score"}."""
+        if k < 1:
+            raise ValueError(f"k must be at least 1, got {k}")
+        if not queries:
+            return []
+        scores, ids = self.index.search(self.encoder.encode(list(queries), is_query=True), min(k, self.index.ntotal))
+        return [[make_hit(self.corpus[i], s) for i, s in zip(row_ids, row_scores) if i >= 0]
+                for row_ids, row_scores in zip(ids, scores)]
+
+    def save(self, folder):
+        """Write index.faiss, doc_ids.json, retriever.json (and corpus.jsonl if built from a list), atomically."""
+        import faiss
+        folder = Path(folder)
+        folder.mkdir(parents=True, exist_ok=True)
+        corpus_path = self.corpus_path
+        if corpus_path is None:
+            write_jsonl(folder / "corpus.jsonl", [{"id": d["id"], "contents": d["contents"]} for d in self.corpus])
+        meta = {"encoder": self.encoder.spec(), "corpus": corpus_path, "index_factory": self.index_factory,
+                "num_docs": len(self.corpus)}
+        atomic_write(folder / "index.faiss", lambda p: faiss.write_index(self.index, p))
+        atomic_write(folder / "doc_ids.json", lambda p: Path(p).write_text(json.dumps([d["id"] for d in self.corpus])))
+        atomic_write(folder / "retriever.json", lambda p: Path(p).write_text(json.dumps(meta)))
+
+    @classmethod
+    def load(cls, folder, corpus=None, encoder=None, **encoder_kwargs):
+        """Load a saved retriever; corpus (docs or path) defaults to the recorded one, encoder to the saved spec."""
+        import faiss
+        folder = Path(folder)
+        for name in RETRIEVER_FILES:
+            if not (folder / name).is_file():
+                raise DataError(f"{folder}: missing {name} (not a folder written by DenseRetriever.save / "
+                                f"`python -m common.retrieval build`)")
+        meta = json.loads((folder / "retriever.json").read_text())
+        doc_ids = json.loads((folder / "doc_ids.json").read_text())
+        if corpus is None:
+            corpus_path = meta["corpus"]  # None: the corpus was saved in the folder
+            docs = load_corpus(corpus_path or folder / "corpus.jsonl")
+        else:
+            corpus_path = str(Path(corpus).resolve()) if isinstance(corpus, (str, Path)) else None
+            docs = load_corpus(corpus) if corpus_path else corpus
+        if [d["id"] for d in docs] != doc_ids:
+            raise DataError(f"{folder}: the corpus {corpus_path or '(given)'} does not match doc_ids.json "
+                            f"({len(docs)} vs {len(doc_ids)} passages, or a different order)")
+        index = faiss.read_index(str(folder / "index.faiss"))
+        encoder = encoder or encoder_from_spec(meta["encoder"], **encoder_kwargs)
+        return cls(index, docs, encoder, corpus_path, meta["index_factory"])
+
+
+# ---------------------------------------------------------------- BM25
+
+class BM25Retriever:
+    """Lexical BM25 through bm25s (English stopwords removed by default), same hits as DenseRetriever."""
+
+    def __init__(self, model, corpus, stopwords="en"):
+        self.model, self.corpus, self.stopwords = model, corpus, stopwords
+
+    @classmethod
+    def build(cls, corpus, stopwords="en", k1=1.5, b=0.75):
+        """Index a corpus (list of docs or jsonl path) with BM25."""
+        import bm25s
+        docs = load_corpus(corpus) if isinstance(corpus, (str, Path)) else corpus
+        model = bm25s.BM25(k1=k1, b=b)
+        tokens = bm25s.tokenize([d["contents"] for d in docs], stopwords=stopwords, show_progress=False)
+        model.index(tokens, show_progress=False)
+        return cls(model, docs, stopwords)
+
+    def search(self, queries, k):
+        """Top-k passages per query, best first (ties and zero scores fill up to k)."""
+        import bm25s
+        if k < 1:
+            raise ValueError(f"k must be at least 1, got {k}")
+        if not queries:
+            return []
+        tokens = bm25s.tokenize(list(queries), stopwords=self.stopwords, return_ids=False, show_progress=False)
+        ids, scores = self.model.retrieve(tokens, k=min(k, len(self.corpus)), show_progress=False)
+        return [[make_hit(self.corpus[i], s) for i, s in zip(row_ids, row_scores)]
+                for row_ids, row_scores in zip(ids, scores)]
+
+
+# ---------------------------------------------------------------- CLI
+
+def parse_args(argv=None):
+    """Command line: `build` an index folder, or `search` one."""
+    parser = argparse.ArgumentParser(prog="python -m common.retrieval", description=__doc__.split("\n")[0])
+    sub = parser.add_subparsers(dest="command", required=True)
+    build = sub.add_parser("build", help="encode a corpus jsonl and save a retriever folder")
+    build.add_argument("--corpus", required=True, help="FlashRAG corpus jsonl ({'id', 'contents'} per line)")
+    build.add_argument("--encoder", required=True, help="'tfidf', a hub id or a local folder (e5/bge/contriever presets)")
+    build.add_argument("--out", required=True, help="folder to write the retriever to")
+    build.add_argument("--index_factory", default="Flat", help="faiss factory string, e.g. Flat, IVF4096,Flat, HNSW32")
+    build.add_argument("--train_size", type=int, default=100_000, help="passages sampled to train an IVF/PQ index")
+    build.add_argument("--batch_size", type=int, default=64, help="encoder batch size (transformers encoders)")
+    build.add_argument("--max_length", type=int, default=512, help="encoder max tokens (transformers encoders)")
+    build.add_argument("--device", default=None, help="encoder device, default cuda if available")
+    search = sub.add_parser("search", help="search a saved retriever folder; prints one JSON line per query")
+    search.add_argument("--index", required=True, help="retriever folder written by `build`")
+    search.add_argument("--query", required=True, action="append", help="query text (repeat for several)")
+    search.add_argument("-k", type=int, default=5, help="passages per query")
+    search.add_argument("--corpus", default=None, help="corpus jsonl, if it moved since the build")
+    return parser.parse_args(argv)
+
+
+def main(argv=None):
+    """Run the command line."""
+    args = parse_args(argv)
+    if args.command == "build":
+        hf_kwargs = {} if args.encoder == "tfidf" else dict(batch_size=args.batch_size, max_length=args.max_length,
+                                                            device=args.device)
+        retriever = DenseRetriever.build(args.corpus, make_encoder(args.encoder, **hf_kwargs), args.index_factory,
+                                         train_size=args.train_size)
+        retriever.save(args.out)
+        print(f"indexed {retriever.index.ntotal} passages ({args.encoder}, {args.index_factory}) into {args.out}")
+    else:
+        retriever = DenseRetriever.load(args.index, corpus=args.corpus)
+        for query, hits in zip(args.query, retriever.search(args.query, args.k)):
+            print(json.dumps({"query": query, "hits": hits}, ensure_ascii=False))
+
+
+if __name__ == "__main__":
+    main()

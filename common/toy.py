@@ -1,0 +1,711 @@
+"""The toy world: a seeded world of fictional entities, its corpus and questions, and the toy reader (a frozen LLM).
+
+    python -m common.toy --seed 0 --out data/toy          # write a world (same seed, same bytes)
+    python -m common.toy baselines --world data/toy       # the baseline table on its test split
+
+A world folder holds corpus.jsonl (FlashRAG {"id", "contents": '"title"\\ntext'}), train/dev/test.jsonl (FlashRAG QA
+rows), triples.jsonl ({"doc_id", "head", "relation", "tail"}) and world.json (entities, types, popularity, facts: what
+the reader's memory, the tiny models' vocabulary and the renaming augmentation use). docs/toy_world.md describes it.
+
+World. Entities of five types (person, film, city, country, company) with single-token syllable names and eight
+relations (RELATIONS). Each entity has one passage stating its facts ("velbo was born in tuvia . velbo was born in
+1931 ."). Three twists make every decision of the papers matter:
+- popular entities (30% per type): the reader knows all their facts without retrieval;
+- hidden entities (10% of the others): no passage at all, so their facts are nowhere (unanswerable questions);
+- decoys: phantom entities whose names are one letter away from a real entity ("zorvek" for "zorvak"), with a
+  passage of different facts and the hatnote "often confused with zorvak ." (so a search for zorvak finds it).
+Questions (metadata "type"): one_hop, two_hop, three_hop chains ("what is the birthplace of the director of
+zorvak ?"), comparison ("who was born first , a or b ?") and yes_no ("was a born before b ?"). Question words differ
+from passage words (birthplace / born), and some questions carry a descriptor naming a related entity
+("... of velbo ( the director of zorvak ) ?"), so the raw question is a worse query than "<entity> <relation word>".
+
+Toy reader protocol (ToyReader.chat; the environment's physics, deterministic, sampling arguments ignored):
+1. The prompt is the concatenated message contents. The question is the last match of a question template in it
+   (case-insensitive, parenthesised descriptors ignored); no match -> the answer "unknown".
+2. Facts are every passage sentence ("x is a film directed by y", ...) or triple "<x ; directed by ; y>" anywhere in
+   the prompt (documents, notes, earlier <think> steps), in order of appearance.
+3. Lookup of (entity e, relation r): if e is popular, the last exact statement about e, else its memory (the facts of
+   popular entities in world.json). If e is not popular, the LAST statement about e OR A NEAR NAME of e (same type,
+   one letter apart): the reader is careless, so a decoy passage read after the true one misleads it.
+4. Mode, from keywords of the prompt (lowercased): "<think>" -> think; else one of the words "roadmap", "plan",
+   "plans", "planning", "sub-goal(s)", "subgoal(s)", "decompos..." -> plan; else answer.
+   - answer: the short answer ("velbo", "1931", "yes"); "unknown" when a needed fact is not found. Wrapped as
+     "<answer> x </answer>" when the prompt mentions "<answer>"; " [END]" appended when it mentions "[end]".
+   - think: one step per call. The first link of the chain not yet stated in an earlier <think> step: stated as a
+     passage sentence "<think> zorvak is a film directed by velbo . </think>" when resolvable, else
+     "<think> i need to know the director of zorvak . </think>" (after two such steps for the same link:
+     "<answer> unknown </answer>"). All links stated -> "<answer> x </answer>".
+   - plan: one line per sub-goal, "step 1 : find the director of zorvak .", "step 2 : find the birthplace of the
+     director of zorvak ." (known bridges are filled in), and a last "step n : answer the question .".
+The reader never sees gold answers or question metadata.
+"""
+import argparse
+import functools
+import json
+import random
+import re
+import sys
+from collections import Counter, defaultdict
+from pathlib import Path
+
+REPO_ROOT = Path(__file__).resolve().parent.parent
+DEFAULT_WORLD = REPO_ROOT / "data" / "toy"
+TYPES = ("person", "film", "city", "country", "company")
+BASE_COUNTS = {"person": 120, "film": 80, "city": 60, "country": 15, "company": 40}
+POPULAR_SHARE, HIDDEN_SHARE, DECOY_SHARE, DESCRIPTOR_P = 0.3, 0.1, 0.35, 0.5
+YEARS = {"birth_year": (1900, 1979), "release_year": (1930, 1999)}
+SPLIT_SIZES = {"test": {"one_hop": 150, "two_hop": 110, "three_hop": 70, "comparison": 35, "yes_no": 35},
+               "dev": {"one_hop": 60, "two_hop": 45, "three_hop": 30, "comparison": 15, "yes_no": 15}}
+# relation -> (head type, tail type, passage sentence, triple phrase, noun phrase, oracle query word)
+RELATIONS = {
+    "born_in": ("person", "city", "{h} was born in {t} .", "born in", "the birthplace of {h}", "born"),
+    "birth_year": ("person", "year", "{h} was born in {t} .", "birth year", "the birth year of {h}", "born"),
+    "directed_by": ("film", "person", "{h} is a film directed by {t} .", "directed by", "the director of {h}", "directed"),
+    "release_year": ("film", "year", "{h} was released in {t} .", "release year", "the release year of {h}", "released"),
+    "country": ("city", "country", "{h} is a city in {t} .", "country", "the country of {h}", "city"),
+    "capital": ("country", "city", "the capital of {h} is {t} .", "capital", "the capital of {h}", "capital"),
+    "founded_by": ("company", "person", "{h} is a company founded by {t} .", "founded by", "the founder of {h}", "founded"),
+    "located_in": ("company", "city", "{h} is based in {t} .", "based in", "the home city of {h}", "based"),
+}
+TYPE_RELATIONS = {t: [r for r, spec in RELATIONS.items() if spec[0] == t] for t in TYPES}
+CHAINS = {  # relations -> question template; {0} is the first entity
+    ("born_in",): "what is the birthplace of {0} ?",
+    ("birth_year",): "what is the birth year of {0} ?",
+    ("directed_by",): "who is the director of {0} ?",
+    ("release_year",): "in what year did {0} come out ?",
+    ("country",): "which country is {0} in ?",
+    ("capital",): "what is the capital of {0} ?",
+    ("founded_by",): "who is the founder of {0} ?",
+    ("located_in",): "where is the headquarters of {0} ?",
+    ("directed_by", "born_in"): "what is the birthplace of the director of {0} ?",
+    ("directed_by", "birth_year"): "what is the birth year of the director of {0} ?",
+    ("founded_by", "born_in"): "what is the birthplace of the founder of {0} ?",
+    ("founded_by", "birth_year"): "what is the birth year of the founder of {0} ?",
+    ("born_in", "country"): "in which country was {0} born ?",
+    ("located_in", "country"): "in which country is {0} based ?",
+    ("country", "capital"): "what is the capital of the country where {0} is ?",
+    ("directed_by", "born_in", "country"): "in which country was the director of {0} born ?",
+    ("founded_by", "born_in", "country"): "in which country was the founder of {0} born ?",
+    ("born_in", "country", "capital"): "what is the capital of the country where {0} was born ?",
+    ("located_in", "country", "capital"): "what is the capital of the country where {0} is based ?",
+}
+COMPARISONS = {  # (type, year relation) -> question template; {0}, {1} are the two entities
+    ("yes_no", "birth_year"): "was {0} born before {1} ?",
+    ("yes_no", "release_year"): "did {0} come out before {1} ?",
+    ("comparison", "birth_year"): "who was born first , {0} or {1} ?",
+    ("comparison", "release_year"): "which film came out first , {0} or {1} ?",
+}
+HOP_TYPES = {1: "one_hop", 2: "two_hop", 3: "three_hop"}
+HATNOTE = "often confused with {0} ."
+PLAN_WORDS = re.compile(r"\b(roadmap|plan|plans|planning|sub-goals?|subgoals?|decompos\w*)\b")
+UNKNOWN = "unknown"
+ONSETS, VOWELS, CODAS = "bdfgklmnprstvz", "aeiou", ("", "", "n", "r", "l", "k", "x", "s")
+FORMAT_WORDS = """a an the of in on at to by for from with about into over after before between and or but not no yes
+if then else than so as is are was were be been being do does did done has have had can could will would should may
+might must shall it its this that these those there here which who whom whose what when where why how all any each
+every some none other another same first second third last next previous new old more most less least only also
+just very one two three four five six seven eight nine ten i you he she we they me my your our their us them
+question questions answer answers answered document documents doc docs passage passages context contexts evidence
+reference references query queries search searched retrieve retrieval retrieved retriever plan planning roadmap step
+steps thought thoughts think thinking action actions observation observations reasoning reason decision decide
+final given following based using use need know known unknown find found compare years year entity entities relation
+relations triple triples chain note notes summary output input response respond reply true false stop continue end
+llm model system user assistant instruction instructions information info relevant irrelevant useful sub subquery
+subqueries subquestion goal goals key title text source select selected selection keep filter id ids rank score
+strategy bm25 dense rewrite rewritten original current existing analysis gap gaps missing please only short phrase
+word words directly born birthplace birth director directed film films released release come came out country
+countries city cities capital company companies founded founder based headquarters home where person people
+confused called named known was""".split()
+FORMAT_WORDS += [str(i) for i in range(21)] + list(":.,?!;[](){}<>\"'/-_=+*#|&%$@~`")
+FORMAT_WORDS_SET = frozenset(FORMAT_WORDS)
+
+
+# ---------------------------------------------------------------- generation: entities and facts
+
+def make_names(rng, n, taken):
+    """n new syllable names (2-3 syllables, one optional coda), each two letters or more from every taken name."""
+    names = []
+    while len(names) < n:
+        syllables = rng.choice((2, 2, 3))
+        name = "".join(rng.choice(ONSETS) + rng.choice(VOWELS) for _ in range(syllables)) + rng.choice(CODAS)
+        if name not in taken and all(hamming(name, other) > 1 for other in taken):
+            taken.add(name)
+            names.append(name)
+    return names
+
+
+def hamming(a, b):
+    """Letters that differ between two names of the same length (a large number for different lengths)."""
+    return sum(x != y for x, y in zip(a, b)) if len(a) == len(b) else 99
+
+
+def near_name(rng, name, taken):
+    """A new name one vowel away from `name` and two letters or more from every other taken name, or None."""
+    spots = [i for i, ch in enumerate(name) if ch in VOWELS]
+    rng.shuffle(spots)
+    for i in spots:
+        for v in rng.sample(VOWELS, len(VOWELS)):
+            candidate = name[:i] + v + name[i + 1:]
+            if candidate != name and candidate not in taken and all(
+                    hamming(candidate, other) > 1 for other in taken if other != name):
+                taken.add(candidate)
+                return candidate
+    return None
+
+
+def random_facts(rng, etype, by_type, country_of=None):
+    """Random facts {relation: tail} for a new entity of a type (cities get their country from country_of)."""
+    facts = {}
+    for rel in TYPE_RELATIONS[etype]:
+        tail_type = RELATIONS[rel][1]
+        if tail_type == "year":
+            facts[rel] = str(rng.randint(*YEARS[rel]))
+        elif rel == "capital":
+            facts[rel] = rng.choice(by_type["city"])
+        else:
+            facts[rel] = rng.choice(by_type[tail_type])
+    return facts
+
+
+def make_entities(rng, size):
+    """World entities: {name: {"type", "popular", "hidden", "decoy_of", "facts"}} with consistent capitals."""
+    taken, entities, by_type = set(FORMAT_WORDS_SET), {}, {}
+    for etype in TYPES:
+        by_type[etype] = make_names(rng, max(4, round(BASE_COUNTS[etype] * size)), taken)
+    cities = by_type["city"]
+    countries = by_type["country"]
+    country_of = {c: countries[i % len(countries)] if i < len(countries) else rng.choice(countries)
+                  for i, c in enumerate(cities)}
+    capital = {k: next(c for c in cities if country_of[c] == k) for k in countries}
+    for etype in TYPES:
+        names = by_type[etype]
+        popular = set(rng.sample(names, round(POPULAR_SHARE * len(names))))
+        others = [n for n in names if n not in popular]
+        hidden = set(rng.sample(others, round(HIDDEN_SHARE * len(others))))
+        for name in names:
+            facts = random_facts(rng, etype, by_type)
+            if etype == "city":
+                facts["country"] = country_of[name]
+            if etype == "country":
+                facts["capital"] = capital[name]
+            entities[name] = {"type": etype, "popular": name in popular, "hidden": name in hidden,
+                              "decoy_of": None, "facts": facts}
+    for name in sorted(entities):
+        if rng.random() < DECOY_SHARE:
+            decoy = near_name(rng, name, taken)
+            if decoy:
+                etype = entities[name]["type"]
+                facts = random_facts(rng, etype, by_type)
+                for rel, tail in entities[name]["facts"].items():  # every decoy fact differs from the true one
+                    while facts[rel] == tail:
+                        facts[rel] = random_facts(rng, etype, by_type)[rel]
+                entities[decoy] = {"type": etype, "popular": False, "hidden": False, "decoy_of": name, "facts": facts}
+    return entities
+
+
+def passage_text(name, entity):
+    """The passage of an entity: one sentence per fact, plus the hatnote for a decoy."""
+    sentences = [RELATIONS[rel][2].format(h=name, t=tail) for rel, tail in entity["facts"].items()]
+    if entity["decoy_of"]:
+        sentences.append(HATNOTE.format(entity["decoy_of"]))
+    return " ".join(sentences)
+
+
+def make_corpus(rng, entities):
+    """(corpus rows, triples rows, doc id of each entity) for all non-hidden entities, in a seeded order."""
+    names = sorted(n for n, e in entities.items() if not e["hidden"])
+    rng.shuffle(names)
+    corpus, triples, doc_of = [], [], {}
+    for i, name in enumerate(names):
+        doc_id = str(i)
+        doc_of[name] = doc_id
+        corpus.append({"id": doc_id, "contents": f'"{name}"\n{passage_text(name, entities[name])}'})
+        for rel, tail in entities[name]["facts"].items():
+            triples.append({"doc_id": doc_id, "head": name, "relation": RELATIONS[rel][3], "tail": tail})
+    return corpus, triples, doc_of
+
+
+# ---------------------------------------------------------------- generation: questions and splits
+
+def chain_question(entities, doc_of, rels, start):
+    """A chain question row (no id, no descriptor) from a start entity, or None if the chain does not type-check."""
+    if entities[start]["type"] != RELATIONS[rels[0]][0]:
+        return None
+    chain = [start]
+    for rel in rels:
+        chain.append(entities[chain[-1]]["facts"][rel])
+    heads = chain[:-1]
+    return make_row(entities, doc_of, CHAINS[tuple(rels)].format(start), chain[-1], HOP_TYPES[len(rels)],
+                    list(rels), heads, chain)
+
+
+def comparison_question(entities, doc_of, kind, rel, a, b):
+    """A comparison or yes/no question row about the years of two entities, or None on a tie."""
+    ya, yb = entities[a]["facts"][rel], entities[b]["facts"][rel]
+    if ya == yb:
+        return None
+    answer = ("yes" if ya < yb else "no") if kind == "yes_no" else (a if ya < yb else b)
+    return make_row(entities, doc_of, COMPARISONS[(kind, rel)].format(a, b), answer, kind, [rel, rel], [a, b],
+                    [a, b, answer])
+
+
+def make_row(entities, doc_of, question, answer, qtype, rels, heads, chain):
+    """A FlashRAG QA row with the metadata every method may use (oracle sub-queries, bridges, popularity...)."""
+    popular_hops = [entities[h]["popular"] for h in heads]
+    meta = {
+        "type": qtype, "hops": len(rels), "relations": rels, "entities": chain,
+        "bridge_entities": chain[1:-1] if qtype.endswith("hop") else [],
+        "sub_queries": [f"{h} {RELATIONS[r][5]}" for h, r in zip(heads, rels)],
+        "sub_answers": [entities[h]["facts"][r] for h, r in zip(heads, rels)],
+        "supporting_doc_ids": [doc_of[h] for h in heads if h in doc_of],
+        "distractor_doc_ids": sorted({doc_of[d] for d, e in entities.items() if e["decoy_of"] in heads}, key=int),
+        "popular": all(popular_hops), "popular_hops": popular_hops,
+        "answerable": all(p or h in doc_of for p, h in zip(popular_hops, heads)),
+        "descriptor": None,
+    }
+    return {"question": question, "golden_answers": [answer], "metadata": meta}
+
+
+def all_questions(rng, entities, doc_of):
+    """Every chain question of the world plus a seeded sample of comparison and yes/no pairs."""
+    real = sorted(n for n, e in entities.items() if not e["decoy_of"])
+    rows = [row for rels in CHAINS for name in real if (row := chain_question(entities, doc_of, rels, name))]
+    for (kind, rel), _ in COMPARISONS.items():
+        pool = [n for n in real if entities[n]["type"] == RELATIONS[rel][0]]
+        for _ in range(len(pool) * 2):
+            a, b = rng.sample(pool, 2)
+            if row := comparison_question(entities, doc_of, kind, rel, a, b):
+                rows.append(row)
+    return rows
+
+
+def used_facts(entities, row):
+    """The non-popular (head, relation) facts a question needs."""
+    m = row["metadata"]
+    heads = m["entities"][:2] if m["type"] in ("comparison", "yes_no") else m["entities"][:-1]
+    return {(h, r) for h, r in zip(heads, m["relations"]) if not entities[h]["popular"]}
+
+
+def split_questions(rng, entities, rows):
+    """train/dev/test: test and dev facts never appear in train questions (popular facts are shared by design)."""
+    rng.shuffle(rows)
+    splits, held = {}, set()
+    for split in ("test", "dev"):
+        chosen, facts = [], set()
+        for qtype in ("three_hop", "two_hop", "comparison", "yes_no", "one_hop"):
+            n = SPLIT_SIZES[split][qtype]
+            of_type = [r for r in rows if r["metadata"]["type"] == qtype]
+            popular = [r for r in of_type if r["metadata"]["popular"]]
+            n_popular = round(n * len(popular) / len(of_type))
+            pool = [r for r in of_type if not r["metadata"]["popular"] and not (used_facts(entities, r) & held)]
+            picked = popular[:n_popular]
+            for _ in range(min(n - n_popular, len(pool))):  # fewest new held-out facts first: train keeps the rest
+                row = min(pool, key=lambda r: len(used_facts(entities, r) - facts))
+                pool.remove(row)
+                picked.append(row)
+                facts |= used_facts(entities, row)
+            chosen += picked
+        held |= facts
+        rng.shuffle(chosen)
+        splits[split] = chosen
+    taken = {id(r) for s in splits.values() for r in s if not r["metadata"]["popular"]}
+    splits["train"] = [r for r in rows if id(r) not in taken and not (used_facts(entities, r) & held)]
+    return splits, held
+
+
+def add_descriptor(rng, entities, row, forbidden):
+    """With probability DESCRIPTOR_P, name a related entity after the first entity ("velbo ( the director of x )")."""
+    m = row["metadata"]
+    if m["type"] not in HOP_TYPES.values() or rng.random() >= DESCRIPTOR_P:
+        return row
+    first = m["entities"][0]
+    options = sorted((other, rel) for other, e in entities.items() for rel, tail in e["facts"].items()
+                     if tail == first and not e["decoy_of"] and not e["hidden"] and (other, rel) not in forbidden
+                     and other not in m["entities"])
+    if not options:
+        return row
+    other, rel = rng.choice(options)
+    described = f"{first} ( {RELATIONS[rel][4].format(h=other)} )"
+    return {**row, "question": row["question"].replace(f" {first} ", f" {described} ", 1),
+            "metadata": {**m, "descriptor": other}}
+
+
+def generate_world(seed=0, size=1.0):
+    """All files of a world as {filename: rows or dict}; deterministic in (seed, size)."""
+    rng = random.Random(seed)
+    entities = make_entities(rng, size)
+    corpus, triples, doc_of = make_corpus(rng, entities)
+    splits, held = split_questions(rng, entities, all_questions(rng, entities, doc_of))
+    files = {"corpus.jsonl": corpus, "triples.jsonl": triples}
+    for split in ("train", "dev", "test"):
+        forbidden = held if split == "train" else set()
+        rows = [add_descriptor(rng, entities, row, forbidden) for row in splits[split]]
+        files[f"{split}.jsonl"] = [{"id": f"toy-{split}-{i}", **row} for i, row in enumerate(rows)]
+    files["world.json"] = {"seed": seed, "size": size, "years": YEARS, "entities": entities}
+    return files
+
+
+def write_world(out, seed=0, size=1.0):
+    """Write a world folder; same seed and size, same bytes."""
+    out = Path(out)
+    out.mkdir(parents=True, exist_ok=True)
+    for name, content in generate_world(seed, size).items():
+        if name.endswith(".jsonl"):
+            text = "".join(json.dumps(row, sort_keys=True) + "\n" for row in content)
+        else:
+            text = json.dumps(content, sort_keys=True, indent=0) + "\n"
+        tmp = out / (name + ".tmp")
+        tmp.write_text(text, encoding="utf-8")
+        tmp.replace(out / name)
+    return out
+
+
+# ---------------------------------------------------------------- the world as the reader and augmentation see it
+
+@functools.lru_cache(maxsize=8)
+def load_world(world_dir=DEFAULT_WORLD):
+    """world.json with indexes: types, popular set, memory of popular facts, near names, renaming pools."""
+    path = Path(world_dir) / "world.json"
+    if not path.is_file():
+        raise FileNotFoundError(f"{path}: no toy world here; write one with python -m common.toy --out {world_dir}")
+    world = json.loads(path.read_text(encoding="utf-8"))
+    ents = world["entities"]
+    world["types"] = {n: e["type"] for n, e in ents.items()}
+    world["popular"] = {n for n, e in ents.items() if e["popular"]}
+    world["memory"] = {(n, r): t for n in world["popular"] for r, t in ents[n]["facts"].items()}
+    by_len = defaultdict(list)
+    for n in ents:
+        by_len[(len(n), ents[n]["type"])].append(n)
+    world["near"] = {n: [o for o in by_len[(len(n), e["type"])] if hamming(n, o) == 1] for n, e in ents.items()}
+    world["pools"] = {t: sorted(n for n, e in ents.items() if e["type"] == t and not e["popular"] and not e["decoy_of"])
+                      for t in TYPES}
+    world["popular_pools"] = {t: sorted(n for n in world["popular"] if ents[n]["type"] == t) for t in TYPES}
+    lo, hi = min(y[0] for y in world["years"].values()), max(y[1] for y in world["years"].values())
+    world["year_range"] = (lo, hi)
+    return world
+
+
+def rename_entities(texts, world, rng, popular="keep", rename_years=True):
+    """Rename the toy entities of texts consistently (one injective map for all texts): non-popular ones onto
+    non-popular entities of the same type, years by an order-preserving map. Popular entities: "keep" (their facts
+    are the memory a model learns; years are then kept too), "shuffle" (onto other popular entities of the same type:
+    for texts that use no memorised fact) or "rename" (onto non-popular ones). Text without toy names is unchanged."""
+    if popular not in ("keep", "shuffle", "rename"):
+        raise ValueError(f"popular must be 'keep', 'shuffle' or 'rename', not {popular!r}")
+    world = load_world(str(world)) if isinstance(world, (str, Path)) else world
+    found = sorted({w for text in texts for w in re.findall(r"\b[a-z]+\b|\b\d{4}\b", text)})
+    names = [w for w in found if w in world["types"]]
+    moved = [n for n in names if popular == "rename" or n not in world["popular"]]
+    mapping = {}
+    for group, pools in ((moved, world["pools"]), ([n for n in names if n not in moved], world["popular_pools"])):
+        for etype in TYPES:
+            present = [n for n in group if world["types"][n] == etype]
+            if popular == "keep" and pools is world["popular_pools"]:
+                continue
+            if len(present) > len(pools[etype]):
+                raise ValueError(f"cannot rename {len(present)} {etype} names onto {len(pools[etype])} targets")
+            mapping.update(zip(present, rng.sample(pools[etype], len(present))))
+    lo, hi = world["year_range"]
+    kept = popular == "keep" and any(n in world["popular"] for n in names)
+    years = [w for w in found if w.isdigit() and lo <= int(w) <= hi] if rename_years and not kept else []
+    mapping.update(zip(years, map(str, sorted(rng.sample(range(lo, hi + 1), len(years))))))
+    if not mapping:
+        return list(texts)
+    pattern = re.compile(r"\b(" + "|".join(map(re.escape, mapping)) + r")\b")
+    return [pattern.sub(lambda m: mapping[m.group(1)], text) for text in texts]
+
+
+# ---------------------------------------------------------------- the toy reader
+
+FACT_PATTERNS = []  # (compiled regex with head/tail groups, candidate relations), built from RELATIONS
+for _sentence in dict.fromkeys(spec[2] for spec in RELATIONS.values()):
+    _regex = re.escape(_sentence[:-2]).replace(r"\{h\}", r"\b([a-z]+)").replace(r"\{t\}", r"([a-z0-9]+)\b")
+    FACT_PATTERNS.append((re.compile(_regex.replace(r"\ ", r"\s+")),
+                          [r for r, spec in RELATIONS.items() if spec[2] == _sentence]))
+TRIPLE_PATTERN = re.compile(r"<\s*([a-z]+)\s*;\s*([a-z ]+?)\s*;\s*([a-z0-9]+)\s*>")
+PHRASE_RELATIONS = {spec[3]: rel for rel, spec in RELATIONS.items()}
+
+
+def question_patterns():
+    """(compiled regex, kind, relations) for every question template, entity slots as ([a-z]+) groups."""
+    out = []
+    templates = [(t, "chain", list(rels)) for rels, t in CHAINS.items()]
+    templates += [(t, kind, [rel, rel]) for (kind, rel), t in COMPARISONS.items()]
+    for template, kind, rels in templates:
+        regex = re.escape(template).replace(r"\{0\}", r"([a-z]+)").replace(r"\{1\}", r"([a-z]+)")
+        out.append((re.compile(r"\b" + regex.replace(r"\ ", r"\s+")), kind, rels))
+    return out
+
+
+QUESTION_PATTERNS = question_patterns()
+
+
+class ToyReader:
+    """The toy world's frozen LLM: deterministic, reads toy facts in its prompt plus a memory of popular entities.
+    See the module docstring for the protocol (question finding, fact reading, careless lookup, the three modes)."""
+
+    def __init__(self, world_dir=DEFAULT_WORLD, **_):
+        self.world = load_world(str(world_dir))
+
+    def chat(self, messages_lists, **_sampling):
+        """One reply per conversation (list of {"role", "content"}); sampling arguments are ignored."""
+        return [self.reply("\n".join(m["content"] for m in messages)) for messages in messages_lists]
+
+    def reply(self, prompt):
+        """The reply to one prompt text."""
+        text = prompt.lower()
+        question = self.find_question(text)
+        if "<think>" in text:
+            return self.think(text, question)
+        if PLAN_WORDS.search(text):
+            return self.plan(text, question)
+        answer = self.answer(self.read_facts(text), question) if question else UNKNOWN
+        answer = f"<answer> {answer} </answer>" if "<answer>" in text else answer
+        return answer + " [END]" if "[end]" in text else answer
+
+    def find_question(self, text):
+        """(kind, relations, entities) of the last question template matched in the text, or None."""
+        flat = re.sub(r"\s*\([^()]*\)", "", text)
+        flat = re.sub(r"\s*([?,])\s*", r" \1 ", flat)
+        best = None
+        for pattern, kind, rels in QUESTION_PATTERNS:
+            for m in pattern.finditer(flat):
+                names = m.groups()
+                wanted = [RELATIONS[rels[0]][0]] * len(names)
+                if [self.world["types"].get(n) for n in names] == wanted and (best is None or m.end() > best[0]):
+                    best = (m.end(), kind, rels, names)
+        return best[1:] if best else None
+
+    def read_facts(self, text):
+        """Every (head, relation, tail) stated in the text, in order of appearance."""
+        found = []
+        for pattern, rels in FACT_PATTERNS:
+            for m in pattern.finditer(text):
+                found += [(m.start(), h, r, t) for h, r, t in [(m.group(1), None, m.group(2))]
+                          for r in [self.relation_of(rels, h, t)] if r]
+        for m in TRIPLE_PATTERN.finditer(text):
+            rel = PHRASE_RELATIONS.get(" ".join(m.group(2).split()))
+            if rel and self.relation_of([rel], m.group(1), m.group(3)):
+                found.append((m.start(), m.group(1), rel, m.group(3)))
+        return [f[1:] for f in sorted(found)]
+
+    def relation_of(self, rels, head, tail):
+        """The relation among rels that the head and tail types fit, or None."""
+        types = self.world["types"]
+        for rel in rels:
+            h_type, t_type = RELATIONS[rel][:2]
+            tail_ok = tail.isdigit() if t_type == "year" else types.get(tail) == t_type
+            if types.get(head) == h_type and tail_ok:
+                return rel
+        return None
+
+    def lookup(self, facts, entity, rel):
+        """The tail the reader believes for (entity, rel): see the careless rule in the module docstring."""
+        if entity in self.world["popular"]:
+            exact = [t for h, r, t in facts if h == entity and r == rel]
+            return exact[-1] if exact else self.world["memory"].get((entity, rel))
+        names = {entity, *self.world["near"].get(entity, ())}
+        said = [t for h, r, t in facts if h in names and r == rel]
+        return said[-1] if said else None
+
+    def links(self, facts, question):
+        """[(head, relation, believed tail or None)] along the question, stopping after the first unknown."""
+        kind, rels, names = question
+        out = []
+        if kind == "chain":
+            head = names[0]
+            for rel in rels:
+                tail = self.lookup(facts, head, rel)
+                out.append((head, rel, tail))
+                if tail is None:
+                    break
+                head = tail
+        else:
+            for name in names:
+                out.append((name, rels[0], self.lookup(facts, name, rels[0])))
+        return out
+
+    def answer(self, facts, question):
+        """The short answer to a question given the facts, or UNKNOWN."""
+        kind, rels, names = question
+        links = self.links(facts, question)
+        if any(t is None for _, _, t in links):
+            return UNKNOWN
+        if kind == "chain":
+            return links[-1][2]
+        first = int(links[0][2]) < int(links[1][2])
+        return ("yes" if first else "no") if kind == "yes_no" else (names[0] if first else names[1])
+
+    def think(self, text, question):
+        """One reasoning step: the next link stated, the missing one asked for, or the final <answer>."""
+        if not question:
+            return f"<answer> {UNKNOWN} </answer>"
+        facts = self.read_facts(text)
+        thoughts = " ".join(re.findall(r"<think>(.*?)</think>", text, flags=re.S))
+        stated = {(h, r) for h, r, _ in self.read_facts(thoughts)}
+        for head, rel, tail in self.links(facts, question):
+            if tail is None:
+                need = f"i need to know {RELATIONS[rel][4].format(h=head)} ."
+                if thoughts.count(need) >= 2:
+                    return f"<answer> {UNKNOWN} </answer>"
+                return f"<think> {need} </think>"
+            if (head, rel) not in stated:
+                return f"<think> {RELATIONS[rel][2].format(h=head, t=tail)} </think>"
+        return f"<answer> {self.answer(facts, question)} </answer>"
+
+    def plan(self, text, question):
+        """A roadmap: one 'step i : find ... .' line per needed fact, then 'step n : answer the question .'."""
+        if not question:
+            return "step 1 : answer the question ."
+        kind, rels, names = question
+        facts = self.read_facts(text)
+        goals = []
+        if kind == "chain":
+            head, known = names[0], True
+            for rel in rels:
+                goals.append(RELATIONS[rel][4].format(h=head))
+                tail = self.lookup(facts, head, rel) if known else None
+                known = tail is not None
+                head = tail if known else goals[-1]
+        else:
+            goals = [RELATIONS[rels[0]][4].format(h=n) for n in names]
+        lines = [f"step {i} : find {g} ." for i, g in enumerate(goals, 1)]
+        if kind != "chain":
+            lines.append(f"step {len(lines) + 1} : compare the two years .")
+        lines.append(f"step {len(lines) + 1} : answer the question .")
+        return "\n".join(lines)
+
+
+# ---------------------------------------------------------------- baselines
+
+def reader_prompt(question, docs):
+    """The prompt the baselines give the toy reader: documents then the question."""
+    lines = ["answer the question using the documents ."] + [f"document : {d['contents']}" for d in docs]
+    return "\n".join(lines + [f"question : {question}"])
+
+
+def evaluate_reader(reader, rows, docs_per_row):
+    """EM of the reader with the given documents per row: {"all", "answerable", <type>...} -> mean EM."""
+    from common.metrics import exact_match
+
+    prompts = [[{"role": "user", "content": reader_prompt(r["question"], d)}] for r, d in zip(rows, docs_per_row)]
+    preds = reader.chat(prompts)
+    groups = defaultdict(list)
+    for row, pred in zip(rows, preds):
+        em = exact_match(pred, row["golden_answers"])
+        m = row["metadata"]
+        for key in ("all", m["type"], "answerable" if m["answerable"] else "unanswerable",
+                    "popular" if m["popular"] else "not_popular", "multi_hop" if m["hops"] > 1 else "single_hop"):
+            groups[key].append(em)
+    return {k: sum(v) / len(v) for k, v in groups.items()}
+
+
+def baselines(world_dir=DEFAULT_WORLD, split="test"):
+    """The baseline table: {setting: {group: EM}} plus retrieval hit rates {name: rate}."""
+    from common.data import load_qa
+    from common.retrieval import DenseRetriever, load_corpus, make_encoder
+
+    world_dir = Path(world_dir)
+    rows = load_qa(world_dir / f"{split}.jsonl")
+    corpus = load_corpus(world_dir / "corpus.jsonl")
+    by_id = {d["id"]: d for d in corpus}
+    retriever = DenseRetriever.build(corpus, make_encoder("tfidf"))
+    reader = ToyReader(world_dir)
+    raw = retriever.search([r["question"] for r in rows], 5)
+    subs = [q for r in rows for q in r["metadata"]["sub_queries"]]
+    sub_hits = iter(retriever.search(subs, 1))
+    oracle = [[next(sub_hits)[0] for _ in r["metadata"]["sub_queries"]] for r in rows]
+    gold = [[by_id[i] for i in r["metadata"]["supporting_doc_ids"]] for r in rows]
+    distract = [[by_id[i] for i in r["metadata"]["distractor_doc_ids"]] for r in rows]
+    settings = {
+        "no retrieval": [[] for _ in rows],
+        "gold documents": gold,
+        "raw question, top-1": [h[:1] for h in raw],
+        "raw question, top-3": [h[:3] for h in raw],
+        "raw question, top-5": raw,
+        "oracle sub-queries, top-1 each": oracle,
+        "gold documents + distractors after": [g + d for g, d in zip(gold, distract)],
+    }
+    table = {name: evaluate_reader(reader, rows, docs) for name, docs in settings.items()}
+    doc_of = {d["title"]: d["id"] for d in corpus}
+    first_gold = [[doc_of[r["metadata"]["entities"][0]]] if r["metadata"]["entities"][0] in doc_of else [] for r in rows]
+    hits = {
+        "raw question top-1 hits the first-hop document": rate(first_gold, [h[:1] for h in raw]),
+        "oracle first sub-query top-1 hits the first-hop document": rate(first_gold, [o[:1] for o in oracle]),
+        "raw question top-5 recall of all supporting documents": recall(rows, raw),
+        "oracle sub-queries top-1 recall of all supporting documents": recall(rows, oracle),
+    }
+    return table, hits
+
+
+def rate(golds, hits):
+    """Share of rows (with a gold id) whose gold id is among the hits."""
+    pairs = [(g[0], {h["id"] for h in hs}) for g, hs in zip(golds, hits) if g]
+    return sum(g in ids for g, ids in pairs) / len(pairs)
+
+
+def recall(rows, hits):
+    """Mean recall of the supporting documents over rows that have some."""
+    from common.metrics import doc_recall
+
+    pairs = [(r["metadata"]["supporting_doc_ids"], [h["id"] for h in hs]) for r, hs in zip(rows, hits)]
+    return sum(doc_recall(ids, gold) for gold, ids in pairs if gold) / sum(1 for gold, _ in pairs if gold)
+
+
+def format_baselines(table, hits):
+    """The baseline table as markdown."""
+    cols = ["all", "answerable", "one_hop", "two_hop", "three_hop", "comparison", "yes_no", "popular", "not_popular"]
+    lines = ["| setting | " + " | ".join(cols) + " |", "|---" * (len(cols) + 1) + "|"]
+    for name, groups in table.items():
+        lines.append(f"| {name} | " + " | ".join(f"{groups.get(c, float('nan')):.3f}" for c in cols) + " |")
+    lines += ["", "| retrieval | rate |", "|---|---|"] + [f"| {k} | {v:.3f} |" for k, v in hits.items()]
+    return "\n".join(lines)
+
+
+def world_stats(world_dir=DEFAULT_WORLD):
+    """Counts of a world folder: entities by type and flag, questions by split and type, corpus size, bytes."""
+    from common.data import read_jsonl
+
+    world_dir = Path(world_dir)
+    ents = load_world(str(world_dir))["entities"]
+    stats = {"entities": dict(Counter(e["type"] for e in ents.values() if not e["decoy_of"])),
+             "popular": sum(e["popular"] for e in ents.values()), "hidden": sum(e["hidden"] for e in ents.values()),
+             "decoys": sum(bool(e["decoy_of"]) for e in ents.values()),
+             "corpus": len(read_jsonl(world_dir / "corpus.jsonl")),
+             "bytes": sum(p.stat().st_size for p in world_dir.iterdir() if p.is_file())}
+    for split in ("train", "dev", "test"):
+        rows = read_jsonl(world_dir / f"{split}.jsonl")
+        stats[split] = dict(Counter(r["metadata"]["type"] for r in rows), total=len(rows),
+                            unanswerable=sum(not r["metadata"]["answerable"] for r in rows),
+                            popular=sum(r["metadata"]["popular"] for r in rows))
+    return stats
+
+
+def main(argv=None):
+    """CLI: write a world, or print the baselines of one."""
+    argv = sys.argv[1:] if argv is None else argv
+    if argv[:1] == ["baselines"]:
+        parser = argparse.ArgumentParser(prog="python -m common.toy baselines", description=baselines.__doc__)
+        parser.add_argument("--world", default=str(DEFAULT_WORLD), help="world folder")
+        parser.add_argument("--split", default="test", help="train, dev or test")
+        args = parser.parse_args(argv[1:])
+        print(json.dumps(world_stats(args.world), sort_keys=True))
+        print(format_baselines(*baselines(args.world, args.split)))
+        return
+    parser = argparse.ArgumentParser(prog="python -m common.toy", description="Write a toy world folder.")
+    parser.add_argument("--seed", type=int, default=0, help="world seed (same seed, same bytes)")
+    parser.add_argument("--out", default=str(DEFAULT_WORLD), help="output folder")
+    parser.add_argument("--size", type=float, default=1.0, help="entity count multiplier (1.0: 315 entities)")
+    args = parser.parse_args(argv)
+    out = write_world(args.out, args.seed, args.size)
+    print(json.dumps(world_stats(out), sort_keys=True))
+
+
+def load_toy_lm(spec="toy-lm", dtype=None, device=None, lora=None, **kwargs):
+    """A tiny Qwen2 causal LM and word-level tokenizer for the toy world (see common.toy_lm.load_toy_lm)."""
+    from common.toy_lm import load_toy_lm as load
+
+    return load(spec, dtype=dtype, device=device, lora=lora, **kwargs)
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,697 @@
+# Paper: SmartRAG: Jointly Learn RAG-Related Tasks From the Environment Feedback (ICLR 2025, arXiv:2410.18141) — docs: docs/smartrag.md
+"""SmartRAG: one policy LM decides whether to retrieve, writes the search query, and answers; trained end to end.
+
+The policy reads the state s = [question, observations] and emits an action whose first token is a tag:
+`[Answer] <answer>` ends the episode, `[Search] <query>` calls a frozen retriever and appends its top-K snippets to
+the observations (Algorithm 1, quota N, answer forced at the quota). A warm-up SFT teaches the format on three pair
+types (Eq. 2-4; the "filtered" initial policy keeps only the pairs that fit what the base model already knows), then
+PPO optimises the whole multi-step episode against the environment reward EM + F1 - alpha per retrieval (Eq. 5-6),
+with a value model, a frozen reference, a per-token adaptive KL penalty and GAE across the retrieve and answer actions,
+so the search decision and the query tokens get credit from the answer.
+
+    python smartrag.py --train                                   # toy world, tiny model, CPU: SFT, PPO, evaluation
+    python smartrag.py --eval --model runs/smartrag/ppo          # evaluate a checkpoint on the toy test split
+    python smartrag.py --ask "what is the birthplace of velbo ?" --model runs/smartrag/ppo
+    accelerate launch smartrag.py --train --preset paper --data_dir data/smartrag --index indexes/e5_wiki18
+
+Deviations from the paper (each marked `# simplification:` where it lives):
+1. Retriever: the paper uses Bing web search (top-4 snippets); here a frozen local retriever over a FlashRAG corpus
+   (faiss dense index, or TF-IDF in the toy world) renders its top-K passages as "title: text" snippets.
+2. Base models: causal LMs only (the paper's main model is the seq2seq Flan-T5-large; LLaMA-2-7B with LoRA is the
+   paper preset here). The toy preset uses a 0.6M-parameter Qwen2 and a compact template (same fields and tags).
+3. PPO batches are sequences (one per action), not the 32 token transitions of the authors' RL4LMs code; advantages
+   are whitened per minibatch, the value model is a copy of the SFT policy with a bias-free linear head.
+4. Toy world only: the warm-up rewriter (GPT-3.5 in the paper) is the oracle entity+relation rewrite from the
+   question's metadata, the "does the base model know it" probe is the toy reader (the world's parametric memory),
+   and SFT demonstrations get entity-renaming augmentation (a tiny model otherwise memorises instead of reading).
+5. SFT trains for a number of steps (toy) or epochs (paper: 1); evaluation decodes with beam search after the
+   first-token threshold (paper: 4 beams; toy: 1, i.e. greedy).
+"""
+import copy
+import json
+import math
+import random
+import shutil
+import time
+from collections import defaultdict
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Optional
+
+import torch
+import torch.nn.functional as F
+from accelerate import Accelerator
+from transformers import HfArgumentParser, set_seed
+
+from common.data import load_qa, sample_rows
+from common.llm import chat_prompts, generate, left_pad, load_model_and_tokenizer, make_llm
+from common.metrics import cover_em, exact_match, f1_score
+from common.retrieval import DenseRetriever, make_encoder
+
+
+@dataclass
+class Args:
+    # experiment
+    preset: str = field(default="toy", metadata={"help": "toy (built-in toy world, tiny model, CPU) or paper"})
+    train: bool = field(default=False, metadata={"help": "SFT warm-up, then PPO, then evaluation"})
+    eval: bool = field(default=False, metadata={"help": "evaluate --model (a checkpoint or the untrained start)"})
+    ask: str = field(default="", metadata={"help": "answer one question with --model and print the trajectory"})
+    output_dir: str = field(default="runs/smartrag", metadata={"help": "results, metrics and checkpoints"})
+    seed: int = field(default=0, metadata={"help": "seed of models, sampling and data order"})
+    # data, retriever, model
+    data_dir: Optional[str] = field(default=None, metadata={"help": "folder with train/test jsonl (FlashRAG QA)"})
+    corpus: Optional[str] = field(default=None, metadata={"help": "FlashRAG corpus jsonl (default: data_dir/corpus.jsonl)"})
+    index: str = field(default="", metadata={"help": "saved retriever folder (python -m common.retrieval build)"})
+    encoder: str = field(default="tfidf", metadata={"help": "encoder to build an index with when --index is empty"})
+    model: Optional[str] = field(default=None, metadata={"help": "policy: hub id, local folder or toy-lm spec"})
+    lora_r: Optional[int] = field(default=None, metadata={"help": "LoRA rank, 0 = full fine-tuning [App. A.3: LoRA for LLaMA]"})
+    templates: Optional[str] = field(default=None, metadata={"help": "paper (Table 7 verbatim) or compact"})
+    n_train: Optional[int] = field(default=None, metadata={"help": "training questions (None: all)"})
+    n_eval: Optional[int] = field(default=None, metadata={"help": "test questions evaluated (None: all)"})
+    question_types: Optional[str] = field(default=None, metadata={"help": "comma-separated metadata types to use (empty: all)"})
+    # Algorithm 1 and reward
+    quota: int = field(default=1, metadata={"help": "retrieval quota N [Alg. 1; §4: N = 1]"})
+    top_k: Optional[int] = field(default=None, metadata={"help": "snippets per retrieval K [App. A.3: 4]"})
+    alpha: float = field(default=0.2, metadata={"help": "retrieval cost alpha [Eq. 5; App. A.3: 0.2]"})
+    invalid_reward: float = field(default=-1.0, metadata={"help": "reward of an action without a tag (impl: -1, ends)"})
+    # warm-up SFT [§3.1]
+    initial_policy: str = field(default="filtered", metadata={"help": "plain (pi_0: pairs 2-4 for all) or filtered (pi_0*)"})
+    rewriter: Optional[str] = field(default=None, metadata={"help": "oracle (metadata sub_queries) or an LLM spec [App. A.2: gpt-3.5]"})
+    rewriter_model: str = field(default="", metadata={"help": "model name when --rewriter is an endpoint URL"})
+    base_llm: Optional[str] = field(default=None, metadata={"help": "LLM spec that plays the base model's knowledge probe"})
+    know_f1: float = field(default=0.2, metadata={"help": "base model 'knows' x if its direct-answer F1 >= this [App. A.2]"})
+    sft_epochs: float = field(default=1.0, metadata={"help": "SFT epochs [§4: 1] (ignored when --sft_steps > 0)"})
+    sft_steps: Optional[int] = field(default=None, metadata={"help": "SFT steps; overrides epochs when > 0"})
+    sft_lr: Optional[float] = field(default=None, metadata={"help": "SFT learning rate [§4: 3e-4]"})
+    sft_batch_size: Optional[int] = field(default=None, metadata={"help": "SFT batch size [§4: 8]"})
+    augment_p: Optional[float] = field(default=None, metadata={"help": "entity-renaming probability for retrieval pairs"})
+    # PPO [§3.2, §4]
+    ppo_iterations: Optional[int] = field(default=None, metadata={"help": "PPO iterations (impl: 100 for T5-large)"})
+    rollout_tokens: Optional[int] = field(default=None, metadata={"help": "generated tokens per iteration [§4: 5120]"})
+    rollout_batch: Optional[int] = field(default=None, metadata={"help": "questions per batched rollout"})
+    ppo_epochs: int = field(default=1, metadata={"help": "epochs over each rollout [§4: 1]"})
+    ppo_lr: Optional[float] = field(default=None, metadata={"help": "PPO learning rate [§4: 2e-6]"})
+    ppo_batch_size: Optional[int] = field(default=None, metadata={"help": "sequences per PPO minibatch [§4: 32]"})
+    gamma: float = field(default=0.99, metadata={"help": "discount [Eq. 6] (impl: 0.99 per token)"})
+    lam: float = field(default=0.95, metadata={"help": "GAE lambda (impl: 0.95)"})
+    clip: float = field(default=0.2, metadata={"help": "PPO clip epsilon (impl: 0.2)"})
+    vf_coef: float = field(default=0.5, metadata={"help": "value loss coefficient (impl: 0.5)"})
+    max_grad_norm: float = field(default=0.5, metadata={"help": "gradient clipping (impl: 0.5)"})
+    kl_init: float = field(default=0.001, metadata={"help": "initial KL coefficient beta (impl: 0.001, adaptive)"})
+    kl_target: float = field(default=0.2, metadata={"help": "target KL of the adaptive controller (impl: 0.2)"})
+    sample_top_k: int = field(default=50, metadata={"help": "top-k sampling in rollouts [App. A.3: 50]"})
+    max_new_tokens: Optional[int] = field(default=None, metadata={"help": "tokens per action (impl: 50)"})
+    # inference [§4.1, App. A.3]
+    threshold: float = field(default=0.5, metadata={"help": "retrieve iff p([Search]) at the first token > threshold"})
+    num_beams: Optional[int] = field(default=None, metadata={"help": "beams after the first token (impl: 4)"})
+    eval_every: int = field(default=25, metadata={"help": "evaluate and checkpoint every this many PPO iterations"})
+
+
+PRESETS = {  # values for the fields left at None; any flag overrides them
+    "toy": dict(data_dir="data/toy", model="toy-lm", lora_r=0, templates="compact", top_k=1, question_types="one_hop", rewriter="oracle",
+                base_llm="toy", sft_steps=600, sft_lr=2e-3, sft_batch_size=64, augment_p=0.5, ppo_iterations=100,
+                rollout_tokens=0, rollout_batch=64, ppo_lr=2e-4, ppo_batch_size=32, max_new_tokens=8, num_beams=1,
+                n_eval=None),
+    "paper": dict(data_dir="data/smartrag", model="meta-llama/Llama-2-7b-chat-hf", lora_r=16, templates="paper",
+                  top_k=4, question_types="", rewriter="", base_llm="hf:meta-llama/Llama-2-7b-chat-hf", sft_steps=0, sft_lr=3e-4,
+                  sft_batch_size=8, augment_p=0.0, ppo_iterations=50, rollout_tokens=5120, rollout_batch=64,
+                  ppo_lr=2e-6, ppo_batch_size=32, max_new_tokens=50, num_beams=4, n_eval=None),
+}
+
+
+def apply_preset(args):
+    """Fill the fields left at None from the preset."""
+    if args.preset not in PRESETS:
+        raise SystemExit(f"--preset must be one of {sorted(PRESETS)}, got {args.preset!r}")
+    for key, value in PRESETS[args.preset].items():
+        if getattr(args, key) is None:
+            setattr(args, key, value)
+    if args.preset == "paper" and not args.rewriter and args.train:
+        raise SystemExit("--preset paper --train needs --rewriter (an LLM spec, e.g. an OpenAI-compatible URL for "
+                         "gpt-3.5-turbo-1106 with --rewriter_model) to build the warm-up queries [App. A.2]")
+    return args
+
+
+# --------------------------------------------------------------------------- 1. templates and parsing [App. A.3, Tab. 7]
+ANSWER_TAG, RETRIEVE_TAG = "[Answer]", "[Search]"  # the paper writes [ANSWER]/[RETRIEVE]; Table 7 and the code use these
+
+_INTRO = ("You will be presented with a question. If you know the answer, please respond directly. If you don't know "
+          "the answer, use the Bing search engine to find the necessary information and then answer the question "
+          "based on your observation.")
+TEMPLATES = {  # (no observation, with observations): [Tab. 7] verbatim, and the compact toy form with the same fields
+    "paper": (
+        _INTRO + "\n\nQuestion: {input}\n\nPlease format your output as follows:\n\n1. If you choose to answer the "
+        "question directly, please use: '[Answer] YOUR_ANSWER'\n2. If you choose to use the Bing search engine, please "
+        "use:\n'[Search] YOUR_SEARCH_QUERY'\n\nPlease output:",
+        _INTRO + "\n\nQuestion: {input}\n\nObservation: {search}\n\nPlease format your output as follows:\n\n1. If you "
+        "choose to answer the question directly, please use: '[Answer] YOUR_ANSWER'\n2. If you choose to use the Bing "
+        "search engine, please use:\n\n'[Search] YOUR_SEARCH_QUERY'\n\nPlease output:"),
+    "compact": ("question : {input} output :", "question : {input} observation : {search} output :"),
+}
+REWRITE_PROMPT = ("Assuming you are a professional retrieval model, rewrite the following question into a query that "
+                  "is more suitable for retrieval: {question}")  # [App. A.2] verbatim
+
+
+def render_state(question, observations, templates):
+    """The prompt of state s = [x, os] [Eq. 1]: template 1 without observations, template 2 with them joined."""
+    without, with_obs = TEMPLATES[templates]
+    if not observations:
+        return without.format(input=question)
+    return with_obs.format(input=question, search=" ".join(observations))  # N > 1: one Observation slot (spec §9.17)
+
+
+def format_observation(hits):
+    """Top-K passages as one observation: "title: text" snippets joined by spaces [App. A.3]."""
+    return " ".join(f"{h['title']}: {h['text']}" for h in hits)
+
+
+def parse_action(ids, tag_ids, tokenizer):
+    """(kind, text) of an action's token ids: kind is answer / retrieve by its first token, else invalid [§3]."""
+    if not ids or ids[0] not in tag_ids.values():
+        return "invalid", ""
+    kind = "answer" if ids[0] == tag_ids["answer"] else "retrieve"
+    return kind, tokenizer.decode(ids[1:], skip_special_tokens=True).strip()
+
+
+# --------------------------------------------------------------------------- 2. rewards [Eq. 5, Eq. 6]
+def step_reward(kind, text, golds, alpha, invalid_reward):
+    """r(t) = EM + F1 for an answer, -alpha for a retrieval [Eq. 5]; an untagged action gets invalid_reward (impl)."""
+    if kind == "answer":
+        return exact_match(text, golds) + f1_score(text, golds)
+    return -alpha if kind == "retrieve" else invalid_reward
+
+
+def discounted_return(rewards, gamma):
+    """sum_t gamma^t r(t) over the steps of a trajectory [Eq. 6]."""
+    return sum(gamma ** t * r for t, r in enumerate(rewards))
+
+
+# --------------------------------------------------------------------------- 3. warm-up data [§3.1, Eq. 2-4, App. A.2]
+def knows_answer(prediction, golds, know_f1):
+    """The base model 'knows' x when its direct answer has F1 >= 0.2 against the golds [App. A.2]."""
+    return f1_score(prediction, golds) >= know_f1 - 1e-9  # 0.2 is not exact in floating point (spec §8.11)
+
+
+def warmup_examples(row, query, observation, knows, initial_policy):
+    """The SFT pairs of one question as text fields: (2) direct answer, (3) retrieve + query, (4) answer with obs."""
+    answer, popular = row["golden_answers"][0], row.get("metadata", {}).get("popular", False)  # first alias (spec §9.15)
+    direct = dict(question=row["question"], observations=[], tag="answer", text=answer, popular=popular)           # [Eq. 2]
+    search = dict(question=row["question"], observations=[], tag="retrieve", text=query, popular=popular)          # [Eq. 3]
+    read = dict(question=row["question"], observations=[observation], tag="answer", text=answer, popular=popular)  # [Eq. 4]
+    if initial_policy == "plain":  # pi_theta_0: all three pairs, so (2) and (3) share one input [§3.1]
+        return [direct, search, read]
+    return [direct] if knows else [search, read]  # pi_theta_0*: keep what fits the base model's knowledge [§3.1]
+
+
+def rewrite_queries(rows, args):
+    """Warm-up queries: the paper's GPT-3.5 rewrite prompt on any LLM backend, or the oracle rewrite of the toy world."""
+    if args.rewriter == "oracle":  # simplification: toy-world stand-in for GPT-3.5, the entity + relation of hop 1
+        return [r["metadata"]["sub_queries"][0] for r in rows]
+    llm = make_llm(args.rewriter, **({"model": args.rewriter_model} if args.rewriter_model else {}))
+    prompts = [[{"role": "user", "content": REWRITE_PROMPT.format(question=r["question"])}] for r in rows]
+    return [q.strip() or r["question"] for q, r in zip(llm.chat(prompts, temperature=0.0, max_tokens=64), rows)]
+
+
+def probe_knowledge(rows, args):
+    """Which training questions the base model answers directly (F1 >= know_f1), asked with the direct template."""
+    llm = make_llm(args.base_llm)
+    prompts = [[{"role": "user", "content": render_state(r["question"], [], args.templates)}] for r in rows]
+    replies = llm.chat(prompts, temperature=0.0, max_tokens=32)
+    strip_tag = lambda reply: reply.replace(ANSWER_TAG, "").strip()  # a chat model may echo the format
+    return [knows_answer(strip_tag(reply), r["golden_answers"], args.know_f1) for reply, r in zip(replies, rows)]
+
+
+def build_warmup(rows, retriever, args):
+    """All SFT examples of the training questions (retrieval with the rewritten query, as Eq. 4 says)."""
+    queries = rewrite_queries(rows, args)
+    observations = [format_observation(h) for h in retriever.search(queries, args.top_k)]
+    knows = probe_knowledge(rows, args) if args.initial_policy == "filtered" else [False] * len(rows)
+    examples = [e for row, q, o, k in zip(rows, queries, observations, knows)
+                for e in warmup_examples(row, q, o, k, args.initial_policy)]
+    return examples, sum(knows) / max(len(rows), 1)
+
+
+# --------------------------------------------------------------------------- 4. model plumbing kept visible
+class PolicyAndValue(torch.nn.Module):
+    """The policy LM and a value model (a copy of it with a bias-free scalar head), wrapped for one prepare()."""
+
+    def __init__(self, policy):
+        super().__init__()
+        self.policy = policy
+        self.value_backbone = copy.deepcopy(policy)  # impl: a separate copy of the SFT model
+        self.value_head = torch.nn.Linear(policy.config.hidden_size, 1, bias=False)
+        torch.nn.init.zeros_(self.value_head.weight)
+
+    def forward(self, input_ids, attention_mask):
+        logits = self.policy(input_ids=input_ids, attention_mask=attention_mask).logits  # (B, T, V)
+        hidden = self.value_backbone(input_ids=input_ids, attention_mask=attention_mask,
+                                     output_hidden_states=True).hidden_states[-1]  # (B, T, H)
+        return logits, self.value_head(hidden.to(self.value_head.weight.dtype)).squeeze(-1)  # (B, T)
+
+
+def add_tags(model, tokenizer):
+    """Register [Answer] and [Search] as single tokens and return their ids [spec §2.1]."""
+    new = [t for t in (ANSWER_TAG, RETRIEVE_TAG) if tokenizer.convert_tokens_to_ids(t) in (None, tokenizer.unk_token_id)]
+    if new:
+        tokenizer.add_tokens(new, special_tokens=True)
+        model.resize_token_embeddings(len(tokenizer))
+    return {"answer": tokenizer.convert_tokens_to_ids(ANSWER_TAG), "retrieve": tokenizer.convert_tokens_to_ids(RETRIEVE_TAG)}
+
+
+def load_policy(args, device):
+    """The policy LM and tokenizer, with the two tags (and LoRA adapters when lora_r > 0)."""
+    dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
+    model, tokenizer = load_model_and_tokenizer(args.model, dtype=dtype)
+    tag_ids = add_tags(model, tokenizer)
+    if args.lora_r and not hasattr(model, "peft_config"):
+        from common.llm import add_lora
+        model = add_lora(model, dict(r=args.lora_r, lora_alpha=2 * args.lora_r, lora_dropout=0.05,
+                                     target_modules=["q_proj", "k_proj", "v_proj", "o_proj"]))
+    return model.to(device), tokenizer, tag_ids
+
+
+def encode_states(tokenizer, states):
+    """Token ids of rendered states, through the chat template when the tokenizer has one."""
+    texts = chat_prompts(tokenizer, [[{"role": "user", "content": s}] for s in states]) if tokenizer.chat_template else states
+    return tokenizer(texts, add_special_tokens=False)["input_ids"]
+
+
+def right_pad(rows, pad):
+    """(B, T) tensor of right-padded id or mask lists."""
+    width = max(map(len, rows))
+    return torch.tensor([list(r) + [pad] * (width - len(r)) for r in rows])
+
+
+@torch.no_grad()
+def first_token_probs(model, prompts, pad_id):
+    """p(next token) at the end of each prompt, (B, V), for the retrieval threshold [§4.1]."""
+    ids, mask = (t.to(model.device) for t in left_pad(prompts, pad_id))  # (B, T) each
+    positions = (mask.cumsum(-1) - 1).clamp(min=0)  # left padding must not shift positions
+    return model(input_ids=ids, attention_mask=mask, position_ids=positions).logits[:, -1].float().softmax(-1)
+
+
+# --------------------------------------------------------------------------- 5. rollout [Alg. 1], batched per turn
+def rollout(model, tokenizer, retriever, rows, args, tag_ids, greedy, seed):
+    """Run Algorithm 1 for a batch of questions: one generate call per turn for all live episodes.
+
+    Returns one episode per row: {"row", "turns": [{prompt_ids, forced_ids, action_ids, kind, text, reward}],
+    "observations", "answer"}. The forced [Answer] at the quota is part of the state (forced_ids), not the action.
+    """
+    episodes = [{"row": r, "turns": [], "observations": [], "answer": "", "done": False} for r in rows]
+    for n in range(args.quota + 1):  # [Alg. 1 L2] while n <= N
+        live = [e for e in episodes if not e["done"]]
+        if not live:
+            break
+        prompts = encode_states(tokenizer, [render_state(e["row"]["question"], e["observations"], args.templates) for e in live])
+        if n == args.quota:  # [Alg. 1 L3-4] the quota is met: force a_0 = [ANSWER]
+            prefixes = [[tag_ids["answer"]] for _ in live]
+        elif greedy:  # [§4.1, App. A.3] threshold on p([Search]) decides the first token, beam search the rest
+            p_retrieve = first_token_probs(model, prompts, tokenizer.pad_token_id)[:, tag_ids["retrieve"]]
+            prefixes = [[tag_ids["retrieve"] if p > args.threshold else tag_ids["answer"]] for p in p_retrieve.tolist()]
+        else:  # [App. A.3] top-k sampling, the first token sampled freely
+            prefixes = [[] for _ in live]
+        gen = generate(model, tokenizer, [p + f for p, f in zip(prompts, prefixes)], args.max_new_tokens,
+                       do_sample=not greedy, top_k=args.sample_top_k, num_beams=args.num_beams if greedy else 1,
+                       seed=seed + n)
+        forced = n == args.quota
+        for e, prompt, prefix, ids in zip(live, prompts, prefixes, gen.token_ids):
+            action = prefix + ids  # the decided tag (threshold) counts as the policy's own choice
+            kind, text = parse_action(action, tag_ids, tokenizer)
+            reward = step_reward(kind, text, e["row"]["golden_answers"], args.alpha, args.invalid_reward)
+            e["turns"].append(dict(prompt_ids=prompt, forced_ids=prefix if forced else [],
+                                   action_ids=ids if forced else action, kind=kind, text=text, reward=reward))
+            e["done"] = kind != "retrieve"  # [Alg. 1 L8-10] an answer (or an invalid action) ends the episode
+            e["answer"] = text if kind == "answer" else e["answer"]
+        searching = [e for e in live if not e["done"]]
+        hits = retriever.search([e["turns"][-1]["text"] or e["row"]["question"] for e in searching], args.top_k)
+        for e, h in zip(searching, hits):  # [Alg. 1 L9] o = R(a_1:), os = [os, o]
+            e["observations"].append(format_observation(h))
+    return episodes
+
+
+# --------------------------------------------------------------------------- 6. PPO pieces [§3.2]
+def gae(rewards, values, gamma, lam):
+    """Advantages and returns over one episode's action tokens, concatenated across actions (done only at the end)."""
+    advantages, last = [0.0] * len(rewards), 0.0
+    for t in reversed(range(len(rewards))):
+        next_value = values[t + 1] if t + 1 < len(rewards) else 0.0  # across the action boundary: V of the next state
+        last = rewards[t] + gamma * next_value - values[t] + gamma * lam * last
+        advantages[t] = last
+    return advantages, [a + v for a, v in zip(advantages, values)]
+
+
+def update_kl_coef(beta, kl_mean, target):
+    """Adaptive KL controller (impl, RL4LMs): beta * (1 + 0.1 * clip((KL - target) / target, -0.2, 0.2))."""
+    return beta * (1 + 0.1 * min(max((kl_mean - target) / target, -0.2), 0.2))
+
+
+def ppo_losses(new_logp, old_logp, advantages, values, returns, mask, clip):
+    """Clipped surrogate and value MSE, means over the action tokens (mask) [PPO, Schulman et al. 2017]."""
+    ratio = torch.exp(new_logp - old_logp)  # (B, T)
+    pg = torch.max(-advantages * ratio, -advantages * ratio.clamp(1 - clip, 1 + clip))  # (B, T)
+    n = mask.sum().clamp(min=1)
+    return (pg * mask).sum() / n, (((values - returns) ** 2) * mask).sum() / n, ratio
+
+
+def sequences_of(episodes):
+    """One training sequence per action: ids = prompt + forced + action, loss_mask = 1 exactly on action tokens."""
+    seqs = []
+    for i, e in enumerate(episodes):
+        for t in e["turns"]:
+            ids = t["prompt_ids"] + t["forced_ids"] + t["action_ids"]
+            loss_mask = [0] * (len(t["prompt_ids"]) + len(t["forced_ids"])) + [1] * len(t["action_ids"])
+            seqs.append(dict(episode=i, ids=ids, loss_mask=loss_mask, reward=t["reward"]))
+    return seqs
+
+
+def forward_logp_values(model, seqs, pad_id, device, with_values=True):
+    """Per-token log-probs of the next token and values at the state before it, shifted: (B, T-1) each."""
+    ids = right_pad([s["ids"] for s in seqs], pad_id).to(device)  # (B, T)
+    attention = right_pad([[1] * len(s["ids"]) for s in seqs], 0).to(device)  # (B, T)
+    if with_values:
+        logits, values = model(ids, attention)
+    else:
+        logits, values = model(input_ids=ids, attention_mask=attention).logits, None
+    logp = torch.log_softmax(logits[:, :-1].float(), -1).gather(-1, ids[:, 1:, None]).squeeze(-1)  # (B, T-1)
+    return logp, (values[:, :-1].float() if values is not None else None)
+
+
+def score_rollout(episodes, seqs, logp, ref_logp, values, mask, beta, args):
+    """Per-token rewards (-beta * KL, plus the env reward on each action's last token), then GAE per episode."""
+    kl = (logp - ref_logp) * mask  # (B, T-1) k1 estimate, in the reward (impl)
+    rewards = -beta * kl
+    last = mask.cumsum(-1).argmax(-1)  # (B,) index of each sequence's last action token
+    rewards[torch.arange(len(seqs)), last] += torch.tensor([s["reward"] for s in seqs], device=rewards.device)
+    advantages, returns = torch.zeros_like(rewards), torch.zeros_like(rewards)
+    by_episode = defaultdict(list)
+    for row, s in enumerate(seqs):
+        by_episode[s["episode"]].append(row)
+    for rows in by_episode.values():  # one GAE over all actions of the episode [spec §5.4]
+        cols = [mask[r].nonzero().squeeze(-1) for r in rows]
+        adv, ret = gae(torch.cat([rewards[r, c] for r, c in zip(rows, cols)]).tolist(),
+                       torch.cat([values[r, c] for r, c in zip(rows, cols)]).tolist(), args.gamma, args.lam)
+        start = 0
+        for r, c in zip(rows, cols):
+            advantages[r, c] = torch.tensor(adv[start:start + len(c)], device=rewards.device)
+            returns[r, c] = torch.tensor(ret[start:start + len(c)], device=rewards.device)
+            start += len(c)
+    return advantages, returns, (kl.sum() / mask.sum().clamp(min=1)).item()
+
+
+def ppo_iteration(accelerator, model, ref, optimizer, tokenizer, episodes, beta, args):
+    """One PPO update on a rollout: score it, then ppo_epochs passes of minibatches. Returns logged stats."""
+    seqs, pad, device = sequences_of(episodes), tokenizer.pad_token_id, accelerator.device
+    with torch.no_grad():
+        old_logp, old_values = forward_logp_values(model, seqs, pad, device)
+        ref_logp, _ = forward_logp_values(ref, seqs, pad, device, with_values=False)
+    mask = right_pad([s["loss_mask"] for s in seqs], 0).to(device)[:, 1:].float()  # (B, T-1) shifted with the labels
+    advantages, returns, kl_mean = score_rollout(episodes, seqs, old_logp, ref_logp, old_values, mask, beta, args)
+    stats = defaultdict(list)
+    # every process must take the same number of optimizer steps (DDP): minibatch count from the smallest rollout
+    n_minibatches = math.ceil(accelerator.gather(torch.tensor([len(seqs)], device=device)).min().item() / args.ppo_batch_size)
+    for _ in range(args.ppo_epochs):
+        for batch in torch.randperm(len(seqs)).tensor_split(n_minibatches):
+            m = mask[batch]
+            a = advantages[batch]
+            mean = (a * m).sum() / m.sum()
+            std = (((a - mean) ** 2 * m).sum() / m.sum()).sqrt()
+            a = (a - mean) / (std + 1e-8)  # impl: advantages whitened per minibatch
+            logp, values = forward_logp_values(model, [seqs[i] for i in batch.tolist()], pad, device)
+            width = logp.shape[1]
+            pg, vf, ratio = ppo_losses(logp, old_logp[batch, :width], a[:, :width], values, returns[batch, :width],
+                                       m[:, :width], args.clip)
+            optimizer.zero_grad()
+            accelerator.backward(pg + args.vf_coef * vf)
+            accelerator.clip_grad_norm_(model.parameters(), args.max_grad_norm)
+            optimizer.step()
+            stats["losses/policy"].append(pg.item())
+            stats["losses/value"].append(vf.item())
+            stats["losses/clipfrac"].append((((ratio - 1).abs() > args.clip).float() * m[:, :width]).sum().item() / m.sum().item())
+    out = {k: sum(v) / len(v) for k, v in stats.items()}
+    out["rollout/kl"] = kl_mean
+    out["rollout/frac_trained_tokens"] = (mask.sum() / right_pad([[1] * len(s["ids"]) for s in seqs], 0).sum()).item()
+    return out
+
+
+# --------------------------------------------------------------------------- 7. SFT warm-up [§3.1, §4]
+def sft_batch(examples, tokenizer, tag_ids, args, rng, world):
+    """Tokenised (ids, labels) of a batch; retrieval pairs renamed with probability augment_p (toy world)."""
+    seqs = []
+    for ex in examples:
+        texts = [ex["question"], *ex["observations"], ex["text"]]
+        if world is not None and (ex["tag"] == "retrieve" or ex["observations"]) and rng.random() < args.augment_p:
+            from common.toy import rename_entities  # simplification: toy-world augmentation (header item 4)
+            # popular names are shuffled among themselves unless the question is about memorised facts
+            texts = rename_entities(texts, world, rng, popular="keep" if ex["popular"] else "shuffle")
+        prompt = encode_states(tokenizer, [render_state(texts[0], texts[1:-1], args.templates)])[0]
+        target = [tag_ids[ex["tag"]]] + tokenizer(" " + texts[-1], add_special_tokens=False)["input_ids"] + [tokenizer.eos_token_id]
+        seqs.append((prompt + target, [-100] * len(prompt) + target))  # loss on the target only
+    ids = right_pad([s[0] for s in seqs], tokenizer.pad_token_id)
+    return ids, right_pad([s[1] for s in seqs], -100), right_pad([[1] * len(s[0]) for s in seqs], 0)
+
+
+def sft(accelerator, model, tokenizer, tag_ids, examples, args, world):
+    """Cross-entropy on the targets of the warm-up pairs; AdamW, linear decay [§4: 1 epoch, lr 3e-4, batch 8]."""
+    rng = random.Random(args.seed)
+    steps = args.sft_steps or math.ceil(args.sft_epochs * len(examples) / args.sft_batch_size)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=args.sft_lr, betas=(0.9, 0.98))
+    warmup = min(50, steps // 10)
+    schedule = lambda s: min(1.0, (s + 1) / max(warmup, 1)) * max(0.1, 1 - s / steps)
+    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, schedule)
+    model, optimizer = accelerator.prepare(model, optimizer)
+    order, losses = [], []
+    for step in range(steps):
+        if len(order) < args.sft_batch_size:
+            order += rng.sample(range(len(examples)), len(examples))
+        batch, order = order[:args.sft_batch_size], order[args.sft_batch_size:]
+        ids, labels, attention = (t.to(accelerator.device) for t in sft_batch([examples[i] for i in batch], tokenizer, tag_ids, args, rng, world))
+        logits = model(input_ids=ids, attention_mask=attention).logits  # (B, T, V)
+        loss = F.cross_entropy(logits[:, :-1].flatten(0, 1).float(), labels[:, 1:].flatten(), ignore_index=-100)
+        optimizer.zero_grad()
+        accelerator.backward(loss)
+        accelerator.clip_grad_norm_(model.parameters(), 1.0)
+        optimizer.step()
+        scheduler.step()
+        losses.append(loss.item())
+        if (step + 1) % 100 == 0 or step + 1 == steps:
+            accelerator.print(f"sft step {step + 1}/{steps} | loss={sum(losses[-100:]) / len(losses[-100:]):.4f}")
+    return accelerator.unwrap_model(model), steps
+
+
+# --------------------------------------------------------------------------- 8. evaluation [§4, spec §6.2]
+def evaluate(model, tokenizer, retriever, rows, args, tag_ids, greedy, seed=0, batch=256):
+    """EM, F1, return (gamma = 1), retrieval rate and hit, overall and by metadata group (type, popular, answerable)."""
+    model.eval()
+    episodes = [e for i in range(0, len(rows), batch)
+                for e in rollout(model, tokenizer, retriever, rows[i:i + batch], args, tag_ids, greedy, seed + i)]
+    model.train()
+    groups = defaultdict(lambda: defaultdict(list))
+    for e in episodes:
+        golds, meta = e["row"]["golden_answers"], e["row"].get("metadata", {})
+        retrieved = sum(t["kind"] == "retrieve" for t in e["turns"])
+        record = dict(em=exact_match(e["answer"], golds), f1=f1_score(e["answer"], golds),
+                      reward=discounted_return([t["reward"] for t in e["turns"]], 1.0),
+                      retrieval_rate=float(retrieved > 0), retrievals=retrieved,
+                      invalid=float(any(t["kind"] == "invalid" for t in e["turns"])),
+                      policy_calls=len(e["turns"]), generated_tokens=sum(len(t["action_ids"]) for t in e["turns"]))
+        record |= {"hit": cover_em(e["observations"][0], golds)} if e["observations"] else {}
+        keys = ["all"] + [f"{k}={meta[k]}" for k in ("type", "popular", "answerable") if k in meta]
+        for key in keys:
+            for name, value in record.items():
+                groups[key][name].append(value)
+    summary = {k: {name: sum(v) / len(v) for name, v in g.items()} | {"n": len(g["em"])} for k, g in groups.items()}
+    return summary["all"] | {"groups": {k: v for k, v in summary.items() if k != "all"}}, episodes
+
+
+def evaluate_both(model, tokenizer, retriever, rows, args, tag_ids):
+    """Greedy (threshold + beam) and sampled (T = 1, top-k 50) evaluations, reported separately."""
+    greedy, _ = evaluate(model, tokenizer, retriever, rows, args, tag_ids, greedy=True)
+    sampled, _ = evaluate(model, tokenizer, retriever, rows, args, tag_ids, greedy=False, seed=args.seed + 10_000)
+    return greedy | {"sampled": sampled}
+
+
+def brief(result):
+    """One log line of an evaluation."""
+    s = result["sampled"]
+    return (f"greedy em={result['em']:.3f} reward={result['reward']:.3f} retrieval={result['retrieval_rate']:.2f} | "
+            f"sampled em={s['em']:.3f} reward={s['reward']:.3f} retrieval={s['retrieval_rate']:.2f}")
+
+
+# --------------------------------------------------------------------------- 9. train / eval / ask
+def build_retriever(args):
+    """The frozen retriever: a saved index folder, or an index built once over the corpus."""
+    if args.index:
+        return DenseRetriever.load(args.index)
+    return DenseRetriever.build(args.corpus or str(Path(args.data_dir) / "corpus.jsonl"), make_encoder(args.encoder))
+
+
+def load_split(args, split):
+    """QA rows of data_dir/<split>.jsonl, keeping the question types asked for (metadata "type")."""
+    rows = load_qa(Path(args.data_dir) / f"{split}.jsonl")
+    types = set(filter(None, args.question_types.split(",")))
+    return [r for r in rows if not types or r["metadata"].get("type") in types]
+
+
+def toy_world_or_none(args):
+    """The toy world of data_dir when it has one and augmentation is on (renaming needs its entity lists)."""
+    if not args.augment_p or not (Path(args.data_dir) / "world.json").is_file():
+        return None
+    from common.toy import load_world
+    return load_world(args.data_dir)
+
+
+def save_checkpoint(folder, model, tokenizer, state):
+    """save_pretrained + a json state, written into a temporary folder renamed into place."""
+    folder = Path(folder)
+    tmp = folder.with_name(folder.name + ".tmp")
+    shutil.rmtree(tmp, ignore_errors=True)
+    model.save_pretrained(tmp)
+    tokenizer.save_pretrained(tmp)
+    (tmp / "smartrag_state.json").write_text(json.dumps(state))
+    shutil.rmtree(folder, ignore_errors=True)
+    tmp.rename(folder)
+
+
+def append_metrics(path, record, accelerator):
+    """One json line per update in metrics.jsonl (main process only)."""
+    if accelerator.is_main_process:
+        with open(path, "a") as f:
+            f.write(json.dumps(record) + "\n")
+
+
+def write_results(out, results, accelerator):
+    """results.json (atomic) and the final RESULT line."""
+    if accelerator.is_main_process:
+        tmp = out / "results.json.tmp"
+        tmp.write_text(json.dumps(results, indent=1))
+        tmp.replace(out / "results.json")
+        print("RESULT " + json.dumps(results), flush=True)
+
+
+def result_record(args, before_sft, before, after, steps, wall):
+    """The result contract of the project (README / DESIGN: results.json)."""
+    final = after or before
+    return {"method": "smartrag", "preset": args.preset, "seed": args.seed, "model": args.model,
+            "dataset": args.data_dir, "n_eval": final["n"],
+            "before_sft": before_sft, "before": before, "after": final,
+            "retrievals_per_question": final["retrievals"], "llm_calls_per_question": final["policy_calls"],
+            "generated_tokens_per_question": final["generated_tokens"], "wall_s": round(wall, 1),
+            "train_steps": steps, "args": asdict(args)}
+
+
+def train(args):
+    """SFT warm-up, PPO, evaluation before and after; resumes from output_dir/sft and output_dir/ppo."""
+    start, out = time.time(), Path(args.output_dir)
+    accelerator = Accelerator()
+    out.mkdir(parents=True, exist_ok=True)
+    set_seed(args.seed)
+    train_rows = sample_rows(load_split(args, "train"), args.n_train, args.seed)
+    test_rows = load_split(args, "test")[:args.n_eval]
+    retriever = build_retriever(args)
+    log = lambda record: append_metrics(out / "metrics.jsonl", record, accelerator)
+    # ---- warm-up SFT (skipped when a finished SFT checkpoint exists)
+    sft_dir, steps = out / "sft", {"sft": 0, "ppo": 0}
+    if (sft_dir / "smartrag_state.json").is_file():
+        args_model, args.model = args.model, str(sft_dir)
+        policy, tokenizer, tag_ids = load_policy(args, accelerator.device)
+        args.model, state = args_model, json.loads((sft_dir / "smartrag_state.json").read_text())
+        before_sft, steps["sft"] = state["before_sft"], state["steps"]
+    else:
+        policy, tokenizer, tag_ids = load_policy(args, accelerator.device)
+        before_sft = evaluate_both(policy, tokenizer, retriever, test_rows, args, tag_ids)
+        accelerator.print(f"raw start | {brief(before_sft)}")
+        examples, known = build_warmup(train_rows, retriever, args)
+        accelerator.print(f"warm-up: {len(examples)} pairs from {len(train_rows)} questions ({args.initial_policy}; "
+                          f"base model knows {known:.2f})")
+        policy, steps["sft"] = sft(accelerator, policy, tokenizer, tag_ids, examples, args, toy_world_or_none(args))
+        if accelerator.is_main_process:
+            save_checkpoint(sft_dir, policy, tokenizer, {"before_sft": before_sft, "steps": steps["sft"]})
+    before = evaluate_both(policy, tokenizer, retriever, test_rows, args, tag_ids)
+    accelerator.print(f"after SFT | {brief(before)}")
+    log({"stage": "sft", "eval": before})
+    # ---- PPO [§3.2]: policy + value model trained, reference frozen
+    ref = copy.deepcopy(policy).eval().requires_grad_(False)
+    model = PolicyAndValue(policy)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=args.ppo_lr, weight_decay=1e-6)  # impl: wd 1e-6
+    ppo_dir, beta, first = out / "ppo", args.kl_init, 0
+    if (ppo_dir / "smartrag_state.json").is_file():  # resume
+        state = json.loads((ppo_dir / "smartrag_state.json").read_text())
+        model.load_state_dict(torch.load(ppo_dir / "policy_and_value.pt", map_location="cpu"))
+        optimizer.load_state_dict(torch.load(ppo_dir / "optimizer.pt", map_location="cpu"))
+        beta, first = state["beta"], state["iteration"]
+        steps["ppo"] = first
+        accelerator.print(f"resumed PPO at iteration {first}")
+    model, optimizer = accelerator.prepare(model, optimizer)
+    rng = random.Random(args.seed * 1000 + accelerator.process_index)
+    after = None
+    for it in range(first, args.ppo_iterations):
+        t0, episodes = time.time(), []
+        policy_now = accelerator.unwrap_model(model).policy
+        while not episodes or sum(len(t["action_ids"]) for e in episodes for t in e["turns"]) < args.rollout_tokens:
+            rows = rng.sample(train_rows, min(args.rollout_batch, len(train_rows)))
+            episodes += rollout(policy_now, tokenizer, retriever, rows, args, tag_ids, greedy=False,
+                                seed=args.seed * 100_003 + it * 97 + len(episodes) + accelerator.process_index)
+        stats = ppo_iteration(accelerator, model, ref, optimizer, tokenizer, episodes, beta, args)
+        beta = update_kl_coef(beta, stats["rollout/kl"], args.kl_target)  # after each rollout (impl)
+        returns = [discounted_return([t["reward"] for t in e["turns"]], 1.0) for e in episodes]
+        stats |= {"iteration": it + 1, "rollout/return": sum(returns) / len(returns), "charts/kl_coef": beta,
+                  "rollout/retrieval_rate": sum(any(t["kind"] == "retrieve" for t in e["turns"]) for e in episodes) / len(episodes),
+                  "charts/seconds": time.time() - t0}
+        log(stats)
+        accelerator.print(" | ".join(f"{k}={v:.4g}" if isinstance(v, float) else f"{k}={v}" for k, v in stats.items()))
+        steps["ppo"] = it + 1
+        if (it + 1) % args.eval_every == 0 or it + 1 == args.ppo_iterations:
+            accelerator.wait_for_everyone()
+            unwrapped = accelerator.unwrap_model(model)
+            if accelerator.is_main_process:
+                save_checkpoint(ppo_dir, unwrapped.policy, tokenizer, {"beta": beta, "iteration": it + 1})
+                torch.save(unwrapped.state_dict(), ppo_dir / "policy_and_value.pt")
+                torch.save(optimizer.state_dict(), ppo_dir / "optimizer.pt")
+    policy = accelerator.unwrap_model(model).policy
+    after = evaluate_both(policy, tokenizer, retriever, test_rows, args, tag_ids)
+    accelerator.print(f"after PPO | {brief(after)}")
+    log({"stage": "ppo", "eval": after})
+    write_results(out, result_record(args, before_sft, before, after, steps, time.time() - start), accelerator)
+
+
+def run_eval(args):
+    """Evaluate --model (a checkpoint folder, or the untrained start) on the test split."""
+    start, out = time.time(), Path(args.output_dir)
+    accelerator = Accelerator()
+    out.mkdir(parents=True, exist_ok=True)
+    set_seed(args.seed)
+    policy, tokenizer, tag_ids = load_policy(args, accelerator.device)
+    rows = load_split(args, "test")[:args.n_eval]
+    result = evaluate_both(policy, tokenizer, build_retriever(args), rows, args, tag_ids)
+    accelerator.print(f"eval | {brief(result)}")
+    write_results(out, result_record(args, None, result, None, {"sft": 0, "ppo": 0}, time.time() - start), accelerator)
+
+
+def ask(args):
+    """One question through Algorithm 1 with the greedy (threshold) policy, printing every step."""
+    policy, tokenizer, tag_ids = load_policy(args, Accelerator().device)
+    row = {"id": "ask", "question": args.ask, "golden_answers": [""], "metadata": {}}
+    episode = rollout(policy, tokenizer, build_retriever(args), [row], args, tag_ids, greedy=True, seed=args.seed)[0]
+    for n, turn in enumerate(episode["turns"]):
+        print(f"step {n}: {turn['kind']} | {turn['text']}" + (" (answer forced at the quota)" if turn["forced_ids"] else ""))
+        if n < len(episode["observations"]):
+            print(f"  observation: {episode['observations'][n]}")
+    print(f"answer: {episode['answer']}")
+
+
+def main(argv=None):
+    """Parse the flags, fill the preset, dispatch on the mode."""
+    (args,) = HfArgumentParser(Args).parse_args_into_dataclasses(args=argv)
+    apply_preset(args)
+    if args.train:
+        train(args)
+    elif args.eval:
+        run_eval(args)
+    elif args.ask:
+        ask(args)
+    else:
+        raise SystemExit("choose a mode: --train, --eval or --ask \"question\" (see --help)")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,317 @@
+"""Tests of common/retrieval.py: corpus parsing, TF-IDF values, dense (faiss) and BM25 search, save/load, CLI."""
+import os
+
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+os.environ.setdefault("HF_DATASETS_OFFLINE", "1")
+os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from common.data import DataError
+from common.retrieval import (BGE_QUERY_INSTRUCTION, BM25Retriever, DenseRetriever, EncoderLoadError, HFEncoder,
+                              TfidfEncoder, encoder_preset, load_corpus, make_encoder, split_contents)
+
+REPO = Path(__file__).resolve().parents[1]
+
+PASSAGES = [  # (id, title, text): toy-world style facts, one answer per query below
+    ("d0", "kanikx", "kanikx is a film directed by velbo . kanikx was released in the year 1965 ."),
+    ("d1", "velbo", "velbo is a person born in morazi . velbo works as a painter ."),
+    ("d2", "morazi", "morazi is a city in tesland . morazi has a population of 40000 ."),
+    ("d3", "tesland", "tesland is a country . the capital of tesland is morazi ."),
+    ("d4", "pirulo", "pirulo is a film directed by zandra . pirulo was released in the year 1971 ."),
+    ("d5", "zandra", "zandra is a person born in quelport . zandra works as a sculptor ."),
+    ("d6", "quelport", "quelport is a city in vantria . quelport has a harbour ."),
+    ("d7", "vantria", "vantria is a country . the capital of vantria is lumeno ."),
+    ("d8", "lumeno", "lumeno is a city in vantria . lumeno has a cathedral ."),
+    ("d9", "okabi", "okabi is a band formed in lumeno . okabi plays jazz ."),
+    ("d10", "fernwick", "fernwick is a novel written by zandra . fernwick was published in 1980 ."),
+    ("d11", "drumlet", "drumlet is a river flowing through tesland and vantria ."),
+]
+QUERIES = {  # query -> id of the passage that must come first
+    "kanikx released": "d0",
+    "who directed pirulo": "d4",
+    "where was velbo born": "d1",
+    "capital of vantria": "d7",
+    "okabi jazz band": "d9",
+    "fernwick novel published": "d10",
+    "river drumlet": "d11",
+}
+
+
+def write_corpus(path, passages=PASSAGES):
+    """Write passages as a FlashRAG corpus jsonl with '"Title"\\ntext' contents."""
+    with open(path, "w", encoding="utf-8") as f:
+        for doc_id, title, text in passages:
+            f.write(json.dumps({"id": doc_id, "contents": f'"{title}"\n{text}'}) + "\n")
+    return path
+
+
+@pytest.fixture
+def corpus_path(tmp_path):
+    return write_corpus(tmp_path / "corpus.jsonl")
+
+
+@pytest.fixture
+def dense(corpus_path):
+    return DenseRetriever.build(corpus_path, make_encoder("tfidf"))
+
+
+# ---------------------------------------------------------------- corpus
+
+def test_load_corpus_parses_titles(corpus_path):
+    docs = load_corpus(corpus_path)
+    assert [d["id"] for d in docs] == [p[0] for p in PASSAGES]
+    assert docs[0] == {"id": "d0", "contents": '"kanikx"\n' + PASSAGES[0][2], "title": "kanikx", "text": PASSAGES[0][2]}
+
+
+def test_split_contents_cases():
+    assert split_contents('"A b"\nsome text\nmore') == ("A b", "some text\nmore")
+    assert split_contents("Plain title\ntext") == ("Plain title", "text")
+    assert split_contents("no newline at all") == ("", "no newline at all")
+    assert split_contents('"Quoted "inner" title"\nx') == ('Quoted "inner" title', "x")
+
+
+@pytest.mark.parametrize("line, message", [
+    ('{"id": "a"}', "missing field 'contents'"),
+    ('{"contents": "x"}', "missing field 'id'"),
+    ('{"id": "a", "contents": 3}', "field 'contents' must be a string"),
+    ('{"id": "d0", "contents": "dup"}', "duplicate id 'd0'"),
+])
+def test_load_corpus_errors_name_file_and_line(tmp_path, line, message):
+    path = tmp_path / "bad.jsonl"
+    path.write_text('{"id": "d0", "contents": "\\"t\\"\\nx"}\n' + line + "\n")
+    with pytest.raises(DataError, match=f"bad.jsonl:2: {message}"):
+        load_corpus(path)
+
+
+# ---------------------------------------------------------------- TF-IDF
+
+def test_tfidf_values_by_hand():
+    # idf = log((1 + N) / (1 + df)) + 1 with N = 3: the (df 3) -> 1, cat (df 2) -> 1.287682, dog (df 1) -> 1.693147
+    # weight = log1p(tf) * idf, then each row L2-normalised; vocabulary sorted: cat, dog, the
+    enc = TfidfEncoder().fit(["The cat.", "the dog", "the cat, CAT"])
+    assert list(enc.vocab) == ["cat", "dog", "the"]
+    np.testing.assert_allclose(enc.idf, [1.2876821, 1.6931472, 1.0], rtol=1e-6)
+    got = enc.encode(["The cat.", "the dog", "the cat, CAT"])
+    want = [[0.7898069, 0.0, 0.6133555],   # (log 2 * 1.287682, log 2 * 1) / norm
+            [0.0, 0.8610370, 0.5085423],   # (log 2 * 1.693147, log 2 * 1) / norm
+            [0.8979998, 0.0, 0.4399959]]   # (log 3 * 1.287682, log 2 * 1) / norm
+    assert got.dtype == np.float32 and got.shape == (3, 3)
+    np.testing.assert_allclose(got, want, atol=1e-6)
+    np.testing.assert_allclose(enc.encode(["cat zebra", "zebra"], is_query=True), [[1, 0, 0], [0, 0, 0]])
+
+
+def test_tfidf_unfitted_is_an_error():
+    with pytest.raises(ValueError, match="not fitted"):
+        TfidfEncoder().encode(["x"])
+
+
+# ---------------------------------------------------------------- dense search
+
+def test_dense_known_answers(dense):
+    results = dense.search(list(QUERIES), k=3)
+    assert [hits[0]["id"] for hits in results] == list(QUERIES.values())
+    for hits in results:
+        scores = [h["score"] for h in hits]
+        assert len(hits) == 3 and scores == sorted(scores, reverse=True) and scores[0] > scores[1]
+    top = results[0][0]
+    assert top["title"] == "kanikx" and top["text"] == PASSAGES[0][2] and top["contents"].startswith('"kanikx"\n')
+    assert 0 < top["score"] <= 1.0 + 1e-6
+
+
+def test_dense_score_is_cosine_of_tfidf_vectors(dense):
+    hit = dense.search(["kanikx released"], k=1)[0][0]
+    q = dense.encoder.encode(["kanikx released"], is_query=True)[0]
+    p = dense.encoder.encode([hit["contents"]])[0]
+    assert hit["score"] == pytest.approx(float(q @ p), abs=1e-5)
+
+
+def test_dense_k_larger_than_corpus_and_empty_queries(dense):
+    hits = dense.search(["kanikx"], k=100)[0]
+    assert len(hits) == len(PASSAGES) and sorted(h["id"] for h in hits) == sorted(p[0] for p in PASSAGES)
+    assert dense.search([], k=5) == []
+    with pytest.raises(ValueError, match="k must be at least 1"):
+        dense.search(["kanikx"], k=0)
+
+
+def test_dense_build_from_docs_list_equals_build_from_path(corpus_path, dense):
+    from_list = DenseRetriever.build(load_corpus(corpus_path), make_encoder("tfidf"))
+    assert from_list.search(list(QUERIES), k=4) == dense.search(list(QUERIES), k=4)
+
+
+def test_save_load_gives_identical_results(dense, tmp_path):
+    dense.save(tmp_path / "idx")
+    assert sorted(p.name for p in (tmp_path / "idx").iterdir()) == ["doc_ids.json", "index.faiss", "retriever.json"]
+    loaded = DenseRetriever.load(tmp_path / "idx")
+    assert loaded.search(list(QUERIES), k=5) == dense.search(list(QUERIES), k=5)
+
+
+def test_save_load_from_docs_list_copies_corpus(corpus_path, tmp_path):
+    retriever = DenseRetriever.build(load_corpus(corpus_path), make_encoder("tfidf"))
+    retriever.save(tmp_path / "idx")
+    corpus_path.unlink()
+    assert (tmp_path / "idx" / "corpus.jsonl").is_file()
+    assert DenseRetriever.load(tmp_path / "idx").search(["river drumlet"], 2) == retriever.search(["river drumlet"], 2)
+
+
+def test_load_with_explicit_corpus_and_mismatch(dense, tmp_path):
+    dense.save(tmp_path / "idx")
+    moved = write_corpus(tmp_path / "moved.jsonl")
+    assert DenseRetriever.load(tmp_path / "idx", corpus=moved).search(["okabi"], 1)[0][0]["id"] == "d9"
+    other = write_corpus(tmp_path / "other.jsonl", PASSAGES[:5])
+    with pytest.raises(DataError, match="does not match doc_ids.json"):
+        DenseRetriever.load(tmp_path / "idx", corpus=other)
+
+
+def test_load_missing_file_names_folder_and_file(dense, tmp_path):
+    dense.save(tmp_path / "idx")
+    (tmp_path / "idx" / "doc_ids.json").unlink()
+    with pytest.raises(DataError, match=r"idx: missing doc_ids.json"):
+        DenseRetriever.load(tmp_path / "idx")
+
+
+@pytest.mark.parametrize("factory", ["IVF2,Flat", "HNSW8"])
+def test_other_index_factories_find_the_same_top1(corpus_path, factory):
+    retriever = DenseRetriever.build(corpus_path, make_encoder("tfidf"), index_factory=factory)
+    if factory.startswith("IVF"):
+        retriever.index.nprobe = 2  # all lists: exact search
+    assert retriever.index.ntotal == len(PASSAGES)
+    assert [h[0]["id"] for h in retriever.search(list(QUERIES), k=1)] == list(QUERIES.values())
+
+
+def test_chunked_build_equals_one_chunk(corpus_path, dense):
+    chunked = DenseRetriever.build(corpus_path, make_encoder("tfidf"), chunk_size=5)
+    assert chunked.search(list(QUERIES), k=5) == dense.search(list(QUERIES), k=5)
+
+
+# ---------------------------------------------------------------- BM25
+
+def test_bm25_obvious_ranking():
+    docs = [{"id": i, "contents": c} for i, c in enumerate(
+        ["apples and pears", "zebra zebra zebra stripes", "a zebra in the zoo", "cars and trucks"])]
+    hits = BM25Retriever.build(docs).search(["zebra", "trucks", "nothing matches"], k=10)
+    assert [h["id"] for h in hits[0][:2]] == [1, 2] and hits[0][2]["score"] == 0.0
+    assert hits[1][0]["id"] == 3 and len(hits[1]) == 4
+    assert all(h["score"] == 0.0 for h in hits[2])
+
+
+def test_bm25_known_answers(corpus_path):
+    bm25 = BM25Retriever.build(corpus_path)
+    results = bm25.search(list(QUERIES), k=3)
+    assert [hits[0]["id"] for hits in results] == list(QUERIES.values())
+    assert all([h["score"] for h in hits] == sorted((h["score"] for h in hits), reverse=True) for hits in results)
+    assert bm25.search([], 3) == []
+
+
+# ---------------------------------------------------------------- transformers encoder
+
+WORDS = ["query", ":", "passage", "the", "cat", "sat", "on", "mat", "dog", "a", "red"]
+
+
+@pytest.fixture(scope="module")
+def tiny_encoder_dir(tmp_path_factory):
+    """A random 1-layer BERT and a WordLevel tokenizer ([CLS] x [SEP]) saved to a folder."""
+    import torch
+    from tokenizers import Tokenizer, models, pre_tokenizers, processors
+    from transformers import BertConfig, BertModel, PreTrainedTokenizerFast
+    vocab = {w: i for i, w in enumerate(["[PAD]", "[UNK]", "[CLS]", "[SEP]"] + WORDS)}
+    tok = Tokenizer(models.WordLevel(vocab, unk_token="[UNK]"))
+    tok.pre_tokenizer = pre_tokenizers.Whitespace()
+    tok.post_processor = processors.TemplateProcessing(single="[CLS] $A [SEP]", special_tokens=[("[CLS]", 2), ("[SEP]", 3)])
+    tokenizer = PreTrainedTokenizerFast(tokenizer_object=tok, pad_token="[PAD]", unk_token="[UNK]",
+                                        cls_token="[CLS]", sep_token="[SEP]")
+    torch.manual_seed(0)
+    model = BertModel(BertConfig(vocab_size=len(vocab), hidden_size=16, num_hidden_layers=1, num_attention_heads=2,
+                                 intermediate_size=32, max_position_embeddings=64))
+    folder = tmp_path_factory.mktemp("tiny_bert")
+    model.save_pretrained(folder)
+    tokenizer.save_pretrained(folder)
+    return folder
+
+
+def states_alone(encoder, text):
+    """last_hidden_state of one unpadded text, computed directly with the encoder's model and tokenizer."""
+    import torch
+    with torch.inference_mode():
+        return encoder.model(**encoder.tokenizer(text, return_tensors="pt")).last_hidden_state[0].numpy()
+
+
+TEXTS = ["the cat sat on the mat", "a red dog", "cat"]  # different lengths, so the batch is padded
+
+
+def test_hf_mean_pooling_matches_hand_computation(tiny_encoder_dir):
+    enc = HFEncoder(str(tiny_encoder_dir), pooling="mean", batch_size=2, device="cpu")
+    got = enc.encode(TEXTS)
+    want = np.stack([states_alone(enc, t).mean(0) for t in TEXTS])
+    want /= np.linalg.norm(want, axis=1, keepdims=True)
+    assert got.dtype == np.float32 and got.shape == (3, 16)
+    np.testing.assert_allclose(np.linalg.norm(got, axis=1), 1.0, atol=1e-5)
+    np.testing.assert_allclose(got, want, atol=1e-5)
+
+
+def test_hf_cls_pooling_matches_hand_computation(tiny_encoder_dir):
+    enc = HFEncoder(str(tiny_encoder_dir), pooling="cls", device="cpu")
+    got = enc.encode(TEXTS)
+    want = np.stack([states_alone(enc, t)[0] for t in TEXTS])
+    np.testing.assert_allclose(got, want / np.linalg.norm(want, axis=1, keepdims=True), atol=1e-5)
+    assert not np.allclose(got, HFEncoder(str(tiny_encoder_dir), pooling="mean", device="cpu").encode(TEXTS), atol=1e-3)
+
+
+def test_hf_prefixes_are_prepended(tiny_encoder_dir):
+    enc = make_encoder(str(tiny_encoder_dir), query_prefix="query: ", passage_prefix="passage: ", device="cpu")
+    plain = HFEncoder(str(tiny_encoder_dir), device="cpu")
+    np.testing.assert_allclose(enc.encode(["red dog"], is_query=True), plain.encode(["query: red dog"]), atol=1e-6)
+    np.testing.assert_allclose(enc.encode(["red dog"]), plain.encode(["passage: red dog"]), atol=1e-6)
+    assert not np.allclose(enc.encode(["red dog"], is_query=True), plain.encode(["red dog"]), atol=1e-3)
+
+
+def test_hf_dense_retriever_save_load(tiny_encoder_dir, corpus_path, tmp_path):
+    enc = HFEncoder(str(tiny_encoder_dir), pooling="cls", query_prefix="query: ", device="cpu")
+    retriever = DenseRetriever.build(corpus_path, enc)
+    retriever.save(tmp_path / "idx")
+    spec = json.loads((tmp_path / "idx" / "retriever.json").read_text())["encoder"]
+    assert spec == {"name": "hf", "name_or_path": str(tiny_encoder_dir), "pooling": "cls", "query_prefix": "query: ",
+                    "passage_prefix": "", "max_length": 512}
+    loaded = DenseRetriever.load(tmp_path / "idx", device="cpu")
+    assert loaded.search(["the cat", "red dog"], 4) == retriever.search(["the cat", "red dog"], 4)
+
+
+def test_encoder_presets():
+    assert encoder_preset("intfloat/e5-base-v2") == {"pooling": "mean", "query_prefix": "query: ",
+                                                     "passage_prefix": "passage: "}
+    assert encoder_preset("BAAI/bge-large-en-v1.5") == {"pooling": "cls", "query_prefix": BGE_QUERY_INSTRUCTION,
+                                                        "passage_prefix": ""}
+    assert encoder_preset("facebook/contriever-msmarco") == {"pooling": "mean", "query_prefix": "",
+                                                             "passage_prefix": ""}
+    assert encoder_preset("/models/my-encoder") == {"pooling": "mean", "query_prefix": "", "passage_prefix": ""}
+
+
+def test_unloadable_encoder_is_a_clear_error():
+    with pytest.raises(EncoderLoadError, match="cannot load encoder 'no-such-org/no-such-encoder'"):
+        make_encoder("no-such-org/no-such-encoder")
+
+
+# ---------------------------------------------------------------- CLI
+
+def test_cli_build_then_load_and_search(corpus_path, tmp_path):
+    out = tmp_path / "cli_idx"
+    env = {**os.environ, "PYTHONPATH": str(REPO)}
+    run = subprocess.run([sys.executable, "-m", "common.retrieval", "build", "--corpus", str(corpus_path),
+                          "--encoder", "tfidf", "--out", str(out)], capture_output=True, text=True, env=env, cwd=REPO)
+    assert run.returncode == 0, run.stderr
+    assert f"indexed {len(PASSAGES)} passages" in run.stdout
+    loaded = DenseRetriever.load(out)
+    assert [h[0]["id"] for h in loaded.search(list(QUERIES), k=2)] == list(QUERIES.values())
+    run = subprocess.run([sys.executable, "-m", "common.retrieval", "search", "--index", str(out), "--query",
+                          "kanikx released", "--query", "capital of vantria", "-k", "2"],
+                         capture_output=True, text=True, env=env, cwd=REPO)
+    assert run.returncode == 0, run.stderr
+    lines = [json.loads(line) for line in run.stdout.splitlines()]
+    assert [(line["query"], line["hits"][0]["id"], len(line["hits"])) for line in lines] == [
+        ("kanikx released", "d0", 2), ("capital of vantria", "d7", 2)]

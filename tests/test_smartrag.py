@@ -1,0 +1,301 @@
+"""SmartRAG: the spec's worked numbers (rewards, returns, GAE, KL controller, PPO clipping, warm-up filter),
+Algorithm 1 with a scripted policy, the loss mask, and an end-to-end toy run followed by --eval of its checkpoint."""
+import json
+import math
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+import smartrag
+from common.llm import Generation
+from common.toy import load_toy_lm
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+@pytest.fixture(scope="module")
+def tagged():
+    """A tiny toy model and tokenizer with the two tags registered."""
+    model, tokenizer = load_toy_lm("toy-lm:layers=1,hidden=32,heads=2,kv_heads=2,intermediate=64")
+    return model, tokenizer, smartrag.add_tags(model, tokenizer)
+
+
+# ---------------------------------------------------------------- rewards and returns [Eq. 5, Eq. 6], spec §8.1, §8.3
+@pytest.mark.parametrize("pred, golds, reward", [
+    ("Shane Acker", ["Shane Acker"], 2.0),
+    ("Tim Burton", ["Shane Acker"], 0.0),
+    ("England", ["London, England"], 2 / 3),
+    ("Washington, D.C.", ["Washington, D.C."], 2.0),
+    ("the Detroit Pistons", ["Detroit Pistons"], 2.0),
+    ("Start date 2004", ["2004"], 0.5),
+    ("", ["Cotija"], 0.0),
+    ("England", ["London, England", "England"], 2.0),
+])
+def test_answer_reward_is_em_plus_f1(pred, golds, reward):
+    assert smartrag.step_reward("answer", pred, golds, alpha=0.2, invalid_reward=-1.0) == pytest.approx(reward, abs=1e-4)
+
+
+def test_retrieval_and_invalid_rewards():
+    assert smartrag.step_reward("retrieve", "who produced 9", ["Shane Acker"], 0.2, -1.0) == -0.2
+    assert smartrag.step_reward("invalid", "", ["Shane Acker"], 0.2, -1.0) == -1.0
+
+
+@pytest.mark.parametrize("rewards, undiscounted, discounted", [
+    ([2.0], 2.0, 2.0),
+    ([-0.2, 2.0], 1.8, 1.78),
+    ([-0.2, 0.0], -0.2, -0.2),
+    ([-0.2, 2 / 3], 0.4667, 0.46),
+])
+def test_discounted_return(rewards, undiscounted, discounted):
+    assert smartrag.discounted_return(rewards, 1.0) == pytest.approx(undiscounted, abs=1e-4)
+    assert smartrag.discounted_return(rewards, 0.99) == pytest.approx(discounted, abs=1e-4)
+
+
+# ---------------------------------------------------------------- GAE across the two actions, spec §8.8
+def test_gae_carries_the_answer_reward_back_to_the_search_tokens():
+    rewards = [0, 0, -0.2, 0, 2.0]  # [Search] q EOS | (forced [Answer] masked) ans EOS
+    adv, _ = smartrag.gae(rewards, [0.0] * 5, 0.99, 0.95)
+    assert adv == pytest.approx([1.387915, 1.47572, 1.569081, 1.881, 2.0], abs=1e-6)
+    assert all(a > 0 for a in adv[:3])  # cut at the action boundary, the search tokens would be negative
+    adv, _ = smartrag.gae(rewards, [0.0] * 5, 1.0, 1.0)
+    assert adv == pytest.approx([1.8, 1.8, 1.8, 2.0, 2.0])
+    adv, ret = smartrag.gae(rewards, [1.0, 1.0, 1.2, 1.5, 1.8], 0.99, 0.95)
+    assert adv == pytest.approx([0.633081, 0.683765, 0.527129, 0.4701, 0.2], abs=1e-6)
+    assert ret == pytest.approx([1.633081, 1.683765, 1.727129, 1.9701, 2.0], abs=1e-6)
+
+
+def test_score_rollout_runs_one_gae_across_both_actions():
+    """Two sequences of one episode (search, then forced answer): KL 0, values 0 -> the §8.8 advantages."""
+    seqs = [dict(episode=0, ids=[7, 7, 1, 2, 3], loss_mask=[0, 0, 1, 1, 1], reward=-0.2),
+            dict(episode=0, ids=[7, 7, 7, 9, 4, 5], loss_mask=[0, 0, 0, 0, 1, 1], reward=2.0)]
+    mask = smartrag.right_pad([s["loss_mask"] for s in seqs], 0)[:, 1:].float()
+    zeros = torch.zeros_like(mask)
+    args = smartrag.Args(gamma=0.99, lam=0.95)
+    adv, ret, kl = smartrag.score_rollout(None, seqs, zeros, zeros, zeros, mask, 0.001, args)
+    assert adv[0][mask[0].bool()].tolist() == pytest.approx([1.387915, 1.47572, 1.569081], abs=1e-5)
+    assert adv[1][mask[1].bool()].tolist() == pytest.approx([1.881, 2.0], abs=1e-5)
+    assert kl == 0.0 and adv[~mask.bool()].abs().sum() == 0
+
+
+def test_kl_penalty_is_in_the_reward():
+    seqs = [dict(episode=0, ids=[7, 1], loss_mask=[0, 1], reward=2.0)]
+    mask = torch.tensor([[1.0]])
+    args = smartrag.Args(gamma=1.0, lam=1.0)
+    adv, _, kl = smartrag.score_rollout(None, seqs, torch.tensor([[-0.5]]), torch.tensor([[-1.0]]),
+                                        torch.zeros(1, 1), mask, 0.001, args)
+    assert kl == pytest.approx(0.5) and adv.item() == pytest.approx(2.0 - 0.0005)  # spec §8.7
+
+
+@pytest.mark.parametrize("kl, beta", [(0.5, 0.00102), (0.1, 0.00098), (0.22, 0.00101)])
+def test_adaptive_kl_controller(kl, beta):
+    assert smartrag.update_kl_coef(0.001, kl, 0.2) == pytest.approx(beta, abs=1e-9)
+
+
+# ---------------------------------------------------------------- PPO clipping, spec §8.9
+@pytest.mark.parametrize("advantage, ratio, loss", [(1.0, 1.3, -1.2), (-1.0, 0.7, 0.8), (1.0, 0.7, -0.7)])
+def test_ppo_clipped_surrogate(advantage, ratio, loss):
+    one = torch.ones(1, 1)
+    pg, vf, _ = smartrag.ppo_losses(torch.log(one * ratio), 0 * one, advantage * one, 0 * one, 3 * one, one, 0.2)
+    assert pg.item() == pytest.approx(loss, abs=1e-6)
+    assert vf.item() == pytest.approx(9.0)
+
+
+def test_ppo_losses_ignore_masked_tokens():
+    mask = torch.tensor([[1.0, 0.0]])
+    pg, vf, _ = smartrag.ppo_losses(torch.tensor([[0.0, 5.0]]), torch.zeros(1, 2), torch.tensor([[1.0, 100.0]]),
+                                    torch.tensor([[1.0, 50.0]]), torch.zeros(1, 2), mask, 0.2)
+    assert pg.item() == pytest.approx(-1.0) and vf.item() == pytest.approx(1.0)
+
+
+# ---------------------------------------------------------------- templates, parsing, warm-up data
+def test_templates_and_observation():
+    hits = [{"title": "9 (2009)", "text": "Shane Acker made 9."}, {"title": "Acker", "text": "An animator."}]
+    obs = smartrag.format_observation(hits)
+    assert obs == "9 (2009): Shane Acker made 9. Acker: An animator."
+    first = smartrag.render_state("Who was the producer of 9?", [], "paper")
+    second = smartrag.render_state("Who was the producer of 9?", [obs], "paper")
+    assert "Observation:" not in first and f"Observation: {obs}" in second
+    assert "Question: Who was the producer of 9?" in first and first.endswith("Please output:")
+    assert "'[Answer] YOUR_ANSWER'" in first and "'[Search] YOUR_SEARCH_QUERY'" in second
+    assert smartrag.render_state("q ?", ["a", "b"], "compact") == "question : q ? observation : a b output :"
+
+
+def test_parse_action_by_first_token(tagged):
+    _, tokenizer, tags = tagged
+    encode = lambda text: tokenizer(text, add_special_tokens=False)["input_ids"]
+    assert tokenizer.tokenize(smartrag.ANSWER_TAG) == [smartrag.ANSWER_TAG]
+    assert smartrag.parse_action([tags["answer"]] + encode("the city"), tags, tokenizer) == ("answer", "the city")
+    assert smartrag.parse_action([tags["retrieve"]] + encode("capital city"), tags, tokenizer) == ("retrieve", "capital city")
+    assert smartrag.parse_action(encode("the city"), tags, tokenizer) == ("invalid", "")
+    assert smartrag.parse_action([tags["answer"]], tags, tokenizer) == ("answer", "")
+    assert smartrag.parse_action([], tags, tokenizer) == ("invalid", "")
+
+
+def test_warmup_pairs_for_both_initial_policies():
+    row = {"question": "Who was the producer of 9?", "golden_answers": ["Shane Acker", "Acker"]}
+    plain = smartrag.warmup_examples(row, "Who produced the movie 9?", "obs", knows=True, initial_policy="plain")
+    assert [(e["tag"], e["text"], e["observations"]) for e in plain] == [
+        ("answer", "Shane Acker", []), ("retrieve", "Who produced the movie 9?", []), ("answer", "Shane Acker", ["obs"])]
+    assert plain[0]["observations"] == plain[1]["observations"]  # pairs (2) and (3) share one input
+    assert [e["tag"] for e in smartrag.warmup_examples(row, "q", "obs", True, "filtered")] == ["answer"]
+    assert [e["observations"] for e in smartrag.warmup_examples(row, "q", "obs", False, "filtered")] == [[], ["obs"]]
+
+
+@pytest.mark.parametrize("pred, gold, knows", [
+    ("Tim Burton", "Shane Acker", False),
+    ("Washington", "Washington, D.C.", True),
+    ("one two three four five six seven eight paris", "Paris", True),  # F1 = 0.2 exactly (0.19999999999999998)
+    ("one two three four five six seven eight nine paris", "Paris", False),
+])
+def test_knows_answer_threshold(pred, gold, knows):
+    assert smartrag.knows_answer(pred, [gold], 0.2) is knows
+
+
+class FakeRetriever:
+    """Records queries; returns one passage naming the query."""
+
+    def __init__(self):
+        self.queries = []
+
+    def search(self, queries, k):
+        self.queries += list(queries)
+        return [[{"title": "doc", "text": f"about {q}"}] for q in queries]
+
+
+def test_warmup_observation_comes_from_the_rewritten_query(monkeypatch):
+    rows = [{"question": "what is the birthplace of velbo ?", "golden_answers": ["tuvia"],
+             "metadata": {"sub_queries": ["velbo born"]}}]
+    args = smartrag.apply_preset(smartrag.Args(initial_policy="plain", top_k=1))
+    retriever = FakeRetriever()
+    examples, _ = smartrag.build_warmup(rows, retriever, args)
+    assert retriever.queries == ["velbo born"]  # R(GPT-Rewriter(x)), not R(x) [Eq. 4]
+    assert examples[2]["observations"] == ["doc: about velbo born"] and examples[1]["text"] == "velbo born"
+
+
+# ---------------------------------------------------------------- Algorithm 1 with a scripted policy, spec §8.4
+def scripted_generate(tags, first):
+    """A fake generate: emits `first` tag + one token unless the prompt already ends with a (forced) tag."""
+    calls = []
+
+    def fake(model, tokenizer, prompts, max_new_tokens, **kwargs):
+        calls.append([list(p) for p in prompts])
+        ids = [[5, 1] if p and p[-1] in tags.values() else [tags[first], 5, 1] for p in prompts]
+        return Generation(["x"] * len(prompts), ids, [list(p) for p in prompts], [True] * len(prompts))
+
+    return fake, calls
+
+
+@pytest.mark.parametrize("quota, retrievals, steps", [(0, 0, 1), (1, 1, 2), (3, 3, 4)])
+def test_algorithm_1_forces_the_answer_at_the_quota(tagged, monkeypatch, quota, retrievals, steps):
+    model, tokenizer, tags = tagged
+    fake, calls = scripted_generate(tags, "retrieve")
+    monkeypatch.setattr(smartrag, "generate", fake)
+    args = smartrag.apply_preset(smartrag.Args(quota=quota))
+    retriever = FakeRetriever()
+    rows = [{"question": "who is the director of zorvak ?", "golden_answers": ["x"]}] * 3
+    episodes = smartrag.rollout(model, tokenizer, retriever, rows, args, tags, greedy=False, seed=0)
+    assert len(calls) == steps and all(len(c) == 3 for c in calls)  # one batched call per turn for all questions
+    assert len(retriever.queries) == 3 * retrievals
+    for e in episodes:
+        assert [t["kind"] for t in e["turns"]] == ["retrieve"] * retrievals + ["answer"]
+        assert e["turns"][-1]["forced_ids"] == [tags["answer"]]  # forced: part of the state, not the action
+        assert [t["reward"] for t in e["turns"][:-1]] == [-0.2] * retrievals
+        assert len(e["observations"]) == retrievals
+    if retrievals:
+        assert "observation" in tokenizer.decode(calls[1][0]) and "observation" not in tokenizer.decode(calls[0][0])
+
+
+def test_a_policy_that_answers_never_retrieves(tagged, monkeypatch):
+    model, tokenizer, tags = tagged
+    fake, calls = scripted_generate(tags, "answer")
+    monkeypatch.setattr(smartrag, "generate", fake)
+    args = smartrag.apply_preset(smartrag.Args(quota=3))
+    retriever = FakeRetriever()
+    episodes = smartrag.rollout(model, tokenizer, retriever, [{"question": "q ?", "golden_answers": ["x"]}], args,
+                                tags, greedy=False, seed=0)
+    assert len(calls) == 1 and retriever.queries == [] and episodes[0]["turns"][0]["forced_ids"] == []
+
+
+def test_loss_mask_covers_exactly_the_sampled_action_tokens(tagged, monkeypatch):
+    model, tokenizer, tags = tagged
+    fake, _ = scripted_generate(tags, "retrieve")
+    monkeypatch.setattr(smartrag, "generate", fake)
+    args = smartrag.apply_preset(smartrag.Args(quota=1))
+    episodes = smartrag.rollout(model, tokenizer, FakeRetriever(), [{"question": "q ?", "golden_answers": ["x"]}],
+                                args, tags, greedy=False, seed=0)
+    search, answer = smartrag.sequences_of(episodes)
+    assert sum(search["loss_mask"]) == 3 and search["loss_mask"][-3:] == [1, 1, 1]  # the free [Search] tag is trained
+    assert search["ids"][-3] == tags["retrieve"]
+    assert sum(answer["loss_mask"]) == 2 and answer["loss_mask"][-3:] == [0, 1, 1]  # the forced [Answer] is not
+    assert answer["ids"][-3] == tags["answer"]
+    assert len(answer["ids"]) > len(search["ids"])  # the observation lengthens only the (masked) prompt
+
+
+def test_threshold_decides_the_first_token(tagged, monkeypatch):
+    """p([Search]) = 1/(1+e) = 0.2689 (spec §8.10): threshold 0.5 answers, 0.2 retrieves."""
+    model, tokenizer, tags = tagged
+    logits = torch.full((len(tokenizer),), -1e9)
+    logits[tags["answer"]], logits[tags["retrieve"]] = 1.0, 0.0
+    monkeypatch.setattr(smartrag, "first_token_probs", lambda m, prompts, pad: logits.softmax(-1).expand(len(prompts), -1))
+    assert logits.softmax(-1)[tags["retrieve"]].item() == pytest.approx(1 / (1 + math.e), abs=1e-4)
+    seen = []
+    monkeypatch.setattr(smartrag, "generate", lambda m, t, prompts, n, **kw: seen.append(prompts[0][-1]) or
+                        Generation(["x"], [[5, 1]], [prompts[0]], [True]))
+    for threshold, tag in [(0.5, "answer"), (0.2, "retrieve")]:
+        args = smartrag.apply_preset(smartrag.Args(quota=1, threshold=threshold))
+        seen.clear()
+        smartrag.rollout(model, tokenizer, FakeRetriever(), [{"question": "q ?", "golden_answers": ["x"]}], args, tags,
+                         greedy=True, seed=0)
+        assert seen[0] == tags[tag]
+
+
+def test_importing_the_method_file_does_no_work():
+    out = subprocess.run([sys.executable, "-c", "import sys, smartrag; print('torch.nn' in sys.modules)"],
+                         cwd=ROOT, capture_output=True, text=True, check=True)
+    assert out.stdout.strip() == "True"  # imports only; no model, index or data is loaded (nothing else to observe)
+
+
+# ---------------------------------------------------------------- end to end on the toy world
+def run(args, cwd):
+    env = {**os.environ, "HF_HUB_OFFLINE": "1", "TOKENIZERS_PARALLELISM": "false", "PYTHONPATH": str(ROOT)}
+    return subprocess.run([sys.executable, str(ROOT / "smartrag.py"), *args], cwd=cwd, capture_output=True, text=True,
+                          env=env)
+
+
+def check_contract(out_dir, stdout):
+    results = json.loads((out_dir / "results.json").read_text())
+    for key in ("method", "preset", "seed", "model", "dataset", "n_eval", "before", "after", "retrievals_per_question",
+                "llm_calls_per_question", "generated_tokens_per_question", "wall_s", "train_steps"):
+        assert key in results, key
+    last = stdout.strip().splitlines()[-1]
+    assert last.startswith("RESULT ") and json.loads(last[len("RESULT "):]) == results
+    return results
+
+
+@pytest.mark.parametrize("templates", ["compact", "paper"])
+def test_toy_train_then_eval_the_checkpoint(tmp_path, templates):
+    out = tmp_path / "run"
+    tiny = ["--n_train", "64", "--n_eval", "16", "--sft_steps", "20", "--ppo_iterations", "2", "--rollout_batch", "16",
+            "--sft_batch_size", "16", "--ppo_batch_size", "8", "--templates", templates, "--eval_every", "1"]
+    done = run(["--train", "--output_dir", str(out), *tiny], ROOT)
+    assert done.returncode == 0, done.stderr[-3000:]
+    results = check_contract(out, done.stdout)
+    assert results["train_steps"] == {"sft": 20, "ppo": 2} and results["n_eval"] == 16
+    metrics = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+    assert [m.get("iteration") for m in metrics if "iteration" in m] == [1, 2]
+    assert (out / "ppo" / "model.safetensors").is_file() and (out / "sft" / "model.safetensors").is_file()
+    again = run(["--train", "--output_dir", str(out), *tiny], ROOT)  # resumes: SFT and PPO are not redone
+    assert again.returncode == 0 and "sft step" not in again.stdout and "iteration=" not in again.stdout
+    evaluated = run(["--eval", "--model", str(out / "ppo"), "--output_dir", str(tmp_path / "eval"), "--n_eval", "16",
+                     "--templates", templates], ROOT)
+    assert evaluated.returncode == 0, evaluated.stderr[-3000:]
+    assert check_contract(tmp_path / "eval", evaluated.stdout)["after"]["em"] == results["after"]["em"]
+
+
+def test_bad_preset_is_a_clear_error():
+    done = run(["--train", "--preset", "nope"], ROOT)
+    assert done.returncode != 0 and "--preset must be one of" in done.stderr

@@ -1,0 +1,347 @@
+"""The toy world: generator determinism, world properties (on the committed world and a fresh seed), the toy reader,
+the tiny model and tokenizer, and the renaming augmentation. Every figure asserted here is in docs/toy_world.md."""
+import os
+
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
+os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+
+import json  # noqa: E402
+import random  # noqa: E402
+import re  # noqa: E402
+import time  # noqa: E402
+
+import pytest  # noqa: E402
+
+from common import toy  # noqa: E402
+from common.data import load_qa, read_jsonl  # noqa: E402
+
+COMMITTED = toy.DEFAULT_WORLD
+TYPES = ("one_hop", "two_hop", "three_hop", "comparison", "yes_no")
+
+
+@pytest.fixture(scope="module")
+def seed1_world(tmp_path_factory):
+    """A freshly generated world with another seed."""
+    return toy.write_world(tmp_path_factory.mktemp("seed1"), seed=1)
+
+
+@pytest.fixture(scope="module", params=["committed", "seed1"])
+def world_dir(request, seed1_world):
+    """Both worlds: properties must hold for any seed."""
+    return COMMITTED if request.param == "committed" else seed1_world
+
+
+@pytest.fixture(scope="module")
+def tables(seed1_world):
+    """Baseline tables of both worlds, computed once."""
+    return {str(d): toy.baselines(d) for d in (COMMITTED, seed1_world)}
+
+
+def reader_answer(reader, question, passages=()):
+    """One answer of the toy reader to a question with passages."""
+    docs = [{"contents": p} for p in passages]
+    return reader.chat([[{"role": "user", "content": toy.reader_prompt(question, docs)}]])[0]
+
+
+# ---------------------------------------------------------------- generator
+
+def test_same_seed_same_bytes_and_committed_world_is_seed_0(tmp_path):
+    a, b = toy.write_world(tmp_path / "a", seed=0), toy.write_world(tmp_path / "b", seed=0)
+    for name in ("corpus.jsonl", "train.jsonl", "dev.jsonl", "test.jsonl", "triples.jsonl", "world.json"):
+        assert (a / name).read_bytes() == (b / name).read_bytes() == (COMMITTED / name).read_bytes(), name
+    assert (seed1 := toy.generate_world(seed=1))["corpus.jsonl"] != toy.generate_world(seed=0)["corpus.jsonl"]
+    assert len(seed1["test.jsonl"]) == 400
+
+
+def test_world_numbers(world_dir):
+    stats = toy.world_stats(world_dir)
+    assert stats["entities"] == {"person": 120, "film": 80, "city": 60, "country": 15, "company": 40}
+    assert stats["bytes"] < 2_000_000 and 90 <= stats["decoys"] <= 130 and stats["hidden"] == 22
+    for split, sizes in toy.SPLIT_SIZES.items():
+        assert {t: stats[split][t] for t in TYPES} == sizes, split
+    assert stats["train"]["total"] > 1000 and all(stats["train"][t] >= 60 for t in TYPES)
+    assert 20 <= stats["test"]["unanswerable"] <= 80
+
+
+def test_popularity_is_per_entity_30_percent(world_dir):
+    entities = toy.load_world(str(world_dir))["entities"]
+    real = [e for e in entities.values() if not e["decoy_of"]]
+    for etype in toy.TYPES:
+        of_type = [e for e in real if e["type"] == etype]
+        assert sum(e["popular"] for e in of_type) == round(0.3 * len(of_type)), etype
+    assert abs(sum(e["popular"] for e in real) / len(real) - 0.3) < 0.01
+    assert not any(e["popular"] for e in entities.values() if e["decoy_of"] or e["hidden"])
+
+
+def test_corpus_triples_and_lengths(world_dir):
+    corpus = read_jsonl(world_dir / "corpus.jsonl")
+    text_of = {d["id"]: d["contents"] for d in corpus}
+    assert max(len(c.split("\n", 1)[1].split()) for c in text_of.values()) <= 20
+    triples = read_jsonl(world_dir / "triples.jsonl")
+    phrase_rel = {spec[3]: rel for rel, spec in toy.RELATIONS.items()}
+    for t in triples:
+        assert toy.RELATIONS[phrase_rel[t["relation"]]][2].format(h=t["head"], t=t["tail"]) in text_of[t["doc_id"]]
+    rows = load_qa(world_dir / "test.jsonl")
+    longest = max(len(r["question"].split()) + sum(len(text_of[i].split()) for i in r["metadata"]["supporting_doc_ids"])
+                  for r in rows)
+    assert longest <= 100
+
+
+def test_held_out_facts_never_in_training_questions(world_dir):
+    entities = toy.load_world(str(world_dir))["entities"]
+    train = load_qa(world_dir / "train.jsonl")
+    seen = set().union(*(toy.used_facts(entities, r) for r in train))
+    described = {(r["metadata"]["descriptor"], r["question"]) for r in train if r["metadata"]["descriptor"]}
+    for split in ("dev", "test"):
+        rows = load_qa(world_dir / f"{split}.jsonl")
+        held = set().union(*(toy.used_facts(entities, r) for r in rows))
+        assert not held & seen, split
+        for other, question in described:  # a descriptor "( the director of x )" reveals a fact of x
+            rel = next(r for r, spec in toy.RELATIONS.items() if spec[4].format(h=other) in question)
+            assert (other, rel) not in held
+    popular_test = [r for r in load_qa(world_dir / "test.jsonl") if r["metadata"]["popular"]]
+    assert popular_test and all(not toy.used_facts(entities, r) for r in popular_test)
+
+
+# ---------------------------------------------------------------- baselines (the done-when numbers)
+
+def test_baselines_gold_near_100_no_retrieval_equals_popular_share(world_dir, tables):
+    table, hits = tables[str(world_dir)]
+    rows = load_qa(world_dir / "test.jsonl")
+    popular_share = sum(r["metadata"]["popular"] for r in rows) / len(rows)
+    assert table["gold documents"]["answerable"] == 1.0
+    assert table["oracle sub-queries, top-1 each"]["answerable"] == 1.0
+    assert table["no retrieval"]["all"] == pytest.approx(popular_share)
+    assert table["no retrieval"]["one_hop"] == pytest.approx(0.3, abs=0.05)
+    assert table["no retrieval"]["not_popular"] == 0.0 and table["no retrieval"]["popular"] == 1.0
+    assert table["gold documents"]["unanswerable"] == 0.0
+
+
+def test_baselines_headroom_for_each_decision(world_dir, tables):
+    table, hits = tables[str(world_dir)]
+    gold, raw5 = table["gold documents"], table["raw question, top-5"]
+    for qtype in ("two_hop", "three_hop"):  # what to retrieve, when to stop: single-shot RAG leaves >= 20 points
+        assert gold[qtype] - raw5[qtype] >= 0.20, qtype
+        assert gold[qtype] - table["raw question, top-1"][qtype] >= 0.20, qtype
+    assert table["raw question, top-1"]["one_hop"] <= gold["one_hop"] - 0.05
+    assert hits["oracle first sub-query top-1 hits the first-hop document"] >= 0.99
+    assert hits["raw question top-1 hits the first-hop document"] <= 0.85  # descriptors, question words
+    assert hits["oracle sub-queries top-1 recall of all supporting documents"] == 1.0
+    assert hits["raw question top-5 recall of all supporting documents"] <= 0.8
+    assert table["gold documents + distractors after"]["answerable"] <= gold["answerable"] - 0.15  # what to keep
+
+
+def test_committed_world_baseline_values(tables):
+    table, hits = tables[str(COMMITTED)]  # the figures of docs/toy_world.md
+    assert table["no retrieval"]["all"] == pytest.approx(0.170, abs=5e-4)
+    assert table["gold documents"]["all"] == pytest.approx(0.9225, abs=5e-4)
+    assert table["raw question, top-5"]["two_hop"] == pytest.approx(0.409, abs=5e-4)
+    assert table["raw question, top-5"]["three_hop"] == pytest.approx(0.229, abs=5e-4)
+    assert hits["raw question top-1 hits the first-hop document"] == pytest.approx(0.719, abs=5e-4)
+
+
+# ---------------------------------------------------------------- the reader
+
+def test_reader_memory_and_unknown():
+    reader = toy.ToyReader(COMMITTED)
+    rows = load_qa(COMMITTED / "test.jsonl")
+    for row in rows:
+        pred = reader_answer(reader, row["question"])
+        assert (pred == row["golden_answers"][0]) if row["metadata"]["popular"] else pred == "unknown"
+
+
+def test_reader_is_misled_by_a_near_name_read_last():
+    world = toy.load_world(str(COMMITTED))
+    ents = world["entities"]
+    decoy, target = next((d, e["decoy_of"]) for d, e in sorted(ents.items())
+                         if e["decoy_of"] and ents[e["decoy_of"]]["type"] == "film"
+                         and not ents[e["decoy_of"]]["popular"])
+    true_doc, decoy_doc = toy.passage_text(target, ents[target]), toy.passage_text(decoy, ents[decoy])
+    reader = toy.ToyReader(COMMITTED)
+    question = toy.CHAINS[("directed_by",)].format(target)
+    right, wrong = ents[target]["facts"]["directed_by"], ents[decoy]["facts"]["directed_by"]
+    assert right != wrong
+    assert reader_answer(reader, question, [true_doc]) == right
+    assert reader_answer(reader, question, [decoy_doc, true_doc]) == right
+    assert reader_answer(reader, question, [true_doc, decoy_doc]) == wrong  # careless: the last statement wins
+    assert reader_answer(reader, question, [decoy_doc]) == wrong
+    popular = next(n for n, e in sorted(ents.items()) if e["popular"] and e["type"] == "film" and world["near"][n])
+    near = world["near"][popular][0]
+    popular_q = toy.CHAINS[("directed_by",)].format(popular)
+    assert reader_answer(reader, popular_q, [toy.passage_text(near, ents[near])]) == ents[popular]["facts"]["directed_by"]
+
+
+def test_reader_finds_the_question_in_paper_prompts_and_wraps_answers():
+    reader = toy.ToyReader(COMMITTED)
+    row = next(r for r in load_qa(COMMITTED / "test.jsonl") if r["metadata"]["type"] == "two_hop"
+               and r["metadata"]["answerable"] and r["metadata"]["descriptor"])
+    docs = [{"contents": c["contents"]} for c in read_jsonl(COMMITTED / "corpus.jsonl")
+            if c["id"] in row["metadata"]["supporting_doc_ids"]]
+    other = load_qa(COMMITTED / "train.jsonl")[0]
+    c3po = ("You are a knowledgeable assistant. Please answer the following question by:\n1. First reviewing the "
+            "provided documents.\nHere are some examples:\nQuestion: " + other["question"].capitalize() + "\nAnswer: x"
+            "\n\nNow, process the following question:\nExisting documents: " + " ".join(d["contents"] for d in docs)
+            + "\n\nQuestion: " + row["question"].capitalize().replace(" ?", "?"))
+    sparc = ("Answer the question based on the given notes.\nEnd your response with the literal tag [END].\n"
+             "The following are given notes:\n" + "\n".join(d["contents"] for d in docs)
+             + f"\nQuestion: {row['question']}\nAnswer:")
+    replies = reader.chat([[{"role": "user", "content": c3po}], [{"role": "system", "content": "be short"},
+                                                                  {"role": "user", "content": sparc}]], temperature=1.0)
+    assert replies == [row["golden_answers"][0], row["golden_answers"][0] + " [END]"]
+    select = f"Question: {row['question']}\nprovide the answer inside <answer> </answer> tags."
+    assert reader.chat([[{"role": "user", "content": select}]]) == ["<answer> unknown </answer>"]
+
+
+def test_reader_think_mode_walks_the_chain_one_step_per_call():
+    reader = toy.ToyReader(COMMITTED)
+    row = next(r for r in load_qa(COMMITTED / "test.jsonl") if r["metadata"]["type"] == "three_hop"
+               and r["metadata"]["answerable"] and not any(r["metadata"]["popular_hops"]))
+    text_of = {c["id"]: c["contents"] for c in read_jsonl(COMMITTED / "corpus.jsonl")}
+    instruction = ("Please answer the following question. You should think step-by-step to solve it. Each thought "
+                   "should be put inside <think> and </think> tags; put your final answer inside <answer> and </answer>."
+                   "\nContext:\n{context}\n\nQuestion: {question}")
+    context, thoughts, steps = [], "", []
+    for _ in range(10):
+        messages = [{"role": "user", "content": instruction.format(context="\n".join(context), question=row["question"])}]
+        reply = reader.chat([messages + ([{"role": "assistant", "content": thoughts}] if thoughts else [])])[0]
+        steps.append(reply)
+        if reply.startswith("<answer>"):
+            break
+        thoughts += reply + "\n"
+        if "i need to know" in reply:  # the retrieval a method would do: the next supporting document
+            context.append(text_of[row["metadata"]["supporting_doc_ids"][len(context)]])
+    m = row["metadata"]
+    assert steps[0] == f"<think> i need to know {toy.RELATIONS[m['relations'][0]][4].format(h=m['entities'][0])} . </think>"
+    assert len(steps) == 7 and steps[-1] == f"<answer> {row['golden_answers'][0]} </answer>"
+    assert sum("i need to know" in s for s in steps) == 3
+    stuck = instruction.format(context="", question=row["question"])
+    need = steps[0][len("<think> "):-len(" </think>")]
+    history = f"<think> {need} </think>\n" * 2
+    assert reader.chat([[{"role": "user", "content": stuck}, {"role": "assistant", "content": history}]]) == [
+        "<answer> unknown </answer>"]
+
+
+def test_reader_plan_mode():
+    reader = toy.ToyReader(COMMITTED)
+    rows = load_qa(COMMITTED / "test.jsonl")
+    row = next(r for r in rows if r["metadata"]["type"] == "three_hop" and not r["metadata"]["popular_hops"][0])
+    roadmap = ("You are an expert assistant tasked with analyzing the following question and formulating a detailed "
+               f"plan.\n\nNow, process the following question:\nQuestion: {row['question']}")
+    lines = reader.chat([[{"role": "user", "content": roadmap}]])[0].split("\n")
+    first = row["metadata"]["entities"][0]
+    assert len(lines) == 4 and lines[0] == f"step 1 : find {toy.RELATIONS[row['metadata']['relations'][0]][4].format(h=first)} ."
+    assert lines[1].endswith(f"of {first} .") and lines[-1] == "step 4 : answer the question ."
+    comparison = next(r for r in rows if r["metadata"]["type"] == "yes_no")
+    lines = reader.chat([[{"role": "user", "content": "write a plan . question : " + comparison["question"]}]])[0]
+    assert lines.split("\n")[-2:] == ["step 3 : compare the two years .", "step 4 : answer the question ."]
+
+
+def test_make_llm_toy_backend():
+    from common.llm import make_llm
+
+    llm = make_llm("toy")
+    row = next(r for r in load_qa(COMMITTED / "test.jsonl") if r["metadata"]["popular"])
+    assert llm.chat([[{"role": "user", "content": row["question"]}]]) == row["golden_answers"]
+
+
+# ---------------------------------------------------------------- renaming augmentation
+
+def test_rename_entities_consistent_typed_and_answer_preserving():
+    world = toy.load_world(str(COMMITTED))
+    reader = toy.ToyReader(COMMITTED)
+    text_of = {c["id"]: c["contents"].split("\n", 1)[1] for c in read_jsonl(COMMITTED / "corpus.jsonl")}
+    rows = [r for r in load_qa(COMMITTED / "train.jsonl") if r["metadata"]["answerable"]][:200]
+    rng = random.Random(0)
+    changed = 0
+    for row in rows:
+        docs = [text_of[i] for i in row["metadata"]["supporting_doc_ids"]]
+        texts = [row["question"], " ".join(row["metadata"]["sub_queries"]), *docs, row["golden_answers"][0]]
+        renamed = toy.rename_entities(texts, world, rng)
+        q, _, *new_docs, answer = renamed
+        changed += renamed != texts
+        old_words, new_words = [t.split() for t in texts], [t.split() for t in renamed]
+        mapping = {}
+        for ow, nw in zip(old_words, new_words):
+            assert len(ow) == len(nw)
+            for a, b in zip(ow, nw):
+                assert mapping.setdefault(a, b) == b  # consistent across all texts
+        assert len(set(mapping.values())) == len(mapping)  # injective
+        for a, b in mapping.items():
+            if a != b and a in world["types"]:
+                assert world["types"][b] == world["types"][a] and b not in world["popular"] and a not in world["popular"]
+        years = sorted((a, b) for a, b in mapping.items() if a.isdigit())
+        assert [b for _, b in years] == sorted(b for _, b in years)  # order kept: comparisons keep their answers
+        assert reader_answer(reader, q, new_docs) == answer
+    assert changed >= 150
+    star = sorted(world["popular_pools"]["person"])[0]
+    for mode, pool in (("keep", {star}), ("shuffle", set(world["popular_pools"]["person"])),
+                       ("rename", set(world["pools"]["person"]))):
+        new = toy.rename_entities([f"{star} was born in 1931 ."], world, random.Random(1), popular=mode)[0].split()
+        assert new[0] in pool and (new[4] == "1931") == (mode == "keep")
+    with pytest.raises(ValueError, match="popular must be"):
+        toy.rename_entities(["x"], world, rng, popular="all")
+    assert toy.rename_entities(["question : who is it ?", "[SEARCH] 12 <think>"], world, rng) == [
+        "question : who is it ?", "[SEARCH] 12 <think>"]
+
+
+# ---------------------------------------------------------------- tiny model and tokenizer
+
+def test_tokenizer_single_tokens_and_chat_template():
+    from common.toy_lm import toy_vocabulary
+
+    world = toy.load_world(str(COMMITTED))
+    model, tok = toy.load_toy_lm("toy-lm", extra_tokens=("[Search]", "<think>", "</think>"))
+    words = toy_vocabulary(world)
+    assert set(world["types"]) <= set(words) and {"1900", "1999", "question", "answer", ":", "?"} <= set(words)
+    ids = tok(" ".join(words), add_special_tokens=False)["input_ids"]
+    assert len(ids) == len(words) and tok.unk_token_id not in ids
+    assert tok.decode(ids) == " ".join(words)
+    extra = tok("[Search] zorvak <think> ok </think>", add_special_tokens=False)["input_ids"]
+    assert tok.convert_ids_to_tokens(extra)[0] == "[Search]" and len(extra) == 5
+    assert tok.decode(extra, skip_special_tokens=True).startswith("[Search]")
+    assert tok("Question: Who?")["input_ids"] == tok("question : who ?")["input_ids"]
+    chat = tok.apply_chat_template([{"role": "user", "content": "who ?"}], tokenize=False, add_generation_prompt=True)
+    assert chat == "<user> who ? <eos> <assistant>" and tok.padding_side == "left"
+    assert len(tok(chat, add_special_tokens=False)["input_ids"]) == 5
+
+
+def test_tiny_model_builds_fast_and_round_trips(tmp_path):
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    import torch
+
+    start = time.time()
+    model, tok = toy.load_toy_lm("toy-lm", extra_tokens=("[Search]",), seed=0)
+    assert time.time() - start < 2.0
+    assert type(model).__name__ == "Qwen2ForCausalLM" and 0.5e6 < model.num_parameters() < 0.8e6
+    model.save_pretrained(tmp_path)
+    tok.save_pretrained(tmp_path)
+    model2, tok2 = AutoModelForCausalLM.from_pretrained(tmp_path), AutoTokenizer.from_pretrained(tmp_path)
+    text = "question : who is the director of zorvak ? [Search] zorvak directed"
+    assert tok2(text)["input_ids"] == tok(text)["input_ids"] and tok2.padding_side == "left"
+    x = torch.tensor([tok(text)["input_ids"]])
+    with torch.no_grad():
+        assert torch.equal(model(x).logits, model2(x).logits)
+    again, _ = toy.load_toy_lm("toy-lm", extra_tokens=("[Search]",), seed=0)
+    other, _ = toy.load_toy_lm("toy-lm", extra_tokens=("[Search]",), seed=1)
+    assert torch.equal(again.lm_head.weight, model.lm_head.weight)
+    assert not torch.equal(other.lm_head.weight, model.lm_head.weight)
+    big, _ = toy.load_toy_lm("toy-lm:layers=4,hidden=64,heads=2,kv_heads=2,intermediate=256")
+    assert big.config.num_hidden_layers == 4 and big.config.hidden_size == 64
+    with pytest.raises(ValueError, match="bad toy model option"):
+        toy.load_toy_lm("toy-lm:layers=two")
+
+
+def test_llm_loader_delegates_and_lora():
+    from common.llm import load_model_and_tokenizer
+
+    model, tok = load_model_and_tokenizer("toy-lm:layers=1", lora={"r": 4, "target_modules": ["q_proj", "v_proj"]})
+    assert type(model).__name__ == "PeftModelForCausalLM" and tok.padding_side == "left"
+    assert re.search(r"lora_A", " ".join(n for n, _ in model.named_parameters()))
+
+
+def test_cli_writes_a_world(tmp_path, capsys):
+    toy.main(["--seed", "2", "--out", str(tmp_path / "w"), "--size", "0.5"])
+    stats = json.loads(capsys.readouterr().out)
+    assert stats["entities"]["person"] == 60 and (tmp_path / "w" / "world.json").is_file()
