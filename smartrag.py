@@ -109,7 +109,7 @@ class Args:
 
 PRESETS = {  # values for the fields left at None; any flag overrides them
     "toy": dict(data_dir="data/toy", model="toy-lm", lora_r=0, templates="compact", top_k=1, question_types="one_hop", rewriter="oracle",
-                base_llm="toy", sft_steps=600, sft_lr=2e-3, sft_batch_size=64, augment_p=0.5, ppo_iterations=100,
+                base_llm="toy", sft_steps=600, sft_lr=2e-3, sft_batch_size=64, augment_p=1.0, ppo_iterations=100,
                 rollout_tokens=0, rollout_batch=64, ppo_lr=2e-4, ppo_batch_size=32, max_new_tokens=8, num_beams=1,
                 n_eval=None),
     "paper": dict(data_dir="data/smartrag", model="meta-llama/Llama-2-7b-chat-hf", lora_r=16, templates="paper",
@@ -194,10 +194,12 @@ def knows_answer(prediction, golds, know_f1):
 
 def warmup_examples(row, query, observation, knows, initial_policy):
     """The SFT pairs of one question as text fields: (2) direct answer, (3) retrieve + query, (4) answer with obs."""
-    answer, popular = row["golden_answers"][0], row.get("metadata", {}).get("popular", False)  # first alias (spec §9.15)
-    direct = dict(question=row["question"], observations=[], tag="answer", text=answer, popular=popular)           # [Eq. 2]
-    search = dict(question=row["question"], observations=[], tag="retrieve", text=query, popular=popular)          # [Eq. 3]
-    read = dict(question=row["question"], observations=[observation], tag="answer", text=answer, popular=popular)  # [Eq. 4]
+    meta = row.get("metadata", {})  # used only by the toy world's renaming augmentation
+    tags = dict(popular=meta.get("popular", False), searched=meta.get("entities", [])[:1])
+    answer = row["golden_answers"][0]  # first alias as target (spec §9.15)
+    direct = dict(question=row["question"], observations=[], tag="answer", text=answer, **tags)           # [Eq. 2]
+    search = dict(question=row["question"], observations=[], tag="retrieve", text=query, **tags)          # [Eq. 3]
+    read = dict(question=row["question"], observations=[observation], tag="answer", text=answer, **tags)  # [Eq. 4]
     if initial_policy == "plain":  # pi_theta_0: all three pairs, so (2) and (3) share one input [§3.1]
         return [direct, search, read]
     return [direct] if knows else [search, read]  # pi_theta_0*: keep what fits the base model's knowledge [§3.1]
@@ -441,8 +443,8 @@ def sft_batch(examples, tokenizer, tag_ids, args, rng, world):
         texts = [ex["question"], *ex["observations"], ex["text"]]
         if world is not None and (ex["tag"] == "retrieve" or ex["observations"]) and rng.random() < args.augment_p:
             from common.toy import rename_entities  # simplification: toy-world augmentation (header item 4)
-            # popular names are shuffled among themselves unless the question is about memorised facts
-            texts = rename_entities(texts, world, rng, popular="keep" if ex["popular"] else "shuffle")
+            # as bench/toy_sft.py found: searched names onto non-popular ones, other names onto any (docs/toy_world.md)
+            texts = rename_entities(texts, world, rng, popular="keep" if ex["popular"] else "free", searched=ex["searched"])
         prompt = encode_states(tokenizer, [render_state(texts[0], texts[1:-1], args.templates)])[0]
         target = [tag_ids[ex["tag"]]] + tokenizer(" " + texts[-1], add_special_tokens=False)["input_ids"] + [tokenizer.eos_token_id]
         seqs.append((prompt + target, [-100] * len(prompt) + target))  # loss on the target only
@@ -464,6 +466,7 @@ def sft(accelerator, model, tokenizer, tag_ids, examples, args, world):
         if len(order) < args.sft_batch_size:
             order += rng.sample(range(len(examples)), len(examples))
         batch, order = order[:args.sft_batch_size], order[args.sft_batch_size:]
+        batch = batch[accelerator.process_index::accelerator.num_processes]  # same order on every rank, own share
         ids, labels, attention = (t.to(accelerator.device) for t in sft_batch([examples[i] for i in batch], tokenizer, tag_ids, args, rng, world))
         logits = model(input_ids=ids, attention_mask=attention).logits  # (B, T, V)
         loss = F.cross_entropy(logits[:, :-1].flatten(0, 1).float(), labels[:, 1:].flatten(), ignore_index=-100)
@@ -582,7 +585,7 @@ def result_record(args, before_sft, before, after, steps, wall):
 def train(args):
     """SFT warm-up, PPO, evaluation before and after; resumes from output_dir/sft and output_dir/ppo."""
     start, out = time.time(), Path(args.output_dir)
-    accelerator = Accelerator()
+    accelerator = Accelerator(cpu=not torch.cuda.is_available())
     out.mkdir(parents=True, exist_ok=True)
     set_seed(args.seed)
     train_rows = sample_rows(load_split(args, "train"), args.n_train, args.seed)
@@ -657,7 +660,7 @@ def train(args):
 def run_eval(args):
     """Evaluate --model (a checkpoint folder, or the untrained start) on the test split."""
     start, out = time.time(), Path(args.output_dir)
-    accelerator = Accelerator()
+    accelerator = Accelerator(cpu=not torch.cuda.is_available())
     out.mkdir(parents=True, exist_ok=True)
     set_seed(args.seed)
     policy, tokenizer, tag_ids = load_policy(args, accelerator.device)

@@ -1,21 +1,24 @@
 """Is the toy world learnable? Plain SFT of the tiny toy model on oracle retrieve-then-answer demonstrations.
 
-    python bench/toy_sft.py                      # about two minutes on 2 CPU cores
-    python bench/toy_sft.py --steps 300 --augment_p 0.0
+    python bench/toy_sft.py                      # about 3 min 15 s on 2 CPU cores (about 181 s of training)
+    python bench/toy_sft.py --types one_hop --steps 600 --curriculum 0   # a quicker probe
 
 Policy format (one step per call, greedy):  question : <q> [OBS] <passage> ... [ACT]  ->  [SEARCH] <entity> <word>
 or [ANSWER] <answer>, then EOS. The oracle searches "<entity> <relation word>" (metadata sub_queries) for every hop whose
 entity is not popular and answers directly from memory otherwise; retrieval is TF-IDF top-1 over the toy corpus.
-Each SFT example is renamed with probability --augment_p (common.toy.rename_entities, consistently across prompt and
-target, onto non-popular entities); popular entities are kept when the episode answers a hop from memory, else
-shuffled among popular entities (a tiny model otherwise fails to copy popular names from passages: it answers them
-from memory). Held-out: the test split, whose non-popular facts never
-appear in a training question; unanswerable questions are left out. Prints EM by question type and popularity.
+Renaming augmentation, fresh per batch: an example of an episode that uses no memorised fact is renamed with
+probability --augment_p (default 1: such facts are never memorised, only copied), its searched entities onto
+non-popular entities and every other name (answers, other passage names) onto any entity of its type, popular or
+not (--popular free: a tiny model otherwise answers popular names from memory instead of copying them out of the
+passage); an example that uses memory is renamed with probability --memory_p (default 0), popular names kept.
+Curriculum: the first --curriculum steps train on one-hop episodes only (the copy skill), then on all types
+(--one_hop_share of the later examples still drawn from one-hop episodes).
+Held-out: the test split, whose non-popular facts never appear in a training question; unanswerable questions are
+left out. Prints EM by question type and popularity.
 """
 import argparse
 import json
 import random
-import re
 import sys
 import time
 from collections import defaultdict
@@ -29,7 +32,7 @@ from common.data import load_qa
 from common.llm import generate
 from common.metrics import exact_match
 from common.retrieval import DenseRetriever, load_corpus, make_encoder
-from common.toy import DEFAULT_WORLD, TYPES as ENTITY_TYPES, load_toy_lm, load_world, rename_entities
+from common.toy import DEFAULT_WORLD, load_toy_lm, load_world, rename_entities
 
 TAGS = ("[SEARCH]", "[ANSWER]", "[OBS]", "[ACT]")
 
@@ -43,11 +46,14 @@ def parse_args():
     p.add_argument("--batch", type=int, default=64, help="examples per step")
     p.add_argument("--lr", type=float, default=2e-3, help="peak learning rate (AdamW)")
     p.add_argument("--warmup", type=int, default=50, help="linear warm-up steps, then linear decay to 0.1x")
-    p.add_argument("--augment_p", type=float, default=0.5, help="probability of renaming a retrieval example's entities")
-    p.add_argument("--memory_p", type=float, default=None, help="probability of renaming a memory example (default: augment_p)")
+    p.add_argument("--augment_p", type=float, default=1.0, help="probability of renaming a retrieval example's entities")
+    p.add_argument("--memory_p", type=float, default=0.0, help="probability of renaming a memory example")
     p.add_argument("--popular", default="free", choices=("free", "shuffle", "rename", "keep"),
                    help="renaming of popular names in examples that use no memorised fact")
     p.add_argument("--types", default="one_hop,two_hop,three_hop,comparison,yes_no", help="question types to train on")
+    p.add_argument("--curriculum", type=int, default=400, help="train on one-hop episodes only for this many first steps")
+    p.add_argument("--one_hop_share", type=float, default=0.5,
+                   help="after the curriculum, probability that an example is drawn from one-hop episodes only")
     p.add_argument("--eval_every", type=int, default=0, help="also evaluate every this many steps (0: only at the end)")
     p.add_argument("--threads", type=int, default=2, help="torch CPU threads")
     p.add_argument("--seed", type=int, default=0, help="seed of the model, batches and renaming")
@@ -60,40 +66,17 @@ def prompt_of(question, observations):
 
 
 def oracle_steps(row, passage_of):
-    """(prompt, target, uses memory, searched entities) of each step of the oracle episode of a QA row."""
+    """(prompt, target, uses memory, searched entities, question type) of each step of the oracle episode of a QA row."""
     m = row["metadata"]
     heads = m["entities"][:2] if m["type"] in ("comparison", "yes_no") else m["entities"][:-1]
     steps, observations, memory = [], [], any(m["popular_hops"])
     for head, query, popular in zip(heads, m["sub_queries"], m["popular_hops"]):
         if not popular:
-            steps.append((prompt_of(row["question"], observations), f"[SEARCH] {query}", memory, heads))
+            steps.append((prompt_of(row["question"], observations), f"[SEARCH] {query}", memory, heads, m["type"]))
             observations.append(passage_of[head])
-    steps.append((prompt_of(row["question"], observations), f"[ANSWER] {row['golden_answers'][0]}", memory, heads))
+    steps.append((prompt_of(row["question"], observations), f"[ANSWER] {row['golden_answers'][0]}", memory, heads,
+                  m["type"]))
     return steps
-
-
-def rename_free(texts, world, rng, heads):
-    """Rename every toy name of texts consistently: the searched entities (heads) onto non-popular entities of their
-    type, every other name (answers, other passage names) onto any entity of its type, popular or not, and years by
-    an order-preserving map. So popular names are copied out of passages in training, while every searched entity
-    stays non-popular (the "popular => answer from memory" signal stays consistent)."""
-    found = sorted({w for text in texts for w in re.findall(r"\b[a-z]+\b|\b\d{4}\b", text)})
-    names = [w for w in found if w in world["types"]]
-    mapping = {}
-    for etype in ENTITY_TYPES:
-        fixed = [n for n in names if world["types"][n] == etype and n in heads]
-        free = [n for n in names if world["types"][n] == etype and n not in heads]
-        mapping.update(zip(fixed, rng.sample(world["pools"][etype], len(fixed))))
-        used = set(mapping.values())
-        rest = [n for n in world["pools"][etype] + world["popular_pools"][etype] if n not in used]
-        mapping.update(zip(free, rng.sample(rest, len(free))))
-    lo, hi = world["year_range"]
-    years = [w for w in found if w.isdigit() and lo <= int(w) <= hi]
-    mapping.update(zip(years, map(str, sorted(rng.sample(range(lo, hi + 1), len(years))))))
-    if not mapping:
-        return list(texts)
-    pattern = re.compile(r"\b(" + "|".join(map(re.escape, mapping)) + r")\b")
-    return [pattern.sub(lambda m: mapping[m.group(1)], text) for text in texts]
 
 
 def rename_example(prompt, target, memory, heads, world, rng, popular):
@@ -101,7 +84,7 @@ def rename_example(prompt, target, memory, heads, world, rng, popular):
     if memory:
         return rename_entities([prompt, target], world, rng, popular="keep")
     if popular == "free":
-        return rename_free([prompt, target], world, rng, set(heads))
+        return rename_entities([prompt, target], world, rng, popular="free", searched=heads)
     return rename_entities([prompt, target], world, rng, popular=popular)
 
 
@@ -122,17 +105,18 @@ def make_batch(tokenizer, pairs):
 def train(model, tokenizer, pairs, world, args, test_rows, retriever):
     """SFT with AdamW, warm-up then linear decay, renaming augmentation per example (test EM every eval_every steps)."""
     rng = random.Random(args.seed)
+    one_hop = [pair for pair in pairs if pair[-1] == "one_hop"] or pairs
     opt = torch.optim.AdamW(model.parameters(), lr=args.lr, betas=(0.9, 0.98), weight_decay=0.0)
     schedule = lambda s: min(1.0, (s + 1) / args.warmup) * max(0.1, 1 - s / args.steps)  # noqa: E731
     sched = torch.optim.lr_scheduler.LambdaLR(opt, schedule)
     model.train()
     start = time.time()
     for step in range(args.steps):
-        batch = [rng.choice(pairs) for _ in range(args.batch)]
-        memory_p = args.augment_p if args.memory_p is None else args.memory_p
+        batch = [rng.choice(one_hop if step < args.curriculum or rng.random() < args.one_hop_share else pairs)
+                 for _ in range(args.batch)]
         batch = [rename_example(prompt, target, memory, heads, world, rng, args.popular)
-                 if rng.random() < (memory_p if memory else args.augment_p) else (prompt, target)
-                 for prompt, target, memory, heads in batch]
+                 if rng.random() < (args.memory_p if memory else args.augment_p) else (prompt, target)
+                 for prompt, target, memory, heads, _ in batch]
         ids, mask, labels = make_batch(tokenizer, batch)
         loss = model(input_ids=ids, attention_mask=mask, labels=labels).loss
         opt.zero_grad()
@@ -214,7 +198,8 @@ def main():
     for key, value in table.items():
         print(f"{key:28s} n={value['n']:4d} EM={value['em']:.3f} retrievals={value['retrievals']:.2f}")
     print("RESULT " + json.dumps({"train_s": round(train_s, 1), "eval_s": round(time.time() - start, 1),
-                                  "steps": args.steps, "augment_p": args.augment_p, "params": n_params,
+                                  "steps": args.steps, "augment_p": args.augment_p, "memory_p": args.memory_p,
+                                  "popular": args.popular, "curriculum": args.curriculum, "params": n_params,
                                   "test": table}, sort_keys=True))
 
 

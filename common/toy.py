@@ -385,14 +385,19 @@ def load_world(world_dir=DEFAULT_WORLD):
     return world
 
 
-def rename_entities(texts, world, rng, popular="keep", rename_years=True):
+def rename_entities(texts, world, rng, popular="keep", rename_years=True, searched=()):
     """Rename the toy entities of texts consistently (one injective map for all texts): non-popular ones onto
     non-popular entities of the same type, years by an order-preserving map. Popular entities: "keep" (their facts
     are the memory a model learns; years are then kept too), "shuffle" (onto other popular entities of the same type:
-    for texts that use no memorised fact) or "rename" (onto non-popular ones). Text without toy names is unchanged."""
-    if popular not in ("keep", "shuffle", "rename"):
-        raise ValueError(f"popular must be 'keep', 'shuffle' or 'rename', not {popular!r}")
+    for texts that use no memorised fact) or "rename" (onto non-popular ones). "free": the `searched` names onto
+    non-popular entities, every other name onto any entity of its type, popular or not (for texts that use no
+    memorised fact: popular names then get copied out of passages too, docs/toy_world.md). Text without toy names is
+    unchanged."""
+    if popular not in ("keep", "shuffle", "rename", "free"):
+        raise ValueError(f"popular must be 'keep', 'shuffle', 'rename' or 'free', not {popular!r}")
     world = load_world(str(world)) if isinstance(world, (str, Path)) else world
+    if popular == "free":
+        return rename_free(texts, world, rng, set(searched), rename_years)
     found = sorted({w for text in texts for w in re.findall(r"\b[a-z]+\b|\b\d{4}\b", text)})
     names = [w for w in found if w in world["types"]]
     moved = [n for n in names if popular == "rename" or n not in world["popular"]]
@@ -408,6 +413,27 @@ def rename_entities(texts, world, rng, popular="keep", rename_years=True):
     lo, hi = world["year_range"]
     kept = popular == "keep" and any(n in world["popular"] for n in names)
     years = [w for w in found if w.isdigit() and lo <= int(w) <= hi] if rename_years and not kept else []
+    mapping.update(zip(years, map(str, sorted(rng.sample(range(lo, hi + 1), len(years))))))
+    if not mapping:
+        return list(texts)
+    pattern = re.compile(r"\b(" + "|".join(map(re.escape, mapping)) + r")\b")
+    return [pattern.sub(lambda m: mapping[m.group(1)], text) for text in texts]
+
+
+def rename_free(texts, world, rng, searched, rename_years=True):
+    """rename_entities' "free" mode: searched names onto non-popular entities, other names onto any entity."""
+    found = sorted({w for text in texts for w in re.findall(r"\b[a-z]+\b|\b\d{4}\b", text)})
+    names = [w for w in found if w in world["types"]]
+    mapping = {}
+    for etype in TYPES:
+        fixed = [n for n in names if world["types"][n] == etype and n in searched]
+        free = [n for n in names if world["types"][n] == etype and n not in searched]
+        mapping.update(zip(fixed, rng.sample(world["pools"][etype], len(fixed))))
+        used = set(mapping.values())
+        rest = [n for n in world["pools"][etype] + world["popular_pools"][etype] if n not in used]
+        mapping.update(zip(free, rng.sample(rest, len(free))))
+    lo, hi = world["year_range"]
+    years = [w for w in found if w.isdigit() and lo <= int(w) <= hi] if rename_years else []
     mapping.update(zip(years, map(str, sorted(rng.sample(range(lo, hi + 1), len(years))))))
     if not mapping:
         return list(texts)

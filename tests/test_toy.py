@@ -279,6 +279,20 @@ def test_rename_entities_consistent_typed_and_answer_preserving():
                        ("rename", set(world["pools"]["person"]))):
         new = toy.rename_entities([f"{star} was born in 1931 ."], world, random.Random(1), popular=mode)[0].split()
         assert new[0] in pool and (new[4] == "1931") == (mode == "keep")
+    founder_q = next(r for r in load_qa(COMMITTED / "train.jsonl") if r["metadata"]["type"] == "one_hop"
+                     and r["metadata"]["answerable"] and not r["metadata"]["popular"]
+                     and r["golden_answers"][0] in world["popular"])  # a popular answer to copy out of a passage
+    head, answer = founder_q["metadata"]["entities"][0], founder_q["golden_answers"][0]
+    texts = [founder_q["question"], text_of[founder_q["metadata"]["supporting_doc_ids"][0]], answer]
+    seen_popular = 0
+    for seed in range(40):  # "free": the searched head goes to a non-popular name, the answer to any name of its type
+        q, doc, new_answer = toy.rename_entities(texts, world, random.Random(seed), popular="free", searched=[head])
+        new_head = q.split()[founder_q["question"].split().index(head)]
+        assert new_head not in world["popular"] and world["types"].get(new_head) == world["types"][head]
+        assert world["types"][new_answer] == world["types"][answer] and new_answer in doc.split()
+        assert reader_answer(reader, q, [doc]) == new_answer
+        seen_popular += new_answer in world["popular"]
+    assert 0 < seen_popular < 40
     with pytest.raises(ValueError, match="popular must be"):
         toy.rename_entities(["x"], world, rng, popular="all")
     assert toy.rename_entities(["question : who is it ?", "[SEARCH] 12 <think>"], world, rng) == [
