@@ -24,6 +24,8 @@ Deviations from the paper (each marked `# simplification:` where it lives):
 4. Toy world only: the warm-up rewriter (GPT-3.5 in the paper) is the oracle entity+relation rewrite from the
    question's metadata, the "does the base model know it" probe is the toy reader (the world's parametric memory),
    and SFT demonstrations get entity-renaming augmentation (a tiny model otherwise memorises instead of reading).
+   The toy preset trains and evaluates on one-hop questions (a PopQA-like mix of known, retrievable and unanswerable
+   facts; --question_types "" uses every type).
 5. SFT trains for a number of steps (toy) or epochs (paper: 1); evaluation decodes with beam search after the
    first-token threshold (paper: 4 beams; toy: 1, i.e. greedy).
 """
