@@ -545,13 +545,15 @@ def toy_world_or_none(args):
     return load_world(args.data_dir)
 
 
-def save_checkpoint(folder, model, tokenizer, state):
-    """save_pretrained + a json state, written into a temporary folder renamed into place."""
+def save_checkpoint(folder, model, tokenizer, state, tensors=None):
+    """save_pretrained, a json state and torch state dicts, written into a temporary folder renamed into place."""
     folder = Path(folder)
     tmp = folder.with_name(folder.name + ".tmp")
     shutil.rmtree(tmp, ignore_errors=True)
     model.save_pretrained(tmp)
     tokenizer.save_pretrained(tmp)
+    for name, value in (tensors or {}).items():
+        torch.save(value, tmp / name)
     (tmp / "smartrag_state.json").write_text(json.dumps(state))
     shutil.rmtree(folder, ignore_errors=True)
     tmp.rename(folder)
@@ -649,9 +651,8 @@ def train(args):
             accelerator.wait_for_everyone()
             unwrapped = accelerator.unwrap_model(model)
             if accelerator.is_main_process:
-                save_checkpoint(ppo_dir, unwrapped.policy, tokenizer, {"beta": beta, "iteration": it + 1})
-                torch.save(unwrapped.state_dict(), ppo_dir / "policy_and_value.pt")
-                torch.save(optimizer.state_dict(), ppo_dir / "optimizer.pt")
+                save_checkpoint(ppo_dir, unwrapped.policy, tokenizer, {"beta": beta, "iteration": it + 1},
+                                {"policy_and_value.pt": unwrapped.state_dict(), "optimizer.pt": optimizer.state_dict()})
     policy = accelerator.unwrap_model(model).policy
     after = evaluate_both(policy, tokenizer, retriever, test_rows, args, tag_ids)
     accelerator.print(f"after PPO | {brief(after)}")
