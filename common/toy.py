@@ -414,10 +414,7 @@ def rename_entities(texts, world, rng, popular="keep", rename_years=True, search
     kept = popular == "keep" and any(n in world["popular"] for n in names)
     years = [w for w in found if w.isdigit() and lo <= int(w) <= hi] if rename_years and not kept else []
     mapping.update(zip(years, map(str, sorted(rng.sample(range(lo, hi + 1), len(years))))))
-    if not mapping:
-        return list(texts)
-    pattern = re.compile(r"\b(" + "|".join(map(re.escape, mapping)) + r")\b")
-    return [pattern.sub(lambda m: mapping[m.group(1)], text) for text in texts]
+    return apply_mapping(texts, mapping)
 
 
 def rename_free(texts, world, rng, searched, rename_years=True):
@@ -435,6 +432,11 @@ def rename_free(texts, world, rng, searched, rename_years=True):
     lo, hi = world["year_range"]
     years = [w for w in found if w.isdigit() and lo <= int(w) <= hi] if rename_years else []
     mapping.update(zip(years, map(str, sorted(rng.sample(range(lo, hi + 1), len(years))))))
+    return apply_mapping(texts, mapping)
+
+
+def apply_mapping(texts, mapping):
+    """Replace whole words of texts by their image under mapping (texts unchanged when it is empty)."""
     if not mapping:
         return list(texts)
     pattern = re.compile(r"\b(" + "|".join(map(re.escape, mapping)) + r")\b")
