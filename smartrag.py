@@ -23,17 +23,19 @@ Deviations from the paper (each marked `# simplification:` where it lives):
    are whitened per minibatch, the value model is a copy of the SFT policy with a bias-free linear head.
 4. Toy world only: the warm-up rewriter (GPT-3.5 in the paper) is the oracle entity+relation rewrite from the
    question's metadata, the "does the base model know it" probe is the toy reader (the world's parametric memory),
-   and SFT demonstrations get entity-renaming augmentation (a tiny model otherwise memorises instead of reading).
+   and SFT demonstrations get entity-renaming augmentation (a tiny model otherwise memorises instead of reading);
+   so do PPO episodes of not-popular training questions (--rl_augment_p: question, passages and golds renamed
+   through one bijection of the world's names, the queries mapped back to search the real corpus).
    The toy preset trains and evaluates on one-hop questions (a PopQA-like mix of known, retrievable and unanswerable
    facts; --question_types "" uses every type).
 5. SFT trains for a number of steps (toy) or epochs (paper: 1); evaluation decodes with beam search after the
-   first-token threshold (paper: 4 beams; toy: 1, i.e. greedy).
+   first-token threshold (paper: 4 beams; toy: 1, i.e. greedy). The toy preset's PPO takes 128 questions per rollout
+   and one minibatch of all their sequences at lr 1e-4 (paper: 5120 tokens, minibatches of 32, lr 2e-6): smaller
+   noisy minibatches made the tiny policy drift without gain (docs/smartrag.md, "Toy results").
 """
 import copy
-import json
 import math
 import random
-import shutil
 import time
 from collections import defaultdict
 from dataclasses import asdict, dataclass, field
@@ -49,6 +51,8 @@ from common.data import load_qa, sample_rows
 from common.llm import chat_prompts, generate, left_pad, load_model_and_tokenizer, make_llm
 from common.metrics import cover_em, exact_match, f1_score
 from common.retrieval import DenseRetriever, make_encoder
+from common.runs import append_metrics, load_state, save_checkpoint, write_results
+from common.toy import apply_mapping, rename_entities, world_renaming
 
 
 @dataclass
@@ -87,6 +91,7 @@ class Args:
     sft_lr: Optional[float] = field(default=None, metadata={"help": "SFT learning rate [§4: 3e-4]"})
     sft_batch_size: Optional[int] = field(default=None, metadata={"help": "SFT batch size [§4: 8]"})
     augment_p: Optional[float] = field(default=None, metadata={"help": "entity-renaming probability for retrieval pairs"})
+    rl_augment_p: Optional[float] = field(default=None, metadata={"help": "renaming probability of a not-popular PPO episode"})
     # PPO [§3.2, §4]
     ppo_iterations: Optional[int] = field(default=None, metadata={"help": "PPO iterations (impl: 100 for T5-large)"})
     rollout_tokens: Optional[int] = field(default=None, metadata={"help": "generated tokens per iteration [§4: 5120]"})
@@ -111,12 +116,12 @@ class Args:
 
 PRESETS = {  # values for the fields left at None; any flag overrides them
     "toy": dict(data_dir="data/toy", model="toy-lm", lora_r=0, templates="compact", top_k=1, question_types="one_hop", rewriter="oracle",
-                base_llm="toy", sft_steps=600, sft_lr=2e-3, sft_batch_size=64, augment_p=1.0, ppo_iterations=100,
-                rollout_tokens=0, rollout_batch=64, ppo_lr=2e-4, ppo_batch_size=32, max_new_tokens=8, num_beams=1,
+                base_llm="toy", sft_steps=1200, sft_lr=2e-3, sft_batch_size=64, augment_p=1.0, rl_augment_p=1.0, ppo_iterations=60,
+                rollout_tokens=0, rollout_batch=128, ppo_lr=1e-4, ppo_batch_size=256, max_new_tokens=8, num_beams=1,
                 n_eval=None),
     "paper": dict(data_dir="data/smartrag", model="meta-llama/Llama-2-7b-chat-hf", lora_r=16, templates="paper",
                   top_k=4, question_types="", rewriter="", base_llm="hf:meta-llama/Llama-2-7b-chat-hf", sft_steps=0, sft_lr=3e-4,
-                  sft_batch_size=8, augment_p=0.0, ppo_iterations=50, rollout_tokens=5120, rollout_batch=64,
+                  sft_batch_size=8, augment_p=0.0, rl_augment_p=0.0, ppo_iterations=50, rollout_tokens=5120, rollout_batch=64,
                   ppo_lr=2e-6, ppo_batch_size=32, max_new_tokens=50, num_beams=4, n_eval=None),
 }
 
@@ -327,10 +332,29 @@ def rollout(model, tokenizer, retriever, rows, args, tag_ids, greedy, seed):
             e["done"] = kind != "retrieve"  # [Alg. 1 L8-10] an answer (or an invalid action) ends the episode
             e["answer"] = text if kind == "answer" else e["answer"]
         searching = [e for e in live if not e["done"]]
-        hits = retriever.search([e["turns"][-1]["text"] or e["row"]["question"] for e in searching], args.top_k)
-        for e, h in zip(searching, hits):  # [Alg. 1 L9] o = R(a_1:), os = [os, o]
-            e["observations"].append(format_observation(h))
+        for e, o in zip(searching, search(retriever, searching, args.top_k)):  # [Alg. 1 L9] o = R(a_1:), os = [os, o]
+            e["observations"].append(o)
     return episodes
+
+
+def search(retriever, episodes, top_k):
+    """The observation of each episode's last query (the question when the query is empty), one batched search."""
+    queries = [e["turns"][-1]["text"] or e["row"]["question"] for e in episodes]
+    renames = [e["row"].get("rename") for e in episodes]  # simplification: toy-world RL augmentation (header item 4)
+    queries = [apply_mapping([q], r[1])[0] if r else q for q, r in zip(queries, renames)]  # back to the real corpus
+    observations = [format_observation(h) for h in retriever.search(queries, top_k)]
+    return [apply_mapping([o], r[0])[0] if r else o for o, r in zip(observations, renames)]  # and forward again
+
+
+def renamed_row(row, world, rng):
+    """A not-popular training question with its entities renamed for one PPO episode (toy world, like the SFT
+    augmentation): the question and golds through a fresh bijection of the world's names, kept with its inverse so
+    the episode's queries search the real corpus and its passages read renamed. Popular questions stay as they are."""
+    if row["metadata"].get("popular", False):
+        return row
+    forward, inverse = world_renaming(world, rng, searched=row["metadata"].get("entities", [])[:1])
+    question, *golds = apply_mapping([row["question"], *row["golden_answers"]], forward)
+    return dict(row, question=question, golden_answers=golds, rename=(forward, inverse))
 
 
 # --------------------------------------------------------------------------- 6. PPO pieces [§3.2]
@@ -444,7 +468,6 @@ def sft_batch(examples, tokenizer, tag_ids, args, rng, world):
     for ex in examples:
         texts = [ex["question"], *ex["observations"], ex["text"]]
         if world is not None and (ex["tag"] == "retrieve" or ex["observations"]) and rng.random() < args.augment_p:
-            from common.toy import rename_entities  # simplification: toy-world augmentation (header item 4)
             # as bench/toy_sft.py found: searched names onto non-popular ones, other names onto any (docs/toy_world.md)
             texts = rename_entities(texts, world, rng, popular="keep" if ex["popular"] else "free", searched=ex["searched"])
         prompt = encode_states(tokenizer, [render_state(texts[0], texts[1:-1], args.templates)])[0]
@@ -539,40 +562,10 @@ def load_split(args, split):
 
 def toy_world_or_none(args):
     """The toy world of data_dir when it has one and augmentation is on (renaming needs its entity lists)."""
-    if not args.augment_p or not (Path(args.data_dir) / "world.json").is_file():
+    if not (args.augment_p or args.rl_augment_p) or not (Path(args.data_dir) / "world.json").is_file():
         return None
     from common.toy import load_world
     return load_world(args.data_dir)
-
-
-def save_checkpoint(folder, model, tokenizer, state, tensors=None):
-    """save_pretrained, a json state and torch state dicts, written into a temporary folder renamed into place."""
-    folder = Path(folder)
-    tmp = folder.with_name(folder.name + ".tmp")
-    shutil.rmtree(tmp, ignore_errors=True)
-    model.save_pretrained(tmp)
-    tokenizer.save_pretrained(tmp)
-    for name, value in (tensors or {}).items():
-        torch.save(value, tmp / name)
-    (tmp / "smartrag_state.json").write_text(json.dumps(state))
-    shutil.rmtree(folder, ignore_errors=True)
-    tmp.rename(folder)
-
-
-def append_metrics(path, record, accelerator):
-    """One json line per update in metrics.jsonl (main process only)."""
-    if accelerator.is_main_process:
-        with open(path, "a") as f:
-            f.write(json.dumps(record) + "\n")
-
-
-def write_results(out, results, accelerator):
-    """results.json (atomic) and the final RESULT line."""
-    if accelerator.is_main_process:
-        tmp = out / "results.json.tmp"
-        tmp.write_text(json.dumps(results, indent=1))
-        tmp.replace(out / "results.json")
-        print("RESULT " + json.dumps(results), flush=True)
 
 
 def result_record(args, before_sft, before, after, steps, wall):
@@ -595,13 +588,14 @@ def train(args):
     train_rows = sample_rows(load_split(args, "train"), args.n_train, args.seed)
     test_rows = load_split(args, "test")[:args.n_eval]
     retriever = build_retriever(args)
-    log = lambda record: append_metrics(out / "metrics.jsonl", record, accelerator)
+    log = lambda record: append_metrics(out / "metrics.jsonl", record, accelerator.is_main_process)
+    world = toy_world_or_none(args)  # simplification: the toy world's renaming augmentation (header item 4)
     # ---- warm-up SFT (skipped when a finished SFT checkpoint exists)
     sft_dir, steps = out / "sft", {"sft": 0, "ppo": 0}
-    if (sft_dir / "smartrag_state.json").is_file():
+    if (state := load_state(sft_dir)) is not None:  # resume: the warm-up is done
         args_model, args.model = args.model, str(sft_dir)
         policy, tokenizer, tag_ids = load_policy(args, accelerator.device)
-        args.model, state = args_model, json.loads((sft_dir / "smartrag_state.json").read_text())
+        args.model = args_model
         before_sft, steps["sft"] = state["before_sft"], state["steps"]
     else:
         policy, tokenizer, tag_ids = load_policy(args, accelerator.device)
@@ -610,7 +604,7 @@ def train(args):
         examples, known = build_warmup(train_rows, retriever, args)
         accelerator.print(f"warm-up: {len(examples)} pairs from {len(train_rows)} questions ({args.initial_policy}; "
                           f"base model knows {known:.2f})")
-        policy, steps["sft"] = sft(accelerator, policy, tokenizer, tag_ids, examples, args, toy_world_or_none(args))
+        policy, steps["sft"] = sft(accelerator, policy, tokenizer, tag_ids, examples, args, world)
         if accelerator.is_main_process:
             save_checkpoint(sft_dir, policy, tokenizer, {"before_sft": before_sft, "steps": steps["sft"]})
     before = evaluate_both(policy, tokenizer, retriever, test_rows, args, tag_ids)
@@ -621,8 +615,7 @@ def train(args):
     model = PolicyAndValue(policy)
     optimizer = torch.optim.AdamW(model.parameters(), lr=args.ppo_lr, weight_decay=1e-6)  # impl: wd 1e-6
     ppo_dir, beta, first = out / "ppo", args.kl_init, 0
-    if (ppo_dir / "smartrag_state.json").is_file():  # resume
-        state = json.loads((ppo_dir / "smartrag_state.json").read_text())
+    if (state := load_state(ppo_dir)) is not None:  # resume
         model.load_state_dict(torch.load(ppo_dir / "policy_and_value.pt", map_location="cpu"))
         optimizer.load_state_dict(torch.load(ppo_dir / "optimizer.pt", map_location="cpu"))
         beta, first = state["beta"], state["iteration"]
@@ -636,6 +629,7 @@ def train(args):
         policy_now = accelerator.unwrap_model(model).policy
         while not episodes or sum(len(t["action_ids"]) for e in episodes for t in e["turns"]) < args.rollout_tokens:
             rows = rng.sample(train_rows, min(args.rollout_batch, len(train_rows)))
+            rows = [renamed_row(r, world, rng) if world and rng.random() < args.rl_augment_p else r for r in rows]
             episodes += rollout(policy_now, tokenizer, retriever, rows, args, tag_ids, greedy=False,
                                 seed=args.seed * 100_003 + it * 97 + len(episodes) + accelerator.process_index)
         stats = ppo_iteration(accelerator, model, ref, optimizer, tokenizer, episodes, beta, args)
@@ -657,7 +651,7 @@ def train(args):
     after = evaluate_both(policy, tokenizer, retriever, test_rows, args, tag_ids)
     accelerator.print(f"after PPO | {brief(after)}")
     log({"stage": "ppo", "eval": after})
-    write_results(out, result_record(args, before_sft, before, after, steps, time.time() - start), accelerator)
+    write_results(out, result_record(args, before_sft, before, after, steps, time.time() - start), accelerator.is_main_process)
 
 
 def run_eval(args):
@@ -670,7 +664,7 @@ def run_eval(args):
     rows = load_split(args, "test")[:args.n_eval]
     result = evaluate_both(policy, tokenizer, build_retriever(args), rows, args, tag_ids)
     accelerator.print(f"eval | {brief(result)}")
-    write_results(out, result_record(args, None, result, None, {"sft": 0, "ppo": 0}, time.time() - start), accelerator)
+    write_results(out, result_record(args, None, result, None, {"sft": 0, "ppo": 0}, time.time() - start), accelerator.is_main_process)
 
 
 def ask(args):

@@ -162,12 +162,19 @@ def evaluate(model, tokenizer, rows, retriever, max_steps=4):
     return ems, searches
 
 
+def knowledge_group(meta):
+    """"unseen" (no hop uses a memorised fact: every fact is only in the corpus and in no training question),
+    "popular" (every hop memorised) or "mixed" (memory and reading must be combined in one chain)."""
+    hops = meta["popular_hops"]
+    return "popular" if all(hops) else "mixed" if any(hops) else "unseen"
+
+
 def report(rows, ems, searches):
     """EM and retrievals per question type and popularity, as a dict."""
     groups = defaultdict(list)
     for r, em, n in zip(rows, ems, searches):
         m = r["metadata"]
-        for key in ("all", m["type"], f"{m['type']} popular" if m["popular"] else f"{m['type']} unseen"):
+        for key in ("all", m["type"], f"{m['type']} {knowledge_group(m)}"):
             groups[key].append((em, n))
     return {k: {"n": len(v), "em": round(sum(e for e, _ in v) / len(v), 3),
                 "retrievals": round(sum(n for _, n in v) / len(v), 2)} for k, v in sorted(groups.items())}

@@ -435,6 +435,22 @@ def rename_free(texts, world, rng, searched, rename_years=True):
     return apply_mapping(texts, mapping)
 
 
+def world_renaming(world, rng, searched=()):
+    """A type-preserving bijection of all the world's names, as (forward, inverse) dicts: the `searched` names onto
+    non-popular entities, every other name onto what is left of its type (years kept). For augmenting whole episodes
+    whose later texts are not known yet (RL rollouts): a policy's query goes back through `inverse` to the real
+    corpus, the passages found come forward through `forward`."""
+    forward = {}
+    for etype in TYPES:
+        names = sorted(n for n, t in world["types"].items() if t == etype)
+        fixed = [n for n in names if n in searched]
+        forward.update(zip(fixed, rng.sample(world["pools"][etype], len(fixed))))
+        used = set(forward.values())
+        rest = [n for n in names if n not in used]
+        forward.update(zip([n for n in names if n not in searched], rng.sample(rest, len(rest))))
+    return forward, {v: k for k, v in forward.items()}
+
+
 def apply_mapping(texts, mapping):
     """Replace whole words of texts by their image under mapping (texts unchanged when it is empty)."""
     if not mapping:

@@ -21,7 +21,8 @@ def test_method_files_stay_under_the_cap(name):
     assert code_lines(path) <= 800, f"{name}: over the 800-line cap; fork or simplify"
 
 
-@pytest.mark.parametrize("name, cap", [("llm.py", 260), ("retrieval.py", 300), ("metrics.py", 60), ("data.py", 70)])
+@pytest.mark.parametrize("name, cap", [("llm.py", 260), ("retrieval.py", 300), ("metrics.py", 60), ("data.py", 70),
+                                       ("runs.py", 60)])
 def test_common_plumbing_stays_small(name, cap):
     assert code_lines(ROOT / "common" / name) <= cap
 

@@ -254,9 +254,13 @@ def test_threshold_decides_the_first_token(tagged, monkeypatch):
 
 
 def test_importing_the_method_file_does_no_work():
-    out = subprocess.run([sys.executable, "-c", "import sys, smartrag; print('torch.nn' in sys.modules)"],
-                         cwd=ROOT, capture_output=True, text=True, check=True)
-    assert out.stdout.strip() == "True"  # imports only; no model, index or data is loaded (nothing else to observe)
+    code = ("import common.data, common.llm, common.retrieval, common.toy\n"
+            "def work(*args, **kwargs): raise SystemExit('work at import time')\n"
+            "common.llm.load_model_and_tokenizer = common.llm.make_llm = common.data.load_qa = work\n"
+            "common.retrieval.DenseRetriever.build = common.retrieval.DenseRetriever.load = common.toy.load_world = work\n"
+            "import smartrag\nprint('imported')")  # no model, LLM, data, index or world is loaded by the import
+    out = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True)
+    assert out.returncode == 0 and out.stdout.strip() == "imported", out.stderr[-2000:]
 
 
 # ---------------------------------------------------------------- end to end on the toy world
@@ -299,3 +303,27 @@ def test_toy_train_then_eval_the_checkpoint(tmp_path, templates):
 def test_bad_preset_is_a_clear_error():
     done = run(["--train", "--preset", "nope"], ROOT)
     assert done.returncode != 0 and "--preset must be one of" in done.stderr
+
+
+def test_a_renamed_ppo_episode_searches_the_real_corpus_and_reads_renamed_passages():
+    import random
+    from common.retrieval import DenseRetriever, load_corpus, make_encoder
+    from common.toy import DEFAULT_WORLD, apply_mapping, load_world
+    world, rows = load_world(DEFAULT_WORLD), smartrag.load_qa(Path(DEFAULT_WORLD) / "train.jsonl")
+    retriever = DenseRetriever.build(load_corpus(Path(DEFAULT_WORLD) / "corpus.jsonl"), make_encoder("tfidf"))
+    popular = next(r for r in rows if r["metadata"]["popular"])
+    assert smartrag.renamed_row(popular, world, random.Random(0)) is popular  # memorised facts keep their names
+    row = next(r for r in rows if r["metadata"]["type"] == "one_hop" and r["metadata"]["answerable"]
+               and not r["metadata"]["popular"])
+    renamed = smartrag.renamed_row(row, world, random.Random(0))
+    forward, _ = renamed["rename"]
+    head, query = row["metadata"]["entities"][0], row["metadata"]["sub_queries"][0]
+    assert forward[head] in renamed["question"].split() and head not in renamed["question"].split()
+    assert renamed["golden_answers"] == [forward.get(a, a) for a in row["golden_answers"]]
+    episode = {"row": renamed, "turns": [{"text": apply_mapping([query], forward)[0]}]}  # the policy's renamed query
+    observation = smartrag.search(retriever, [episode], 1)[0]
+    real = smartrag.format_observation(retriever.search([query], 1)[0])
+    assert observation == apply_mapping([real], forward)[0] and observation != real
+    assert renamed["golden_answers"][0] in observation.split()  # the renamed answer is there to copy
+    plain = {"row": row, "turns": [{"text": query}]}
+    assert smartrag.search(retriever, [plain], 1) == [real]

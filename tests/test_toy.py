@@ -359,3 +359,16 @@ def test_cli_writes_a_world(tmp_path, capsys):
     toy.main(["--seed", "2", "--out", str(tmp_path / "w"), "--size", "0.5"])
     stats = json.loads(capsys.readouterr().out)
     assert stats["entities"]["person"] == 60 and (tmp_path / "w" / "world.json").is_file()
+
+
+def test_world_renaming_is_a_typed_bijection_sending_searched_names_to_non_popular_ones():
+    world = toy.load_world(str(COMMITTED))
+    star = sorted(world["popular_pools"]["person"])[0]
+    for seed in range(5):
+        forward, inverse = toy.world_renaming(world, random.Random(seed), searched=[star])
+        assert set(forward) == set(world["types"]) == set(forward.values())  # every name, onto every name
+        assert all(inverse[forward[n]] == n and world["types"][forward[n]] == world["types"][n] for n in forward)
+        assert forward[star] in world["pools"]["person"]  # a searched popular name becomes a non-popular one
+    assert toy.world_renaming(world, random.Random(3), [star]) == toy.world_renaming(world, random.Random(3), [star])
+    text = f"{star} was born in 1931 ."
+    assert toy.apply_mapping(toy.apply_mapping([text], forward), inverse) == [text]  # years kept, round trip exact

@@ -1,0 +1,460 @@
+"""C-3PO: the spec's worked numbers (K(t), stop rules, Eq. 5 credit on the hand-built tree, GAE, PPO clipping), the
+three agents' parsers, loss masks, the batched tree rollout with a scripted proxy, the toy teacher, and an end-to-end
+toy run followed by --eval of its checkpoint."""
+import copy
+import json
+import random
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+import c3po
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+# ---------------------------------------------------------------- K(t) and the stop rules [Eq. 2], spec §8.1, §8.4
+def test_branching_factor_schedule():
+    assert [c3po.branching(t) for t in range(1, 8)] == [2, 2, 2, 2, 1, 1, 1]
+    assert [c3po.branching(t, k=3, until=2) for t in (1, 2, 3)] == [3, 3, 1]
+
+
+@pytest.mark.parametrize("n_docs, depth, forced", [(0, 11, True), (0, 9, False), (11, 5, True), (10, 5, False),
+                                                   (0, 10, False), (0, 13, True)])
+def test_decision_maker_is_forced_by_depth_or_documents(n_docs, depth, forced):
+    assert c3po.dm_forced(n_docs, depth, max_documents=10, max_depth=13) is forced
+
+
+# ---------------------------------------------------------------- Monte Carlo credit [Eq. 5], spec §8.3
+def spec_tree():
+    """The spec's hand-built tree (§8.3): names -> index, nodes in parent-first order."""
+    spec = [("root", None, "root"), ("RR1", "root", "router"), ("L1", "RR1", 0.0), ("RR2", "root", "router"),
+            ("F1", "RR2", "filter"), ("L2", "F1", 1.0), ("F2", "RR2", "filter"), ("L3", "F2", 0.0),
+            ("RR3", "root", "router"), ("P", "RR3", "roadmap"), ("DM1", "P", "dm"), ("L4", "DM1", 0.0),
+            ("DM2", "P", "dm"), ("F3", "DM2", "filter"), ("DM3", "F3", "dm"), ("L5", "DM3", 1.0),
+            ("F4", "DM2", "filter"), ("DM4", "F4", "dm"), ("F5", "DM4", "filter"), ("DM5", "F5", "dm"), ("L6", "DM5", 0.0)]
+    index = {name: i for i, (name, _, _) in enumerate(spec)}
+    nodes = [dict(kind="leaf", reward=k, parent=index[p]) if isinstance(k, float) else
+             dict(kind=k, parent=None if p is None else index[p]) for _, p, k in spec]
+    return nodes, index
+
+
+def test_credit_is_the_mean_over_reachable_leaves():
+    nodes, at = spec_tree()
+    credit = c3po.leaf_credits(nodes)
+    expected = {"RR1": 0.0, "RR2": 0.5, "F1": 1.0, "F2": 0.0, "RR3": 1 / 3, "DM1": 0.0, "DM2": 0.5, "F3": 1.0,
+                "DM3": 1.0, "F4": 0.0, "DM4": 0.0, "F5": 0.0, "DM5": 0.0, "root": 1 / 3}
+    for name, value in expected.items():
+        assert credit[at[name]] == pytest.approx(value), name
+    # the mean of the children's means is NOT Eq. 5: RR3's children DM1 (0) and DM2 (0.5) average to 0.25
+    assert (credit[at["DM1"]] + credit[at["DM2"]]) / 2 == pytest.approx(0.25) != pytest.approx(credit[at["RR3"]])
+    assert credit[at["RR3"]] == pytest.approx((1 * 0.0 + 2 * 0.5) / 3)  # leaf-count-weighted mean of children
+    assert sum(n["kind"] in c3po.AGENTS for n in nodes) == 13  # RR 3 + filter 5 + DM 5 samples; roadmap, leaves none
+
+
+def test_single_trajectory_gives_every_node_the_trajectory_reward():
+    nodes, at = spec_tree()
+    path = ["root", "RR3", "P", "DM2", "F4", "DM4", "F5", "DM5", "L6"]  # spec §8.3 contrast: DM2's credit would be 0
+    keep = {at[n] for n in path}
+    remap = {old: new for new, old in enumerate(sorted(keep))}
+    single = [dict(n, parent=None if n["parent"] is None else remap[n["parent"]]) for i, n in enumerate(nodes) if i in keep]
+    assert c3po.leaf_credits(single) == [0.0] * len(single)
+
+
+# ---------------------------------------------------------------- parsers, spec §8.5 (and the toy tokenizer's spacing)
+@pytest.mark.parametrize("text, parsed", [
+    ("[Retrieval] who wrote Hamlet", ("Retrieval", "who wrote Hamlet")),
+    ("[Retrieval]", None), ("[Retrieval]   ", None),
+    ("[No Retrieval]", ("No Retrieval", "")), ("[Planning]", ("Planning", "")),
+    ("Retrieval: x", None), ("[Search] x", None), ("", None),
+    ("[ retrieval ] zekil directed", ("Retrieval", "zekil directed")), ("[ no retrieval ]", ("No Retrieval", "")),
+])
+def test_parse_router(text, parsed):
+    assert c3po.parse_router(text) == parsed
+
+
+def test_router_query_is_truncated_to_100_words():
+    action, query = c3po.parse_router("[Retrieval] " + " ".join(f"w{i}" for i in range(150)))
+    assert action == "Retrieval" and query.split() == [f"w{i}" for i in range(100)]
+
+
+@pytest.mark.parametrize("text, strict, parsed", [
+    ("Thought: d1 ok\nAction: [1, 3]", True, ("d1 ok", [1, 3])),
+    ("Thought: x\nAction: [3, 3, 1]", True, ("x", [3, 1])),
+    ("Thought: x\nAction: []", True, ("x", [])),
+    ("Thought: x\nAction: [7]", True, None),
+    ("Thought: x\nAction: [7]", False, ("x", [])),
+    ("Thought: x\nAction: [2, 7]", False, ("x", [2])),
+    ("Action: [1]", True, None),
+    ("Thought: x\nAction: [a]", True, None),
+    ("Thought: x\nAction: 1, 2", True, None),
+    ("thought : keep 1 , 3 . action : [ 1 , 3 ]", True, ("keep 1 , 3 .", [1, 3])),
+])
+def test_parse_filter(text, strict, parsed):
+    assert c3po.parse_filter(text, n_docs=5, strict=strict) == parsed
+
+
+@pytest.mark.parametrize("text, parsed", [
+    ("Thought: need director\nAction: [Retrieval] director of X", ("need director", "Retrieval", "director of X")),
+    ("Thought: enough\nAction: [LLM]", ("enough", "LLM", "")),
+    ("Thought: t\nAction: [Retrieval]", None),
+    ("Action: [LLM]", None),
+    ("Thought: t\nAction: [Planning]", None),
+    ("Thought: t\nAction: LLM", None),
+    ("thought : need step 2 . action : [ retrieval ] velbo born", ("need step 2 .", "Retrieval", "velbo born")),
+])
+def test_parse_decision_maker(text, parsed):
+    assert c3po.parse_dm(text) == parsed
+
+
+def test_templates_and_documents():
+    docs = [{"title": "Hamlet", "text": "A play."}, {"title": "Macbeth", "text": "Another."}]
+    assert c3po.format_documents(docs) == "Document 1 (Title: Hamlet): A play.\n\nDocument 2 (Title: Macbeth): Another."
+    paper = c3po.TEMPLATES["paper"]
+    assert paper["router"].endswith("Question: {question}") and "[Retrieval] `YOUR QUERY HERE`" in paper["router"]
+    assert "Current step's objectives: {objective}" in paper["filter_plan"] and "{objective}" not in paper["filter_direct"]
+    assert "Plan: {roadmap}" in paper["dm"] and "Action: [LLM]" in paper["dm_llm"] and "[Retrieval]" not in paper["dm_llm"]
+    assert paper["roadmap"].startswith("You are an expert assistant tasked with analyzing the following question")
+    for name in ("answer", "answer_no_docs"):  # the roadmap is never passed to the answer [Alg. 1 L18]
+        assert "{roadmap}" not in paper[name] and "{roadmap}" not in c3po.TEMPLATES["compact"][name]
+    assert set(paper) == set(c3po.TEMPLATES["compact"])
+    assert c3po.placeholder("q1") == {"title": "q1", "text": "None relevant information about q1"}
+
+
+# ---------------------------------------------------------------- GAE, KL in the reward, PPO clipping, spec §8.7
+def test_gae_within_a_node():
+    adv, ret = c3po.gae([0, 0, 1], [0.2, 0.4, 0.5], 1.0, 0.95)
+    assert adv == pytest.approx([0.74625, 0.575, 0.5]) and ret == pytest.approx([0.94625, 0.975, 1.0])
+    adv, ret = c3po.gae(c3po.token_rewards(0.5, [0, 0, 0], [0, 0, 0], 0.005), [0.3] * 3, 1.0, 0.95)
+    assert adv == pytest.approx([0.1805, 0.19, 0.2]) and ret == pytest.approx([0.4805, 0.49, 0.5])
+
+
+def test_kl_penalty_enters_the_token_rewards():
+    rewards = c3po.token_rewards(1.0, [0.1, -0.2, 0.05], [0.0, 0.0, 0.0], 0.005)
+    assert rewards == pytest.approx([-0.0005, 0.001, 0.99975])
+    adv, ret = c3po.gae(rewards, [0.2, 0.4, 0.5], 1.0, 0.95)
+    assert adv == pytest.approx([0.746474375, 0.5757625, 0.49975]) and ret == pytest.approx([0.946474375, 0.9757625, 0.99975])
+
+
+@pytest.mark.parametrize("ratio, advantage, loss", [(1.3, 0.5, -0.6), (0.7, -1.0, 0.8), (1.0, 0.7, -0.7), (1.0, -0.3, 0.3)])
+def test_clipped_surrogate(ratio, advantage, loss):
+    one = torch.ones(1, 1)
+    pg, r = c3po.clipped_surrogate(torch.log(one * ratio), 0 * one, advantage * one, one, 0.2)
+    assert pg.item() == pytest.approx(loss, abs=1e-6) and r.item() == pytest.approx(ratio)
+
+
+def test_no_gradient_beyond_the_clip_and_masked_tokens_ignored():
+    new = torch.log(torch.tensor([[1.3, 1.1]])).requires_grad_()
+    pg, _ = c3po.clipped_surrogate(new, torch.zeros(1, 2), torch.tensor([[0.5, 0.5]]), torch.tensor([[1.0, 1.0]]), 0.2)
+    pg.backward()
+    assert new.grad[0, 0].item() == 0.0 and new.grad[0, 1].item() == pytest.approx(-0.5 * 1.1 / 2)
+    pg, _ = c3po.clipped_surrogate(torch.tensor([[0.0, 5.0]]), torch.zeros(1, 2), torch.tensor([[1.0, 99.0]]),
+                                   torch.tensor([[1.0, 0.0]]), 0.2)
+    assert pg.item() == pytest.approx(-1.0)
+
+
+def test_node_samples_mask_exactly_the_action_tokens():
+    nodes = [dict(kind="root", parent=None), dict(kind="router", parent=0, prompt_ids=[5, 6, 7], action_ids=[8, 1]),
+             dict(kind="roadmap", parent=1), dict(kind="dm", parent=2, prompt_ids=[5], action_ids=[9, 9, 1]),
+             dict(kind="leaf", parent=3, reward=1.0), dict(kind="dm", parent=2, prompt_ids=[5], action_ids=[4, 1]),
+             dict(kind="leaf", parent=5, reward=0.0)]
+    samples = c3po.node_samples([{"nodes": nodes}])
+    assert [(s["agent"], s["ids"], s["loss_mask"], s["credit"]) for s in samples] == [
+        ("router", [5, 6, 7, 8, 1], [0, 0, 0, 1, 1], 0.5), ("dm", [5, 9, 9, 1], [0, 1, 1, 1], 1.0),
+        ("dm", [5, 4, 1], [0, 1, 1], 0.0)]
+    ids, attention, mask = c3po.batch_tensors(samples, pad=0, device="cpu")
+    assert mask.tolist() == [[0, 0, 1, 1], [1, 1, 1, 0], [1, 1, 0, 0]]  # shifted with the labels, padding 0
+    assert attention.tolist()[2] == [1, 1, 1, 0, 0]
+
+
+# ---------------------------------------------------------------- the batched tree rollout with a scripted proxy
+class FakeRetriever:
+    def __init__(self):
+        self.calls = []
+
+    def search(self, queries, k):
+        self.calls.append((list(queries), k))
+        return [[{"id": f"{q}-{i}", "title": q, "text": f"{q} passage {i}"} for i in range(k)] for q in queries]
+
+
+class FakeLLM:
+    def __init__(self):
+        self.calls = []
+
+    def chat(self, messages_lists, **kw):
+        prompts = [m[-1]["content"] for m in messages_lists]
+        self.calls.append(prompts)
+        return ["step 1 : find it ." if p.startswith("write a plan") else "gold" for p in prompts]
+
+
+def scripted(dm_text="Thought: t\nAction: [Retrieval] sub", filter_text="Thought: t\nAction: [1]"):
+    """A fake proxy actor recording each call's requests; fixed texts are returned as they are."""
+    calls = []
+
+    def act(requests, seed):
+        calls.append(requests)
+        out = []
+        for r in requests:
+            text = r["fixed"] or {"router": r["prefix"] + " q", "filter": filter_text, "dm": dm_text}[r["agent"]]
+            out.append([(text, [3], [4, 1])] * (1 if r["fixed"] else r["n"]))
+        return out
+    return act, calls
+
+
+def args_for(**kw):
+    return c3po.apply_preset(c3po.Args(**{"top_k": 2, "max_documents": 10, **kw}))
+
+
+ROWS = [{"question": f"question {i} ?", "golden_answers": ["gold"], "metadata": {}} for i in range(3)]
+
+
+def test_forced_top_and_one_proxy_call_per_level_for_all_trees():
+    act, calls = scripted(dm_text="Thought: t\nAction: [LLM]")
+    llm, retriever = FakeLLM(), FakeRetriever()
+    trees = c3po.rollout(ROWS, act, llm, retriever, args_for(), "tree")
+    for tree in trees:
+        routers = [n for n in tree["nodes"] if n["kind"] == "router"]
+        assert sorted(n["strategy"] for n in routers) == ["No Retrieval", "Planning", "Retrieval"]
+        leaves = sorted((n["depth"], n["reward"]) for n in tree["nodes"] if n["kind"] == "leaf")
+        assert leaves == [(3, 1.0), (4, 1.0), (5, 1.0)]  # No Retrieval 3, single-pass 4, planning with 0 loops 5
+    assert len(calls) == 2 and len(calls[0]) == 9  # level 1: 3 routers x 3 trees; level 2: filters and DMs together
+    assert sorted(r["agent"] for r in calls[1]) == ["dm"] * 3 + ["filter"] * 3
+    assert all(r["n"] == 2 for r in calls[1])  # K(2) = K(3) = 2 (identical outputs deduplicated)
+    assert len(retriever.calls) == 1 and len(retriever.calls[0][0]) == 3  # one retriever call per level
+    assert [len(c) for c in llm.calls] == [3, 3, 6]  # level 1: roadmaps, then answers; level 2: answers
+
+
+def test_proxy_actor_forces_root_texts_and_prefix(monkeypatch):
+    from common.llm import Generation
+    from common.toy import load_toy_lm
+    model, tokenizer = load_toy_lm("toy-lm:layers=1,hidden=32,heads=2,kv_heads=2,intermediate=64")
+    seen = []
+    encode = lambda text: tokenizer(text, add_special_tokens=False)["input_ids"]
+
+    def fake(model, tokenizer, prompts, max_new_tokens, **kw):
+        seen.extend(prompts)
+        return Generation(["x"] * len(prompts), [encode("capital city") + [1]] * len(prompts), prompts, [True] * len(prompts))
+    monkeypatch.setattr(c3po, "generate", fake)
+    args = args_for(system_prompt="")
+    act = c3po.proxy_actor(model, tokenizer, args, greedy=False)
+    tree = {"row": ROWS[0]}
+    out = act(c3po.router_requests(tree, "tree", args), seed=0)
+    assert [o[0][0] for o in out] == ["[No Retrieval]", "[ retrieval ] capital city", "[Planning]"]
+    assert len(seen) == 1 and seen[0][-3:] == encode("[Retrieval]")  # one generate call; the prefix is in the prompt
+    assert out[1][0][2] == encode("[Retrieval] capital city") + [1]  # the action includes the forced prefix
+    assert out[0][0][2] == encode("[No Retrieval]") + [tokenizer.eos_token_id]
+    assert tokenizer.decode(out[0][0][1]).endswith("<assistant>")  # chat-templated prompt
+
+
+def planning_act(filter_texts=("Thought: t\nAction: [1]",), dm_text="Thought: t\nAction: [Retrieval] sub"):
+    """Router always plans, DM always retrieves `sub`, the filter cycles through filter_texts."""
+    calls, count = [], [0]
+
+    def act(requests, seed):
+        calls.append(requests)
+        out = []
+        for r in requests:
+            if r["agent"] == "filter":
+                text = filter_texts[count[0] % len(filter_texts)]
+                count[0] += 1
+            else:
+                text = {"router": "[Planning]", "dm": dm_text}[r["agent"]]
+            out.append([(text, [3], [4, 1])])
+        return out
+    return act, calls
+
+
+@pytest.mark.parametrize("mode, loops, leaf_depth", [("single", 4, 13), ("greedy", 5, 15)])
+def test_depth_limit_allows_4_loops_in_training_and_5_at_test(mode, loops, leaf_depth):
+    act, calls = planning_act()
+    retriever = FakeRetriever()
+    tree = c3po.rollout(ROWS[:1], act, FakeLLM(), retriever, args_for(), mode)[0]
+    assert tree["retrievals"] == loops and len(retriever.calls) == loops
+    leaf = next(n for n in tree["nodes"] if n["kind"] == "leaf")
+    assert leaf["depth"] == leaf_depth and leaf["reward"] == 1.0 and leaf["why"] == "answer"
+    dms = [r for c in calls for r in c if r["agent"] == "dm"]
+    assert [r["depth"] for r in dms] == [3 + 2 * i for i in range(loops + 1)]
+    assert [r["ctx"]["forced"] for r in dms] == [False] * loops + [True]  # the last DM is forced to [LLM]
+    assert dms[-1]["prompt"].startswith("use llm") and dms[0]["prompt"].startswith("decide next action")
+    # paging: the repeated sub-query "sub" gets ranks 1-2, 3-4, ...; accumulated documents never repeat
+    assert [k for _, k in retriever.calls] == [2 * (i + 1) for i in range(loops)]
+    assert [d["text"] for d in dms[-1]["ctx"]["acc"]] == [f"sub passage {2 * i}" for i in range(loops)]
+    assert max(n["depth"] for n in tree["nodes"]) == leaf_depth
+
+
+def test_tree_size_bound_with_one_roadmap():
+    """Spec §8.4: distinct samples everywhere and a DM that always retrieves give 7 leaves and 39 agent nodes."""
+    def act(requests, seed):
+        texts = {"router": "[Retrieval] q{k}", "filter": "Thought: t{k}\nAction: [1]", "dm": "Thought: t{k}\nAction: [Retrieval] sub"}
+        return [[(r["fixed"], [3], [4])] if r["fixed"] else [(texts[r["agent"]].format(k=k), [3], [4]) for k in range(r["n"])]
+                for r in requests]
+    tree = c3po.rollout(ROWS[:1], act, FakeLLM(), FakeRetriever(), args_for(), "tree")[0]
+    kinds = [n["kind"] for n in tree["nodes"]]
+    assert kinds.count("leaf") == 7 and sum(k in c3po.AGENTS for k in kinds) == 39
+    assert sorted(n["depth"] for n in tree["nodes"] if n["kind"] == "leaf") == [3, 4, 4, 13, 13, 13, 13]
+    assert len(c3po.node_samples([tree])) == 39
+
+
+def test_document_limit_forces_the_answer():
+    act, calls = planning_act(filter_texts=("Thought: t\nAction: [1, 2]",))
+    args = args_for(max_documents=3)
+    tree = c3po.rollout(ROWS[:1], act, FakeLLM(), FakeRetriever(), args, "single")[0]
+    dms = [r for c in calls for r in c if r["agent"] == "dm"]
+    assert [len(r["ctx"]["acc"]) for r in dms] == [0, 2, 4] and [r["ctx"]["forced"] for r in dms] == [False, False, True]
+    assert tree["retrievals"] == 2
+
+
+def test_placeholder_for_an_empty_selection_is_removed_when_the_query_later_selects():
+    act, calls = planning_act(filter_texts=("Thought: t\nAction: []", "Thought: t\nAction: []", "Thought: t\nAction: [2]"))
+    c3po.rollout(ROWS[:1], act, FakeLLM(), FakeRetriever(), args_for(), "single")
+    dms = [r for c in calls for r in c if r["agent"] == "dm"]
+    assert dms[1]["ctx"]["acc"] == [c3po.placeholder("sub")] == dms[2]["ctx"]["acc"]  # deduplicated
+    assert [d["text"] for d in dms[3]["ctx"]["acc"]] == ["sub passage 5"]  # third page, 2nd doc; placeholder gone
+
+
+def test_filter_objective_is_the_decision_makers_thought():
+    act, calls = planning_act(dm_text="Thought: find the director\nAction: [Retrieval] sub")
+    c3po.rollout(ROWS[:1], act, FakeLLM(), FakeRetriever(), args_for(), "single")
+    filt = next(r for c in calls for r in c if r["agent"] == "filter")
+    assert filt["prompt"].startswith("filter documents . goal : find the director question : question 0 ?")
+
+
+@pytest.mark.parametrize("router, filter_text, why", [("Retrieval: q", "x", "invalid"), ("[Retrieval] q", "Action: [1]", "invalid"),
+                                                      ("[Retrieval] q", "Thought: t\nAction: [9]", "invalid")])
+def test_invalid_outputs_end_in_a_zero_leaf(router, filter_text, why):
+    def act(requests, seed):
+        return [[({"router": router, "filter": filter_text}[r["agent"]], [3], [4])] for r in requests]
+    tree = c3po.rollout(ROWS[:1], act, FakeLLM(), FakeRetriever(), args_for(), "single")[0]
+    leaves = [n for n in tree["nodes"] if n["kind"] == "leaf"]
+    assert len(leaves) == 1 and leaves[0]["why"] == why and leaves[0]["reward"] == 0.0
+    tree = c3po.rollout(ROWS[:1], act, FakeLLM(), FakeRetriever(), args_for(), "greedy")[0]  # at test an id > k is dropped
+    leaf = next(n for n in tree["nodes"] if n["kind"] == "leaf")
+    assert (leaf["why"] == "answer") is (filter_text == "Thought: t\nAction: [9]")
+
+
+def ppo_once(seed):
+    """A tree rollout of a tiny random proxy (scripted LLM and retriever) and one PPO update: (texts, stats, policy)."""
+    from accelerate import Accelerator
+    from common.toy import load_toy_lm
+    model, tokenizer = load_toy_lm("toy-lm:layers=1,hidden=32,heads=2,kv_heads=2,intermediate=64")
+    args = args_for(max_new_tokens=6, policy_lr=1e-2, value_lr=1e-2, micro_batch_size=4, ppo_batch_size=8, seed=seed)
+    trees = c3po.rollout(ROWS, c3po.proxy_actor(model, tokenizer, args, greedy=False), FakeLLM(), FakeRetriever(), args,
+                         "tree", seed=seed)
+    samples = c3po.node_samples(trees)
+    ref, value = copy.deepcopy(model), c3po.ValueModel(model)
+    optimizers = [torch.optim.Adam(m.parameters(), lr=1e-2) for m in (model, value)]
+    schedulers = [torch.optim.lr_scheduler.LambdaLR(o, lambda step: 1.0) for o in optimizers]
+    stats = c3po.ppo_update(Accelerator(cpu=True), model, value, ref, optimizers, schedulers, samples, tokenizer, args)
+    return [n.get("text") for t in trees for n in t["nodes"]], stats, model, ref, samples
+
+
+def test_ppo_update_is_reproducible_and_moves_the_policy():
+    texts, stats, policy, ref, samples = ppo_once(0)
+    again, stats_again, _, _, _ = ppo_once(0)
+    assert texts == again and stats == stats_again  # same seed, same rollout and losses on CPU
+    assert {s["credit"] for s in samples} >= {0.0, 1.0}  # forced [No Retrieval] leaves are correct, random text is not
+    assert all(len(s["adv"]) == sum(s["loss_mask"]) for s in samples) and stats["rollout/kl"] == pytest.approx(0.0, abs=1e-6)
+    moved = [not torch.equal(p, q) for p, q in zip(policy.parameters(), ref.parameters())]
+    assert any(moved) and all(torch.isfinite(p).all() for p in policy.parameters())
+
+
+# ---------------------------------------------------------------- the toy teacher and rejection sampling [§5.2]
+@pytest.fixture(scope="module")
+def toy():
+    args = c3po.apply_preset(c3po.Args(teacher_noise=0.0))
+    rows = c3po.load_split(args, "train")
+    return args, rows, c3po.build_llm(args), c3po.build_retriever(args)
+
+
+def test_oracle_teacher_solves_a_two_hop_question_by_planning(toy):
+    args, rows, llm, retriever = toy
+    row = next(r for r in rows if r["metadata"]["type"] == "two_hop" and not any(r["metadata"]["popular_hops"])
+               and r["metadata"]["answerable"])
+    tree = c3po.rollout([row], c3po.teacher_actor(args, llm, 0), llm, retriever, args, "tree")[0]
+    credit = dict(zip([n.get("strategy") for n in tree["nodes"]], c3po.leaf_credits(tree["nodes"])))
+    assert credit["Planning"] == 1.0 and credit["No Retrieval"] == 0.0
+    pairs = c3po.successful_paths(tree, 4, random.Random(0))
+    outputs = [p["output"] for p in pairs]
+    sub = row["metadata"]["sub_queries"]
+    assert "[Planning]" in outputs and f"Thought: need step 2 .\nAction: [Retrieval] {sub[1]}" in outputs
+    assert f"Thought: need step 1 .\nAction: [Retrieval] {sub[0]}" in outputs and "Thought: done .\nAction: [LLM]" in outputs
+    assert len(pairs) == len({(p["prompt"], p["output"]) for p in pairs})
+
+
+def test_rejection_sampling_keeps_at_most_four_successful_paths():
+    nodes = [dict(kind="root", parent=None)]
+    for i in range(6):  # six router children, each with a leaf; five succeed
+        nodes.append(dict(kind="router", parent=0, prompt="p", text=f"[Retrieval] q{i}"))
+        nodes.append(dict(kind="leaf", parent=len(nodes) - 1, reward=float(i != 0)))
+    pairs = c3po.successful_paths({"nodes": nodes, "row": ROWS[0]}, 4, random.Random(0))
+    assert len(pairs) == 4 and "[Retrieval] q0" not in [p["output"] for p in pairs]
+
+
+# ---------------------------------------------------------------- CLI and end to end on the toy world
+def test_importing_the_method_file_does_no_work():
+    code = ("import common.data, common.llm, common.retrieval, common.toy\n"
+            "def work(*args, **kwargs): raise SystemExit('work at import time')\n"
+            "common.llm.load_model_and_tokenizer = common.llm.make_llm = common.data.load_qa = work\n"
+            "common.retrieval.DenseRetriever.build = common.retrieval.DenseRetriever.load = common.toy.load_world = work\n"
+            "import c3po\nprint('imported')")  # no model, LLM, data, index or world is loaded by the import
+    out = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True)
+    assert out.returncode == 0 and out.stdout.strip() == "imported", out.stderr[-2000:]
+
+
+def run(args, capsys):
+    """c3po.main in this process (no interpreter start-up per run); returns the captured stdout."""
+    capsys.readouterr()
+    c3po.main(args)
+    return capsys.readouterr().out
+
+
+def check_contract(out_dir, stdout):
+    results = json.loads((out_dir / "results.json").read_text())
+    for key in ("method", "preset", "seed", "model", "dataset", "n_eval", "before", "after", "retrievals_per_question",
+                "llm_calls_per_question", "generated_tokens_per_question", "wall_s", "train_steps"):
+        assert key in results, key
+    last = stdout.strip().splitlines()[-1]
+    assert last.startswith("RESULT ") and json.loads(last[len("RESULT "):]) == results
+    return results
+
+
+TINY = ["--n_train", "32", "--n_eval", "8", "--sft_steps", "8", "--ppo_iterations", "2", "--rollout_batch", "4",
+        "--sft_batch_size", "16", "--ppo_batch_size", "64", "--eval_every", "1"]
+
+
+def outcome(result):
+    """What an evaluation measured, without its wall-clock latency."""
+    return [{k: v for k, v in r.items() if k not in ("latency_s", "sampled")} for r in (result, result["sampled"])]
+
+
+def test_toy_train_then_resume_then_eval_the_checkpoint(tmp_path, capsys):
+    out = tmp_path / "run"
+    stdout = run(["--train", "--output_dir", str(out), *TINY], capsys)
+    results = check_contract(out, stdout)
+    assert results["train_steps"] == {"sft": 8, "ppo": 2} and results["n_eval"] == 8
+    assert {"accuracy", "strategies", "latency_s", "sampled"} <= set(results["after"])
+    metrics = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+    assert [m["iteration"] for m in metrics if "iteration" in m] == [1, 2]
+    assert all(m["rollout/samples"] > 0 for m in metrics if "iteration" in m)
+    assert (out / "ppo" / "model.safetensors").is_file() and (out / "sft" / "model.safetensors").is_file()
+    again = run(["--train", "--output_dir", str(out), *TINY], capsys)  # resumes: neither SFT nor PPO is redone
+    assert "sft step" not in again and "iteration=" not in again
+    assert outcome(check_contract(out, again)["after"]) == outcome(results["after"])
+    stdout = run(["--eval", "--model", str(out / "ppo"), "--output_dir", str(tmp_path / "eval"), "--n_eval", "8"], capsys)
+    assert outcome(check_contract(tmp_path / "eval", stdout)["after"]) == outcome(results["after"])  # greedy and sampled
+
+
+def test_paper_templates_run_a_few_steps(tmp_path, capsys):
+    stdout = run(["--train", "--templates", "paper", "--output_dir", str(tmp_path / "paper"), "--n_train", "8",
+                  "--n_eval", "2", "--sft_steps", "2", "--ppo_iterations", "1", "--rollout_batch", "2"], capsys)
+    assert "iteration=1" in stdout and stdout.strip().splitlines()[-1].startswith("RESULT ")
+
+
+@pytest.mark.parametrize("flag, message", [(["--train", "--preset", "nope"], "--preset must be one of"),
+                                           (["--train", "--judge", "nope"], "--judge must be one of"), ([], "choose a mode")])
+def test_bad_flags_are_clear_errors(flag, message):
+    with pytest.raises(SystemExit, match=message):
+        c3po.main(flag)
