@@ -42,10 +42,10 @@ import torch.nn.functional as F
 from accelerate import Accelerator
 from transformers import HfArgumentParser, set_seed
 
-from common.data import load_qa, sample_rows
-from common.llm import chat_prompts, generate, load_model_and_tokenizer, make_llm
+from common.data import load_split, sample_rows
+from common.llm import chat_prompts, generate, load_model_and_tokenizer, make_llm, right_pad
 from common.metrics import cover_em, exact_match, f1_score
-from common.retrieval import DenseRetriever, make_encoder
+from common.retrieval import open_retriever
 from common.runs import append_metrics, load_state, save_checkpoint, write_results
 from common.toy import load_world, rename_entities  # the toy world's renaming augmentation (header item 1)
 
@@ -137,6 +137,7 @@ def apply_preset(args):
     for key, value in PRESETS[args.preset].items():
         if getattr(args, key) is None:
             setattr(args, key, value)
+    args.corpus = args.corpus or str(Path(args.data_dir) / "corpus.jsonl")
     for name, allowed in (("templates", TEMPLATES), ("judge", ("llm", "cover_em")), ("teacher", ("oracle", "llm")),
                           ("credit_mode", ("tree", "single_trajectory"))):
         if getattr(args, name) not in allowed:
@@ -597,12 +598,6 @@ class ValueModel(torch.nn.Module):
         return self.head(hidden.to(self.head.weight.dtype)).squeeze(-1)  # (B, T)
 
 
-def right_pad(rows, pad):
-    """(B, T) tensor of right-padded id or mask lists."""
-    width = max(map(len, rows))
-    return torch.tensor([list(r) + [pad] * (width - len(r)) for r in rows])
-
-
 def node_samples(trees):
     """One PPO sample per agent node [§5.2]: ids = prompt + action, loss_mask = 1 exactly on the action, its Eq. 5 credit."""
     samples = []
@@ -764,23 +759,9 @@ def brief(result):
 
 
 # --------------------------------------------------------------------------- 9. train / eval / ask
-def build_retriever(args):
-    """The frozen retriever: a saved index folder, or an index built once over the corpus."""
-    if args.index:
-        return DenseRetriever.load(args.index)
-    return DenseRetriever.build(args.corpus or str(Path(args.data_dir) / "corpus.jsonl"), make_encoder(args.encoder))
-
-
 def build_llm(args):
     """The frozen LLM (answers, roadmaps, judge; the toy reader in the toy world)."""
     return make_llm(args.llm, **({"model": args.llm_model} if args.llm_model else {}))
-
-
-def load_split(args, split):
-    """QA rows of data_dir/<split>.jsonl, keeping the question types asked for (metadata "type")."""
-    rows = load_qa(Path(args.data_dir) / f"{split}.jsonl")
-    types = set(filter(None, args.question_types.split(",")))
-    return [r for r in rows if not types or r["metadata"].get("type") in types]
 
 
 def load_proxy(args, device):
@@ -816,9 +797,9 @@ def train(args):
     accelerator = Accelerator(cpu=not torch.cuda.is_available())
     out.mkdir(parents=True, exist_ok=True)
     set_seed(args.seed)
-    train_rows = sample_rows(load_split(args, "train"), args.n_train, args.seed)
-    test_rows = load_split(args, "test")[:args.n_eval]
-    retriever, llm = build_retriever(args), build_llm(args)
+    train_rows = sample_rows(load_split(args.data_dir, "train", args.question_types), args.n_train, args.seed)
+    test_rows = load_split(args.data_dir, "test", args.question_types)[:args.n_eval]
+    retriever, llm = open_retriever(args.index, args.corpus, args.encoder), build_llm(args)
     log = lambda record: append_metrics(out / "metrics.jsonl", record, accelerator.is_main_process)
     sft_dir, steps = out / "sft", {"sft": 0, "ppo": 0}
     if (state := load_state(sft_dir)) is not None:  # resume: the warm-up is done
@@ -892,8 +873,8 @@ def run_eval(args):
     out.mkdir(parents=True, exist_ok=True)
     set_seed(args.seed)
     policy, tokenizer = load_proxy(args, accelerator.device)
-    rows = load_split(args, "test")[:args.n_eval]
-    result = evaluate_both(policy, tokenizer, build_llm(args), build_retriever(args), rows, args)
+    rows = load_split(args.data_dir, "test", args.question_types)[:args.n_eval]
+    result = evaluate_both(policy, tokenizer, build_llm(args), open_retriever(args.index, args.corpus, args.encoder), rows, args)
     accelerator.print(f"eval | {brief(result)}")
     write_results(out, result_record(args, None, result, None, {"sft": 0, "ppo": 0}, time.time() - start), accelerator.is_main_process)
 
@@ -902,7 +883,7 @@ def ask(args):
     """One question through Algorithm 1 with the greedy proxy, printing every node."""
     policy, tokenizer = load_proxy(args, Accelerator(cpu=not torch.cuda.is_available()).device)
     row = {"id": "ask", "question": args.ask, "golden_answers": [""], "metadata": {}}
-    tree = rollout([row], proxy_actor(policy, tokenizer, args, greedy=True), build_llm(args), build_retriever(args), args, "greedy")[0]
+    tree = rollout([row], proxy_actor(policy, tokenizer, args, greedy=True), build_llm(args), open_retriever(args.index, args.corpus, args.encoder), args, "greedy")[0]
     for n in tree["nodes"][1:]:
         text = n.get("answer") if n["kind"] == "leaf" else n["text"]
         print(f"depth {n['depth']} {n['kind']}: {' '.join(str(text).split())}" + (f" ({n['why']})" if n["kind"] == "leaf" else ""))

@@ -47,10 +47,10 @@ import torch.nn.functional as F
 from accelerate import Accelerator
 from transformers import HfArgumentParser, set_seed
 
-from common.data import load_qa, sample_rows
-from common.llm import chat_prompts, generate, left_pad, load_model_and_tokenizer, make_llm
+from common.data import load_split, sample_rows
+from common.llm import chat_prompts, generate, left_pad, load_model_and_tokenizer, make_llm, right_pad
 from common.metrics import cover_em, exact_match, f1_score
-from common.retrieval import DenseRetriever, make_encoder
+from common.retrieval import open_retriever
 from common.runs import append_metrics, load_state, save_checkpoint, write_results
 from common.toy import apply_mapping, rename_entities, world_renaming
 
@@ -133,6 +133,7 @@ def apply_preset(args):
     for key, value in PRESETS[args.preset].items():
         if getattr(args, key) is None:
             setattr(args, key, value)
+    args.corpus = args.corpus or str(Path(args.data_dir) / "corpus.jsonl")
     if args.preset == "paper" and not args.rewriter and args.train:
         raise SystemExit("--preset paper --train needs --rewriter (an LLM spec, e.g. an OpenAI-compatible URL for "
                          "gpt-3.5-turbo-1106 with --rewriter_model) to build the warm-up queries [App. A.2]")
@@ -283,12 +284,6 @@ def encode_states(tokenizer, states):
     """Token ids of rendered states, through the chat template when the tokenizer has one."""
     texts = chat_prompts(tokenizer, [[{"role": "user", "content": s}] for s in states]) if tokenizer.chat_template else states
     return tokenizer(texts, add_special_tokens=False)["input_ids"]
-
-
-def right_pad(rows, pad):
-    """(B, T) tensor of right-padded id or mask lists."""
-    width = max(map(len, rows))
-    return torch.tensor([list(r) + [pad] * (width - len(r)) for r in rows])
 
 
 @torch.no_grad()
@@ -546,20 +541,6 @@ def brief(result):
 
 
 # --------------------------------------------------------------------------- 9. train / eval / ask
-def build_retriever(args):
-    """The frozen retriever: a saved index folder, or an index built once over the corpus."""
-    if args.index:
-        return DenseRetriever.load(args.index)
-    return DenseRetriever.build(args.corpus or str(Path(args.data_dir) / "corpus.jsonl"), make_encoder(args.encoder))
-
-
-def load_split(args, split):
-    """QA rows of data_dir/<split>.jsonl, keeping the question types asked for (metadata "type")."""
-    rows = load_qa(Path(args.data_dir) / f"{split}.jsonl")
-    types = set(filter(None, args.question_types.split(",")))
-    return [r for r in rows if not types or r["metadata"].get("type") in types]
-
-
 def toy_world_or_none(args):
     """The toy world of data_dir when it has one and augmentation is on (renaming needs its entity lists)."""
     if not (args.augment_p or args.rl_augment_p) or not (Path(args.data_dir) / "world.json").is_file():
@@ -585,9 +566,9 @@ def train(args):
     accelerator = Accelerator(cpu=not torch.cuda.is_available())
     out.mkdir(parents=True, exist_ok=True)
     set_seed(args.seed)
-    train_rows = sample_rows(load_split(args, "train"), args.n_train, args.seed)
-    test_rows = load_split(args, "test")[:args.n_eval]
-    retriever = build_retriever(args)
+    train_rows = sample_rows(load_split(args.data_dir, "train", args.question_types), args.n_train, args.seed)
+    test_rows = load_split(args.data_dir, "test", args.question_types)[:args.n_eval]
+    retriever = open_retriever(args.index, args.corpus, args.encoder)
     log = lambda record: append_metrics(out / "metrics.jsonl", record, accelerator.is_main_process)
     world = toy_world_or_none(args)  # simplification: the toy world's renaming augmentation (header item 4)
     # ---- warm-up SFT (skipped when a finished SFT checkpoint exists)
@@ -661,8 +642,8 @@ def run_eval(args):
     out.mkdir(parents=True, exist_ok=True)
     set_seed(args.seed)
     policy, tokenizer, tag_ids = load_policy(args, accelerator.device)
-    rows = load_split(args, "test")[:args.n_eval]
-    result = evaluate_both(policy, tokenizer, build_retriever(args), rows, args, tag_ids)
+    rows = load_split(args.data_dir, "test", args.question_types)[:args.n_eval]
+    result = evaluate_both(policy, tokenizer, open_retriever(args.index, args.corpus, args.encoder), rows, args, tag_ids)
     accelerator.print(f"eval | {brief(result)}")
     write_results(out, result_record(args, None, result, None, {"sft": 0, "ppo": 0}, time.time() - start), accelerator.is_main_process)
 
@@ -671,7 +652,7 @@ def ask(args):
     """One question through Algorithm 1 with the greedy (threshold) policy, printing every step."""
     policy, tokenizer, tag_ids = load_policy(args, Accelerator().device)
     row = {"id": "ask", "question": args.ask, "golden_answers": [""], "metadata": {}}
-    episode = rollout(policy, tokenizer, build_retriever(args), [row], args, tag_ids, greedy=True, seed=args.seed)[0]
+    episode = rollout(policy, tokenizer, open_retriever(args.index, args.corpus, args.encoder), [row], args, tag_ids, greedy=True, seed=args.seed)[0]
     for n, turn in enumerate(episode["turns"]):
         print(f"step {n}: {turn['kind']} | {turn['text']}" + (" (answer forced at the quota)" if turn["forced_ids"] else ""))
         if n < len(episode["observations"]):

@@ -62,6 +62,12 @@ def load_qa(path):
     return rows
 
 
+def load_split(data_dir, split, types=""):
+    """QA rows of data_dir/<split>.jsonl whose metadata "type" is one of the comma-separated `types` (all if empty)."""
+    wanted = set(filter(None, types.split(",")))
+    return [r for r in load_qa(Path(data_dir) / f"{split}.jsonl") if not wanted or r["metadata"].get("type") in wanted]
+
+
 def sample_rows(rows, n, seed):
     """A seeded sample of n rows without replacement; all rows (in a seeded order) when n is None or >= len(rows)."""
     n = len(rows) if n is None or n >= len(rows) else n

@@ -118,6 +118,12 @@ def left_pad(sequences, pad_id):
     return input_ids, attention_mask
 
 
+def right_pad(rows, pad):
+    """(B, T) tensor of id, label or mask lists padded on the right with `pad`."""
+    width = max(map(len, rows))
+    return torch.tensor([list(r) + [pad] * (width - len(r)) for r in rows])
+
+
 def eos_ids_of(model, tokenizer):
     """Every id that ends a generation: the model's generation_config EOS ids and the tokenizer's EOS."""
     configured = getattr(model.generation_config, "eos_token_id", None)

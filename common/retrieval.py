@@ -288,6 +288,11 @@ class DenseRetriever:
 
 # ---------------------------------------------------------------- BM25
 
+def open_retriever(index, corpus, encoder="tfidf"):
+    """The frozen retriever of a run: a saved index folder when `index` is set, else one built once over `corpus`."""
+    return DenseRetriever.load(index) if index else DenseRetriever.build(corpus, make_encoder(encoder))
+
+
 class BM25Retriever:
     """Lexical BM25 through bm25s (English stopwords removed by default), same hits as DenseRetriever."""
 

@@ -66,3 +66,13 @@ def test_sample_rows_is_seeded_and_without_replacement():
     everything = sample_rows(rows, None, seed=0)
     assert sorted(r["id"] for r in everything) == list(range(50))
     assert len(sample_rows(rows, 500, seed=0)) == 50
+
+
+def test_load_split_keeps_the_types_asked_for(tmp_path):
+    from common.data import load_split
+    rows = [{"id": str(i), "question": f"q{i} ?", "golden_answers": ["a"], "metadata": {"type": t}}
+            for i, t in enumerate(["one_hop", "two_hop", "one_hop", "comparison"])]
+    write_jsonl(tmp_path / "test.jsonl", rows)
+    assert [r["id"] for r in load_split(tmp_path, "test", "one_hop")] == ["0", "2"]
+    assert [r["id"] for r in load_split(tmp_path, "test", "two_hop,comparison")] == ["1", "3"]
+    assert len(load_split(tmp_path, "test", "")) == 4 and load_split(tmp_path, "test", "three_hop") == []

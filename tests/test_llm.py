@@ -426,3 +426,8 @@ def test_endpoint_connection_refused_is_retried_then_reported():
 def test_endpoint_needs_a_model_name():
     with pytest.raises(ValueError, match="model="):
         make_llm("http://127.0.0.1:1/v1")
+
+
+def test_right_pad_pads_on_the_right():
+    assert llm.right_pad([[5, 6, 7], [8]], 0).tolist() == [[5, 6, 7], [8, 0, 0]]
+    assert llm.right_pad([[1], [2, 3]], -100).tolist() == [[1, -100], [2, 3]]

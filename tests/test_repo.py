@@ -1,5 +1,7 @@
 """Repository rules that keep the project forkable: size caps, no hidden dependencies, a CI that runs the README."""
 import re
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -25,6 +27,20 @@ def test_method_files_stay_under_the_cap(name):
                                        ("runs.py", 60)])
 def test_common_plumbing_stays_small(name, cap):
     assert code_lines(ROOT / "common" / name) <= cap
+
+
+@pytest.mark.parametrize("name", METHOD_FILES)
+def test_importing_a_method_file_does_no_work(name):
+    if not (ROOT / name).exists():
+        pytest.skip(f"{name} not written yet")
+    code = ("import common.data, common.llm, common.retrieval, common.toy\n"
+            "def work(*args, **kwargs): raise SystemExit('work at import time')\n"
+            "common.llm.load_model_and_tokenizer = common.llm.make_llm = common.data.load_qa = work\n"
+            "common.data.load_split = common.retrieval.open_retriever = common.toy.load_world = work\n"
+            "common.retrieval.DenseRetriever.build = common.retrieval.DenseRetriever.load = work\n"
+            f"import {name[:-3]}\nprint('imported')")  # no model, LLM, data, index or world is loaded by the import
+    out = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True)
+    assert out.returncode == 0 and out.stdout.strip() == "imported", out.stderr[-2000:]
 
 
 def test_nothing_reads_outside_the_repository():

@@ -315,3 +315,12 @@ def test_cli_build_then_load_and_search(corpus_path, tmp_path):
     lines = [json.loads(line) for line in run.stdout.splitlines()]
     assert [(line["query"], line["hits"][0]["id"], len(line["hits"])) for line in lines] == [
         ("kanikx released", "d0", 2), ("capital of vantria", "d7", 2)]
+
+
+def test_open_retriever_builds_once_or_loads_a_saved_index(corpus_path, tmp_path):
+    from common.retrieval import open_retriever
+    built = open_retriever("", corpus_path)  # no index: built over the corpus with the default TF-IDF encoder
+    assert built.search(["capital of vantria"], 1)[0][0]["id"] == "d7"
+    built.save(tmp_path / "index")
+    loaded = open_retriever(str(tmp_path / "index"), "no/such/corpus.jsonl")  # the index wins; the corpus is not read
+    assert [h[0]["id"] for h in loaded.search(list(QUERIES), 1)] == list(QUERIES.values())
