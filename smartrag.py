@@ -463,7 +463,8 @@ def sft_batch(examples, tokenizer, tag_ids, args, rng, world):
     for ex in examples:
         texts = [ex["question"], *ex["observations"], ex["text"]]
         if world is not None and (ex["tag"] == "retrieve" or ex["observations"]) and rng.random() < args.augment_p:
-            # as bench/toy_sft.py found: searched names onto non-popular ones, other names onto any (docs/toy_world.md)
+            # simplification: toy-world augmentation (header item 4), as bench/toy_sft.py found: searched names onto
+            # non-popular ones, other names onto any (docs/toy_world.md)
             texts = rename_entities(texts, world, rng, popular="keep" if ex["popular"] else "free", searched=ex["searched"])
         prompt = encode_states(tokenizer, [render_state(texts[0], texts[1:-1], args.templates)])[0]
         target = [tag_ids[ex["tag"]]] + tokenizer(" " + texts[-1], add_special_tokens=False)["input_ids"] + [tokenizer.eos_token_id]
@@ -610,6 +611,7 @@ def train(args):
         policy_now = accelerator.unwrap_model(model).policy
         while not episodes or sum(len(t["action_ids"]) for e in episodes for t in e["turns"]) < args.rollout_tokens:
             rows = rng.sample(train_rows, min(args.rollout_batch, len(train_rows)))
+            # simplification: toy-world renaming of PPO episodes (header item 4)
             rows = [renamed_row(r, world, rng) if world and rng.random() < args.rl_augment_p else r for r in rows]
             episodes += rollout(policy_now, tokenizer, retriever, rows, args, tag_ids, greedy=False,
                                 seed=args.seed * 100_003 + it * 97 + len(episodes) + accelerator.process_index)

@@ -435,6 +435,9 @@ def rename_free(texts, world, rng, searched, rename_years=True):
     return apply_mapping(texts, mapping)
 
 
+WORD = re.compile(r"\b\w+\b")
+
+
 def world_renaming(world, rng, searched=()):
     """A type-preserving bijection of all the world's names, as (forward, inverse) dicts: the `searched` names onto
     non-popular entities, every other name onto what is left of its type (years kept). For augmenting whole episodes
@@ -452,11 +455,11 @@ def world_renaming(world, rng, searched=()):
 
 
 def apply_mapping(texts, mapping):
-    """Replace whole words of texts by their image under mapping (texts unchanged when it is empty)."""
+    """Replace whole words of texts by their image under mapping (a dict of single words; texts unchanged when it is
+    empty). One fixed pattern and a dict lookup, so a map of every name in the world costs no more than a small one."""
     if not mapping:
         return list(texts)
-    pattern = re.compile(r"\b(" + "|".join(map(re.escape, mapping)) + r")\b")
-    return [pattern.sub(lambda m: mapping[m.group(1)], text) for text in texts]
+    return [WORD.sub(lambda m: mapping.get(m.group(0), m.group(0)), text) for text in texts]
 
 
 # ---------------------------------------------------------------- the toy reader
