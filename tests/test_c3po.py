@@ -10,6 +10,7 @@ import pytest
 import torch
 
 import c3po
+from conftest import check_contract
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -397,16 +398,6 @@ def run(args, capsys):
     capsys.readouterr()
     c3po.main(args)
     return capsys.readouterr().out
-
-
-def check_contract(out_dir, stdout):
-    results = json.loads((out_dir / "results.json").read_text())
-    for key in ("method", "preset", "seed", "model", "dataset", "n_eval", "before", "after", "retrievals_per_question",
-                "llm_calls_per_question", "generated_tokens_per_question", "wall_s", "train_steps"):
-        assert key in results, key
-    last = stdout.strip().splitlines()[-1]
-    assert last.startswith("RESULT ") and json.loads(last[len("RESULT "):]) == results
-    return results
 
 
 TINY = ["--n_train", "32", "--n_eval", "8", "--sft_steps", "8", "--ppo_iterations", "2", "--rollout_batch", "4",

@@ -11,6 +11,7 @@ import pytest
 import torch
 
 import smartrag
+from conftest import check_contract
 from common.llm import Generation
 from common.toy import load_toy_lm
 
@@ -258,16 +259,6 @@ def run(args, cwd):
     env = {**os.environ, "HF_HUB_OFFLINE": "1", "TOKENIZERS_PARALLELISM": "false", "PYTHONPATH": str(ROOT)}
     return subprocess.run([sys.executable, str(ROOT / "smartrag.py"), *args], cwd=cwd, capture_output=True, text=True,
                           env=env)
-
-
-def check_contract(out_dir, stdout):
-    results = json.loads((out_dir / "results.json").read_text())
-    for key in ("method", "preset", "seed", "model", "dataset", "n_eval", "before", "after", "retrievals_per_question",
-                "llm_calls_per_question", "generated_tokens_per_question", "wall_s", "train_steps"):
-        assert key in results, key
-    last = stdout.strip().splitlines()[-1]
-    assert last.startswith("RESULT ") and json.loads(last[len("RESULT "):]) == results
-    return results
 
 
 @pytest.mark.parametrize("templates", ["compact", "paper"])
