@@ -22,8 +22,9 @@ Deviations from the paper (each marked `# simplification:` where it lives):
 2. With --teacher llm (paper preset) the frozen LLM plays the proxy roles zero-shot with the paper's prompts (the
    authors' pipeline adds 2 few-shot examples per prompt, which the paper does not print).
 3. RL starts from the final SFT model (the paper: the model after one of the three SFT epochs).
-4. SFT and PPO minibatches are sequences; value loss 0.5 * MSE without value clipping; advantages whitened per
-   rollout; one PPO epoch (OpenRLHF defaults as the spec recommends where the paper is silent).
+4. SFT and PPO minibatches are sequences; advantages whitened per rollout; one PPO epoch (OpenRLHF defaults, as the
+   spec recommends where the paper is silent); value loss 0.5 * MSE with OpenRLHF's value clipping 0.2 (spec §9.10,
+   the framework of App. A.2) where Eq. 10 prints the unclipped MSE (--value_clip 0 gives Eq. 10).
 5. Latency is wall time per question of batched evaluation (all questions advance together), not per-question serving.
 6. The frozen LLM's roadmaps and answers are capped at --answer_max_tokens (256; the paper states no cap).
 """
@@ -113,6 +114,7 @@ class Args:
     lam: float = field(default=0.95, metadata={"help": "GAE lambda (OpenRLHF: 0.95)"})
     clip: float = field(default=0.2, metadata={"help": "PPO clip epsilon [Eq. 9] (OpenRLHF: 0.2)"})
     vf_coef: float = field(default=0.5, metadata={"help": "c_v [Eq. 11] (OpenRLHF: 0.5 * MSE)"})
+    value_clip: float = field(default=0.2, metadata={"help": "value clip around the old values (OpenRLHF: 0.2, spec §9.10); 0: Eq. 10 as printed"})
     max_grad_norm: float = field(default=1.0, metadata={"help": "gradient clipping (OpenRLHF: 1.0)"})
     eval_every: int = field(default=10, metadata={"help": "checkpoint every this many PPO updates"})
 
@@ -501,7 +503,9 @@ def teacher_actor(args, llm, seed):
             replies = iter(llm.chat([system + [{"role": "user", "content": (r["prompt"] + "\n" + r["prefix"]).strip()}]
                                      for r in requests if not r["fixed"] for _ in range(r["n"])],
                                     temperature=args.teacher_temperature, max_tokens=args.answer_max_tokens))
-            outs = [[r["fixed"]] if r["fixed"] else [f"{r['prefix']} {next(replies)}".strip() for _ in range(r["n"])] for r in requests]
+            # a reply that repeats the forced prefix (`[Retrieval] q` after a prompt ending in `[Retrieval]`) keeps it once
+            outs = [[r["fixed"]] if r["fixed"] else [f"{r['prefix']} {next(replies).strip().removeprefix(r['prefix']).strip()}".strip()
+                                                     for _ in range(r["n"])] for r in requests]
         return [[(text, None, None) for text in o] for o in outs]
     return act
 
@@ -546,6 +550,11 @@ def sft_batch(examples, tokenizer, args, rng, world):
             right_pad([[1] * len(s[0]) for s in seqs], 0))
 
 
+def sft_loss(logits, labels, n_tokens):
+    """Summed next-token cross-entropy over the target tokens (labels != -100, shifted with the logits) / n_tokens."""
+    return F.cross_entropy(logits[:, :-1].flatten(0, 1).float(), labels[:, 1:].flatten(), ignore_index=-100, reduction="sum") / n_tokens
+
+
 def cosine(step, total, warmup):
     """Linear warm-up then cosine decay to 0.1 of the peak [Tab. 6-7: cosine]."""
     return (step + 1) / warmup if step < warmup else 0.1 + 0.45 * (1 + math.cos(math.pi * (step - warmup) / max(total - warmup, 1)))
@@ -570,8 +579,7 @@ def sft(accelerator, model, tokenizer, examples, args, world):
         optimizer.zero_grad()
         for m in range(0, len(ids), args.micro_batch_size):  # gradient accumulation over micro-batches
             logits = model(input_ids=ids[m:m + args.micro_batch_size], attention_mask=attention[m:m + args.micro_batch_size]).logits
-            loss = F.cross_entropy(logits[:, :-1].flatten(0, 1).float(), labels[m:m + args.micro_batch_size, 1:].flatten(),
-                                   ignore_index=-100, reduction="sum") / n_tokens
+            loss = sft_loss(logits, labels[m:m + args.micro_batch_size], n_tokens)
             accelerator.backward(loss)
             total += loss.item()
         accelerator.clip_grad_norm_(model.parameters(), 1.0)
@@ -634,6 +642,14 @@ def clipped_surrogate(new_logp, old_logp, advantages, mask, clip):
     return -(surrogate * mask).sum() / mask.sum().clamp(min=1), ratio
 
 
+def value_loss(values, old_values, returns, mask, clip):
+    """Token-mean of (V - G)^2 [Eq. 10]; clip > 0: of max((V_clip - G)^2, (V - G)^2), V_clip = V_old + clip(V - V_old, +-clip)."""
+    loss = (values - returns) ** 2  # (B, T)
+    if clip > 0:  # OpenRLHF's ValueLoss with value_clip (spec §9.10, header item 4)
+        loss = torch.max(loss, (old_values + (values - old_values).clamp(-clip, clip) - returns) ** 2)
+    return (loss * mask).sum() / mask.sum().clamp(min=1)
+
+
 def token_logp(model, ids, attention):
     """log pi(token t+1 | tokens <= t), (B, T-1): the per-token gather, shifted with the labels."""
     logits = model(input_ids=ids, attention_mask=attention).logits  # (B, T, V)
@@ -657,9 +673,9 @@ def score_samples(policy, ref, value, samples, pad, device, args):
         values = value(ids, attention)[:, :-1].float()  # V(s_m): the state before action token m
         for row, sample in enumerate(chunk):
             cols = mask[row].nonzero().squeeze(-1)
-            sample["old"], sample["ref"] = old[row, cols].tolist(), reference[row, cols].tolist()
+            sample["old"], sample["ref"], sample["val"] = old[row, cols].tolist(), reference[row, cols].tolist(), values[row, cols].tolist()
             rewards = token_rewards(sample["credit"], sample["old"], sample["ref"], args.kl_coef)
-            sample["adv"], sample["ret"] = gae(rewards, values[row, cols].tolist(), args.gamma, args.lam)
+            sample["adv"], sample["ret"] = gae(rewards, sample["val"], args.gamma, args.lam)
 
 
 def ppo_update(accelerator, policy, value, ref, optimizers, schedulers, samples, tokenizer, args):
@@ -689,9 +705,8 @@ def ppo_update(accelerator, policy, value, ref, optimizers, schedulers, samples,
                     mask.bool(), torch.tensor([(x - shift) * scale for s in chunk for x in s[key]], device=device))
                 weight = mask.sum() / n_tokens  # token-mean over the whole minibatch
                 pg, ratio = clipped_surrogate(token_logp(policy, ids, attention), full("old"), full("adv", 1 / (std + 1e-8), mean), mask, args.clip)
-                v = value(ids, attention)[:, :-1].float()
-                # simplification: value loss 0.5 * MSE without value clipping, one PPO epoch (header item 4)
-                vf = (((v - full("ret")) ** 2) * mask).sum() / mask.sum().clamp(min=1)  # [Eq. 10]
+                # simplification: value loss 0.5 * MSE with OpenRLHF's value clipping, one PPO epoch (header item 4)
+                vf = value_loss(value(ids, attention)[:, :-1].float(), full("val"), full("ret"), mask, args.value_clip)  # [Eq. 10]
                 accelerator.backward((pg + args.vf_coef * vf) * weight)  # [Eq. 11]; separate networks and optimizers
                 stats["losses/policy"].append(pg.item())
                 stats["losses/value"].append(vf.item())

@@ -71,6 +71,7 @@ class Args:
     encoder: str = field(default="tfidf", metadata={"help": "encoder to build an index with when --index is empty"})
     model: Optional[str] = field(default=None, metadata={"help": "policy: hub id, local folder or toy-lm spec"})
     lora_r: Optional[int] = field(default=None, metadata={"help": "LoRA rank, 0 = full fine-tuning [App. A.3: LoRA for LLaMA]"})
+    gradient_checkpointing: Optional[bool] = field(default=None, metadata={"help": "recompute activations in backward (memory)"})
     templates: Optional[str] = field(default=None, metadata={"help": "paper (Table 7 verbatim) or compact"})
     n_train: Optional[int] = field(default=None, metadata={"help": "training questions (None: all)"})
     n_eval: Optional[int] = field(default=None, metadata={"help": "test questions evaluated (None: all)"})
@@ -118,11 +119,12 @@ PRESETS = {  # values for the fields left at None; any flag overrides them
     "toy": dict(data_dir="data/toy", model="toy-lm", lora_r=0, templates="compact", top_k=1, question_types="one_hop", rewriter="oracle",
                 base_llm="toy", sft_steps=1200, sft_lr=2e-3, sft_batch_size=64, augment_p=1.0, rl_augment_p=1.0, ppo_iterations=60,
                 rollout_tokens=0, rollout_batch=128, ppo_lr=1e-4, ppo_batch_size=256, max_new_tokens=8, num_beams=1,
-                n_eval=None),
+                n_eval=None, gradient_checkpointing=False),
     "paper": dict(data_dir="data/smartrag", model="meta-llama/Llama-2-7b-chat-hf", lora_r=16, templates="paper",
                   top_k=4, question_types="", rewriter="", base_llm="hf:meta-llama/Llama-2-7b-chat-hf", sft_steps=0, sft_lr=3e-4,
                   sft_batch_size=8, augment_p=0.0, rl_augment_p=0.0, ppo_iterations=50, rollout_tokens=5120, rollout_batch=64,
-                  ppo_lr=2e-6, ppo_batch_size=32, max_new_tokens=50, num_beams=4, n_eval=None),
+                  ppo_lr=2e-6, ppo_batch_size=32, max_new_tokens=50, num_beams=4, n_eval=None,
+                  gradient_checkpointing=True),  # a 7B policy, value model and reference on one 80 GB GPU: docs/benchmarks.md
 }
 
 
@@ -277,6 +279,8 @@ def load_policy(args, device):
         from common.llm import add_lora
         model = add_lora(model, dict(r=args.lora_r, lora_alpha=2 * args.lora_r, lora_dropout=0.05,
                                      target_modules=["q_proj", "k_proj", "v_proj", "o_proj"]))
+    if args.gradient_checkpointing:  # only in train mode; rollouts run in eval mode with the KV cache
+        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
     return model.to(device), tokenizer, tag_ids
 
 
@@ -424,9 +428,15 @@ def score_rollout(episodes, seqs, logp, ref_logp, values, mask, beta, args):
 def ppo_iteration(accelerator, model, ref, optimizer, tokenizer, episodes, beta, args):
     """One PPO update on a rollout: score it, then ppo_epochs passes of minibatches. Returns logged stats."""
     seqs, pad, device = sequences_of(episodes), tokenizer.pad_token_id, accelerator.device
-    with torch.no_grad():
-        old_logp, old_values = forward_logp_values(model, seqs, pad, device)
-        ref_logp, _ = forward_logp_values(ref, seqs, pad, device, with_values=False)
+    model.eval()  # behaviour log-probs without dropout (LoRA dropout in the paper preset), as in the rollout
+    with torch.no_grad():  # in chunks of a minibatch: (B, T, V) logits of a whole rollout need not fit at once
+        width = max(len(s["ids"]) for s in seqs) - 1
+        chunks = [seqs[i:i + args.ppo_batch_size] for i in range(0, len(seqs), args.ppo_batch_size)]
+        scored = [forward_logp_values(model, c, pad, device) for c in chunks]
+        old_logp, old_values = (torch.cat([F.pad(x[k], (0, width - x[k].shape[1])) for x in scored]) for k in (0, 1))
+        ref_logp = torch.cat([F.pad(lp, (0, width - lp.shape[1])) for lp, _ in
+                              (forward_logp_values(ref, c, pad, device, with_values=False) for c in chunks)])
+    model.train()
     mask = right_pad([s["loss_mask"] for s in seqs], 0).to(device)[:, 1:].float()  # (B, T-1) shifted with the labels
     advantages, returns, kl_mean = score_rollout(episodes, seqs, old_logp, ref_logp, old_values, mask, beta, args)
     stats = defaultdict(list)
@@ -609,6 +619,7 @@ def train(args):
     for it in range(first, args.ppo_iterations):
         t0, episodes = time.time(), []
         policy_now = accelerator.unwrap_model(model).policy
+        model.eval()  # rollouts without dropout and with the KV cache; ppo_iteration switches to train mode
         while not episodes or sum(len(t["action_ids"]) for e in episodes for t in e["turns"]) < args.rollout_tokens:
             rows = rng.sample(train_rows, min(args.rollout_batch, len(train_rows)))
             # simplification: toy-world renaming of PPO episodes (header item 4)

@@ -1,8 +1,10 @@
-"""C-3PO: the spec's worked numbers (K(t), stop rules, Eq. 5 credit on the hand-built tree, GAE, PPO clipping), the
-three agents' parsers, loss masks, the batched tree rollout with a scripted proxy, the toy teacher, and an end-to-end
-toy run followed by --eval of its checkpoint."""
+"""C-3PO: the spec's worked numbers (K(t), stop rules, Eq. 5 credit on the hand-built tree, GAE, PPO clipping, value
+clipping, advantage whitening), the three agents' parsers (malformed outputs included), SFT and PPO loss masks, the
+value model, the batched tree rollout with a scripted proxy, the toy and LLM teachers, the LLM judge, and an
+end-to-end toy run followed by --eval of its checkpoint."""
 import copy
 import json
+import math
 import random
 from pathlib import Path
 
@@ -153,6 +155,71 @@ def test_no_gradient_beyond_the_clip_and_masked_tokens_ignored():
     pg, _ = c3po.clipped_surrogate(torch.tensor([[0.0, 5.0]]), torch.zeros(1, 2), torch.tensor([[1.0, 99.0]]),
                                    torch.tensor([[1.0, 0.0]]), 0.2)
     assert pg.item() == pytest.approx(-1.0)
+
+
+def test_value_loss_clips_around_the_old_values():
+    """OpenRLHF's value clipping (spec §9.10), eps 0.2, by hand; the fifth token is masked out."""
+    values = torch.tensor([[1.0, 0.6, 1.0, 1.0, 9.0]], requires_grad=True)
+    old, ret = torch.tensor([[0.5, 0.5, 0.5, 0.5, 0.0]]), torch.tensor([[1.2, 0.0, 0.9, 0.0, 0.0]])
+    mask = torch.tensor([[1.0, 1.0, 1.0, 1.0, 0.0]])
+    # V_clip = 0.7, 0.6, 0.7, 0.7; max((V_clip - G)^2, (V - G)^2) = max(.25, .04), max(.36, .36), max(.04, .01), max(.49, 1)
+    loss = c3po.value_loss(values, old, ret, mask, 0.2)
+    assert loss.item() == pytest.approx((0.25 + 0.36 + 0.04 + 1.0) / 4)
+    loss.backward()  # no gradient where the clipped (saturated) term is the larger one
+    assert values.grad.tolist()[0] == pytest.approx([0.0, 2 * 0.6 / 4, 0.0, 2 * 1.0 / 4, 0.0])
+    assert c3po.value_loss(values, old, ret, mask, 0.0).item() == pytest.approx((0.04 + 0.36 + 0.01 + 1.0) / 4)  # Eq. 10
+
+
+TINY_LM = "toy-lm:layers=1,hidden=32,heads=2,kv_heads=2,intermediate=64"
+
+
+def test_value_model_is_a_copy_of_the_policy_with_a_zero_scalar_head():
+    from common.llm import right_pad
+    from common.toy import load_toy_lm
+    model, _ = load_toy_lm(TINY_LM)
+    value = c3po.ValueModel(model)
+    ids, attention = right_pad([[4, 7, 8, 9], [4, 7]], 0), right_pad([[1] * 4, [1] * 2], 0)
+    assert torch.equal(value(ids, attention), torch.zeros(2, 4))  # (B, T), zero at the start of PPO
+    assert value.head.weight.shape == (1, 32) and value.head.bias is None
+    with torch.no_grad():
+        value.head.weight.fill_(1.0)  # then V(s_t) = the sum of the last hidden state at t
+    hidden = model(input_ids=ids, attention_mask=attention, output_hidden_states=True).hidden_states[-1]
+    assert torch.allclose(value(ids, attention), hidden.sum(-1), atol=1e-5)
+    with torch.no_grad():
+        next(value.backbone.parameters()).add_(1.0)  # a copy: training the critic leaves the policy alone
+    assert not torch.equal(next(value.backbone.parameters()), next(model.parameters()))
+
+
+@pytest.mark.parametrize("value_clip, value_loss", [(0.2, (1.0 + 0.09 + 0.25) / 3), (0.0, (1.0 + 0.0 + 0.04) / 3)])
+def test_ppo_update_whitens_advantages_over_the_rollout(monkeypatch, value_clip, value_loss):
+    """Advantages 1, 2 | 3 (two nodes) whiten over the rollout to -1, 0 | 1 (mean 2, std 1), not per node; the critic
+    starts at V = 0, so its clipped loss follows from the stored old values by hand."""
+    from accelerate import Accelerator
+    from common.toy import load_toy_lm
+    model, tokenizer = load_toy_lm(TINY_LM)
+    samples = [dict(ids=[4, 7, 8], loss_mask=[0, 1, 1], credit=1.0, agent="router"),
+               dict(ids=[4, 9], loss_mask=[0, 1], credit=0.0, agent="dm")]
+    hand = [dict(adv=[1.0, 2.0], ret=[1.0, 0.0], val=[0.5, 0.5]), dict(adv=[3.0], ret=[0.2], val=[-0.5])]
+    score, surrogate, seen = c3po.score_samples, c3po.clipped_surrogate, []
+
+    def fake_score(*a):
+        score(*a)  # the real old and reference log-probs, then hand-set advantages, returns and old values
+        for sample, h in zip(samples, hand):
+            sample.update(h)
+
+    def spy(new, old, adv, mask, clip):
+        seen.append(adv[mask.bool()].tolist())
+        return surrogate(new, old, adv, mask, clip)
+    monkeypatch.setattr(c3po, "score_samples", fake_score)
+    monkeypatch.setattr(c3po, "clipped_surrogate", spy)
+    args = args_for(micro_batch_size=4, ppo_batch_size=8, value_clip=value_clip)
+    ref, value = copy.deepcopy(model), c3po.ValueModel(model)
+    optimizers = [torch.optim.Adam(m.parameters(), lr=1e-3) for m in (model, value)]
+    schedulers = [torch.optim.lr_scheduler.LambdaLR(o, lambda step: 1.0) for o in optimizers]
+    stats = c3po.ppo_update(Accelerator(cpu=True), model, value, ref, optimizers, schedulers, samples, tokenizer, args)
+    assert len(seen) == 1 and sorted(seen[0]) == pytest.approx([-1.0, 0.0, 1.0], abs=1e-6)
+    assert stats["losses/policy"] == pytest.approx(0.0, abs=1e-6)  # ratio 1 and whitened advantages of mean 0
+    assert stats["losses/value"] == pytest.approx(value_loss, abs=1e-6) and stats["losses/clipfrac"] == 0.0
 
 
 def test_node_samples_mask_exactly_the_action_tokens():
@@ -390,6 +457,111 @@ def test_rejection_sampling_keeps_at_most_four_successful_paths():
         nodes.append(dict(kind="leaf", parent=len(nodes) - 1, reward=float(i != 0)))
     pairs = c3po.successful_paths({"nodes": nodes, "row": ROWS[0]}, 4, random.Random(0))
     assert len(pairs) == 4 and "[Retrieval] q0" not in [p["output"] for p in pairs]
+
+
+# ---------------------------------------------------------------- the LLM judge and the LLM teacher (fake frozen LLM)
+class ChatLLM:
+    """A frozen LLM with common.llm's chat interface (HFChatLLM / EndpointLLM): reply(prompt) gives each canned reply."""
+
+    def __init__(self, reply):
+        self.reply, self.calls = reply, []
+
+    def chat(self, messages_lists, temperature=0.0, top_p=1.0, max_tokens=256, stop=(), seed=None):
+        self.calls.append(dict(messages=messages_lists, temperature=temperature, max_tokens=max_tokens))
+        return [self.reply(messages[-1]["content"]) for messages in messages_lists]
+
+
+@pytest.mark.parametrize("verdicts, rewards", [(["True", "False", "TRUE."], [1.0, 0.0, 1.0]),
+                                               (["  true\n", "false", "False."], [1.0, 0.0, 0.0])])
+def test_llm_judge_scores_answer_leaves_only(verdicts, rewards):
+    """[App. D.2] prompt with the gold list as str(list); correct iff "true" in the reply, lower-cased (impl)."""
+    row = {"question": "who directed zekil ?", "golden_answers": ["mipon", "Mipon Jr"]}
+    answers = ["mipon directed it .", "nobody .", "it was mipon ."]
+    nodes = [dict(kind="root", parent=None)] + [dict(kind="leaf", parent=0, why="answer", answer=a, reward=0.0) for a in answers]
+    nodes.insert(2, dict(kind="leaf", parent=0, why="invalid", answer="", reward=0.0))  # never judged, stays 0
+    replies = iter(verdicts)
+    llm = ChatLLM(lambda prompt: next(replies))
+    c3po.score_leaves([{"row": row, "nodes": nodes}], llm, args_for(judge="llm"))
+    assert [n["reward"] for n in nodes if n.get("why") == "answer"] == rewards and nodes[2]["reward"] == 0.0
+    (call,) = llm.calls
+    assert call["temperature"] == 0.0 and call["max_tokens"] == 8
+    assert [m[-1]["content"] for m in call["messages"]] == [c3po.JUDGE_PROMPT.format(
+        question=row["question"], golds="['mipon', 'Mipon Jr']", prediction=a) for a in answers]
+    assert call["messages"][0][-1]["content"].endswith("Correct Answer: ['mipon', 'Mipon Jr']\nPredicted Answer: mipon directed it .\n")
+
+
+def paper_llm(router_reply):
+    """Canned replies of a frozen LLM to the paper prompts: it plays the three agents (the --teacher llm warm-up), writes
+    the roadmap and the answers, and judges. The planning path retrieves once and stops; direct answers are wrong."""
+    def reply(prompt):
+        if "evaluating whether a given question" in prompt:
+            return router_reply
+        if "analyzing the retrieved documents" in prompt:
+            return "Thought: Document 1 names the director.\nAction: [1]"
+        if "determining the next appropriate action" in prompt:
+            return ("Thought: find the director first.\nAction: [Retrieval] director of zekil"
+                    if "Existing Documents: \n\nPlan:" in prompt else "Thought: the documents suffice.\nAction: [LLM]")
+        if "formulating a detailed plan" in prompt:
+            return "Step 1: find the director of zekil."
+        if "precise answer validator" in prompt:
+            return str("Predicted Answer: The director is mipon.\n" in prompt)
+        return "The director is mipon." if "Existing documents:" in prompt else "I am not sure."
+    return reply
+
+
+@pytest.mark.parametrize("router_reply", ["[Retrieval] director of zekil", "director of zekil"])
+def test_llm_teacher_outputs_become_tree_nodes_and_sft_examples(router_reply):
+    """--teacher llm (paper preset): the frozen LLM plays the proxy roles zero-shot [§5.2]; its outputs are the tree's
+    agent nodes, leaves are judged by the same LLM, and successful paths become (prompt, output) SFT pairs."""
+    args = args_for(templates="paper", system_prompt="You are a helpful assistant.", teacher="llm", judge="llm")
+    row = {"id": "q0", "question": "who directed zekil ?", "golden_answers": ["mipon"], "metadata": {}}
+    llm = ChatLLM(paper_llm(router_reply))
+    tree = c3po.rollout([row], c3po.teacher_actor(args, llm, 0), llm, FakeRetriever(), args, "tree")[0]
+    agents = [(n["kind"], n["text"]) for n in tree["nodes"] if n["kind"] in c3po.AGENTS]
+    assert agents == [("router", "[No Retrieval]"), ("router", "[Retrieval] director of zekil"), ("router", "[Planning]"),
+                      ("filter", "Thought: Document 1 names the director.\nAction: [1]"),  # K = 2 identical: one node
+                      ("dm", "Thought: find the director first.\nAction: [Retrieval] director of zekil"),
+                      ("filter", "Thought: Document 1 names the director.\nAction: [1]"),
+                      ("dm", "Thought: the documents suffice.\nAction: [LLM]")]
+    assert sorted((n["depth"], n["reward"]) for n in tree["nodes"] if n["kind"] == "leaf") == [(3, 0.0), (4, 1.0), (7, 1.0)]
+    teacher = [c for c in llm.calls if c["temperature"] == args.teacher_temperature]
+    assert [len(c["messages"]) for c in teacher] == [1, 4, 2, 1]  # one call per level, K(t) samples: 1 query; 2 x (F2, DM3); 2 F4; 1 DM5
+    first = teacher[0]["messages"][0]
+    assert first[0] == {"role": "system", "content": "You are a helpful assistant."}
+    assert first[1]["content"] == c3po.TEMPLATES["paper"]["router"].format(question=row["question"]) + "\n[Retrieval]"
+    examples, solved = c3po.build_warmup([row], llm, FakeRetriever(), args)
+    assert solved == 1.0 and len(examples) == 6  # the failed [No Retrieval] path gives none
+    assert sorted((e["agent"], e["output"]) for e in examples) == sorted(agents[1:])
+    router = next(e for e in examples if e["output"] == "[Planning]")
+    assert router["prompt"] == c3po.TEMPLATES["paper"]["router"].format(question=row["question"])  # zero-shot, no prefix
+
+
+# ---------------------------------------------------------------- SFT warm-up: the loss is on the output tokens only
+def test_sft_batch_puts_labels_on_the_output_and_eos_only():
+    from common.toy import load_toy_lm
+    _, tokenizer = load_toy_lm(TINY_LM)
+    examples = [dict(prompt="write a plan . question : x ?", output="[Planning]"),
+                dict(prompt="decide : no retrieval , retrieval or planning . question : x ?", output="[No Retrieval]")]
+    ids, labels, attention = c3po.sft_batch(examples, tokenizer, args_for(system_prompt=""), random.Random(0), None)
+    assert (labels != -100).sum(1).tolist() == [3 + 1, 4 + 1]  # `[ planning ]` + EOS, `[ no retrieval ]` + EOS
+    for row, ex in enumerate(examples):
+        prompt = c3po.encode_prompts(tokenizer, [ex["prompt"]], "")[0]
+        target = tokenizer(ex["output"], add_special_tokens=False)["input_ids"] + [tokenizer.eos_token_id]
+        n, width = len(prompt) + len(target), ids.shape[1]
+        assert ids[row].tolist() == prompt + target + [tokenizer.pad_token_id] * (width - n)
+        assert labels[row].tolist() == [-100] * len(prompt) + target + [-100] * (width - n)
+        assert attention[row].tolist() == [1] * n + [0] * (width - n)
+
+
+def test_sft_loss_counts_only_the_target_tokens():
+    logits = torch.zeros(1, 4, 3)  # uniform over a 3-token vocabulary
+    labels = torch.tensor([[-100, -100, 2, 0]])  # a 2-token prompt, then the target 2, 0
+    assert c3po.sft_loss(logits, labels, 2).item() == pytest.approx(math.log(3))
+    logits[0, 0] = torch.tensor([9.0, -9.0, 0.0])  # predicts the prompt's 2nd token: masked
+    logits[0, 3] = torch.tensor([9.0, -9.0, 0.0])  # predicts past the end: dropped by the shift
+    assert c3po.sft_loss(logits, labels, 2).item() == pytest.approx(math.log(3))
+    logits[0, 1] = torch.tensor([0.0, 0.0, math.log(2)])  # p(2) = 2 / 4 at the first target
+    assert c3po.sft_loss(logits, labels, 2).item() == pytest.approx((math.log(2) + math.log(3)) / 2)
 
 
 # ---------------------------------------------------------------- CLI and end to end on the toy world

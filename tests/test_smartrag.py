@@ -309,3 +309,28 @@ def test_a_renamed_ppo_episode_searches_the_real_corpus_and_reads_renamed_passag
     assert renamed["golden_answers"][0] in observation.split()  # the renamed answer is there to copy
     plain = {"row": row, "turns": [{"text": query}]}
     assert smartrag.search(retriever, [plain], 1) == [real]
+
+
+def test_ppo_iteration_scores_a_rollout_in_minibatch_chunks_as_at_once(tagged, monkeypatch):
+    """The behaviour and reference log-probs are computed ppo_batch_size sequences at a time (memory); the KL they
+    give must not depend on the chunking, and sequences of different lengths must line up after padding."""
+    from accelerate import Accelerator
+    import copy
+    model, tokenizer, tags = tagged
+    fake, _ = scripted_generate(tags, "retrieve")
+    monkeypatch.setattr(smartrag, "generate", fake)
+    questions = ["q ?", "who is the director of zorvak ?", "what is the birthplace of velbo and more words ?"]
+    rows = [{"question": q, "golden_answers": ["x"]} for q in questions]
+    kls = []
+    for batch_size in (1, 2, 64):
+        args = smartrag.apply_preset(smartrag.Args(quota=1, ppo_batch_size=batch_size))
+        episodes = smartrag.rollout(model, tokenizer, FakeRetriever(), rows, args, tags, greedy=False, seed=0)
+        ref = copy.deepcopy(model)
+        with torch.no_grad():
+            for p in ref.parameters():
+                p.add_(0.05 * torch.randn(p.shape, generator=torch.Generator().manual_seed(p.numel())))
+        wrapped = smartrag.PolicyAndValue(copy.deepcopy(model))
+        optimizer = torch.optim.AdamW(wrapped.parameters(), lr=0.0)
+        stats = smartrag.ppo_iteration(Accelerator(cpu=True), wrapped, ref, optimizer, tokenizer, episodes, 0.1, args)
+        kls.append(stats["rollout/kl"])
+    assert kls[0] != 0.0 and kls[0] == pytest.approx(kls[1], rel=1e-5) and kls[0] == pytest.approx(kls[2], rel=1e-5)
