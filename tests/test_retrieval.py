@@ -301,7 +301,7 @@ def test_unloadable_encoder_is_a_clear_error():
 
 def test_cli_build_then_load_and_search(corpus_path, tmp_path):
     out = tmp_path / "cli_idx"
-    env = {**os.environ, "PYTHONPATH": str(REPO)}
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(REPO), os.environ.get("PYTHONPATH")]))}
     run = subprocess.run([sys.executable, "-m", "common.retrieval", "build", "--corpus", str(corpus_path),
                           "--encoder", "tfidf", "--out", str(out)], capture_output=True, text=True, env=env, cwd=REPO)
     assert run.returncode == 0, run.stderr

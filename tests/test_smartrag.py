@@ -256,7 +256,8 @@ def test_threshold_decides_the_first_token(tagged, monkeypatch):
 
 # ---------------------------------------------------------------- end to end on the toy world
 def run(args, cwd):
-    env = {**os.environ, "HF_HUB_OFFLINE": "1", "TOKENIZERS_PARALLELISM": "false", "PYTHONPATH": str(ROOT)}
+    env = {**os.environ, "HF_HUB_OFFLINE": "1", "TOKENIZERS_PARALLELISM": "false",
+           "PYTHONPATH": os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")]))}
     return subprocess.run([sys.executable, str(ROOT / "smartrag.py"), *args], cwd=cwd, capture_output=True, text=True,
                           env=env)
 
