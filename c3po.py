@@ -122,7 +122,7 @@ class Args:
 PRESETS = {  # values for the fields left at None; any flag overrides them
     "toy": dict(data_dir="data/toy", model="toy-lm", llm="toy", judge="cover_em", templates="compact", system_prompt="",
                 question_types="one_hop,two_hop", top_k=3, max_documents=6, max_new_tokens=20, teacher="oracle",
-                teacher_noise=0.2, sft_epochs=0.0, sft_steps=1000, sft_lr=2e-3, sft_batch_size=32, micro_batch_size=256,
+                teacher_noise=0.2, sft_epochs=0.0, sft_steps=1500, sft_lr=2e-3, sft_batch_size=32, micro_batch_size=256,
                 augment_p=1.0, ppo_iterations=10, rollout_batch=16, ppo_batch_size=128, policy_lr=5e-5, value_lr=5e-4),
     "paper": dict(data_dir="data/c3po", model="Qwen/Qwen2-0.5B", llm="hf:Qwen/Qwen2-72B-Instruct", judge="llm",
                   templates="paper", system_prompt="You are a helpful assistant.", question_types="", top_k=10,

@@ -492,6 +492,7 @@ def sft(accelerator, model, tokenizer, tag_ids, examples, args, world):
     schedule = lambda s: min(1.0, (s + 1) / max(warmup, 1)) * max(0.1, 1 - s / steps)
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, schedule)
     model, optimizer = accelerator.prepare(model, optimizer)
+    model.train()  # dropout and gradient checkpointing act in train mode only
     order, losses = [], []
     for step in range(steps):
         if len(order) < args.sft_batch_size:

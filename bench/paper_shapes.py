@@ -4,6 +4,7 @@
     python bench/paper_shapes.py --method c3po --shape qwen2-0.5b           # C-3PO's proxy (full fine-tuning)
     python bench/paper_shapes.py --method c3po --shape qwen2-1.5b
     python bench/paper_shapes.py --method smartrag --shape tiny --steps 1   # the same code path on CPU, in seconds
+    python bench/paper_shapes.py --method smartrag --shape llama2-7b --method_flags="--gradient_checkpointing False"
 
 What runs is the method file's own code, not a copy of it:
 - smartrag: `load_policy` (LoRA, gradient checkpointing of the paper preset), `rollout` of `rollout_batch` questions
@@ -23,6 +24,7 @@ import argparse
 import json
 import os
 import random
+import shlex
 import sys
 import time
 from pathlib import Path
@@ -92,7 +94,7 @@ def sync():
 
 def bench_smartrag(opts, accelerator, tokenizer, words, dtype):
     (args,) = smartrag.HfArgumentParser(smartrag.Args).parse_args_into_dataclasses(
-        args=["--preset", "paper", "--threshold", "-1", "--num_beams", "1", "--seed", "0"])
+        args=["--preset", "paper", "--threshold", "-1", "--num_beams", "1", "--seed", "0", *shlex.split(opts.method_flags)])
     smartrag.apply_preset(args)
     args.rollout_batch = opts.batch or args.rollout_batch
     model = random_model(opts.shape, tokenizer, accelerator.device, dtype)
@@ -130,7 +132,8 @@ def bench_smartrag(opts, accelerator, tokenizer, words, dtype):
 
 
 def bench_c3po(opts, accelerator, tokenizer, words, dtype):
-    (args,) = c3po.HfArgumentParser(c3po.Args).parse_args_into_dataclasses(args=["--preset", "paper", "--seed", "0"])
+    (args,) = c3po.HfArgumentParser(c3po.Args).parse_args_into_dataclasses(
+        args=["--preset", "paper", "--seed", "0", *shlex.split(opts.method_flags)])
     c3po.apply_preset(args)
     args.max_new_tokens = opts.new_tokens
     model = random_model(opts.shape, tokenizer, accelerator.device, dtype)
@@ -181,6 +184,7 @@ def main():
     parser.add_argument("--nodes", type=int, default=256, help="c3po: agent prompts in one generate call")
     parser.add_argument("--new_tokens", type=int, default=128, help="c3po: proxy tokens per action")
     parser.add_argument("--samples", type=int, default=1024, help="c3po: node samples in one PPO update")
+    parser.add_argument("--method_flags", default="", help='flags of the method file, e.g. --method_flags="--gradient_checkpointing False"')
     parser.add_argument("--json", default="", help="also write the figures to this file")
     opts = parser.parse_args()
     accelerator = Accelerator(cpu=not torch.cuda.is_available())
