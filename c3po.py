@@ -90,6 +90,7 @@ class Args:
     answer_max_tokens: int = field(default=256, metadata={"help": "LLM tokens per answer / roadmap (ours)"})
     dedupe: bool = field(default=True, metadata={"help": "drop identical sampled children (impl)"})
     credit_mode: str = field(default="tree", metadata={"help": "tree (Eq. 5) or single_trajectory (the w/o-tree ablation, §6.4)"})
+    forced_weight: float = field(default=1.0, metadata={"help": "policy-loss weight of forced root tokens (spec §9.14: 1, trained as sampled)"})
     gen_batch_size: int = field(default=512, metadata={"help": "prompts per proxy generate call (memory only)"})
     # warm-up [§5.2]
     teacher: Optional[str] = field(default=None, metadata={"help": "oracle (toy metadata) or llm (the frozen LLM in the proxy roles)"})
@@ -144,6 +145,8 @@ def apply_preset(args):
                           ("credit_mode", ("tree", "single_trajectory"))):
         if getattr(args, name) not in allowed:
             raise SystemExit(f"--{name} must be one of {sorted(allowed)}, got {getattr(args, name)!r}")
+    if args.forced_weight < 0:
+        raise SystemExit(f"--forced_weight must be >= 0 (1: forced root tokens trained as sampled ones), got {args.forced_weight}")
     return args
 
 
@@ -359,7 +362,7 @@ def rollout(rows, act, llm, retriever, args, mode, seed=0):
             for text, prompt_ids, action_ids in (list({o[0]: o for o in outs}.values()) if args.dedupe else outs):
                 tree["proxy_calls"] += 1
                 node = add_node(tree, req["parent"], agent, req["depth"], text=text, prompt=req["prompt"],
-                                prompt_ids=prompt_ids, action_ids=action_ids)
+                                prompt_ids=prompt_ids, action_ids=action_ids, fixed=req["fixed"], prefix=req["prefix"])
                 c = dict(ctx, acc=list(ctx["acc"]), used=dict(ctx["used"]))
                 parsed = (parse_router(text, args.max_query_words) if agent == "router" else parse_dm(text, args.max_query_words)
                           if agent == "dm" else parse_filter(text, len(ctx["docs"]), strict=not testing))
@@ -606,14 +609,18 @@ class ValueModel(torch.nn.Module):
         return self.head(hidden.to(self.head.weight.dtype)).squeeze(-1)  # (B, T)
 
 
-def node_samples(trees):
-    """One PPO sample per agent node [§5.2]: ids = prompt + action, loss_mask = 1 exactly on the action, its Eq. 5 credit."""
+def node_samples(trees, count_tokens=None):
+    """One PPO sample per agent node [§5.2]: ids = prompt + action, loss_mask = 1 exactly on the action, its Eq. 5
+    credit, and `forced`: how many leading action tokens were forced, not sampled (a fixed root text: all of them; the
+    [Retrieval] prefix: count_tokens(prefix), 0 without count_tokens) for --forced_weight (spec §9.14)."""
     samples = []
     for tree in trees:
         credits = leaf_credits(tree["nodes"])
         for n, credit in zip(tree["nodes"], credits):
             if n["kind"] in AGENTS and n["action_ids"]:
-                samples.append(dict(ids=n["prompt_ids"] + n["action_ids"], credit=credit, agent=n["kind"],
+                forced = (len(n["action_ids"]) if n.get("fixed") is not None else
+                          count_tokens(n["prefix"]) if n.get("prefix") and count_tokens else 0)
+                samples.append(dict(ids=n["prompt_ids"] + n["action_ids"], credit=credit, agent=n["kind"], forced=forced,
                                     loss_mask=[0] * len(n["prompt_ids"]) + [1] * len(n["action_ids"])))
     return samples
 
@@ -635,11 +642,13 @@ def token_rewards(credit, logp_old, logp_ref, beta):
     return rewards
 
 
-def clipped_surrogate(new_logp, old_logp, advantages, mask, clip):
-    """-mean over action tokens of min(r A, clip(r, 1-eps, 1+eps) A) [Eq. 9], and the ratio r."""
+def clipped_surrogate(new_logp, old_logp, advantages, mask, clip, weights=None):
+    """-mean over action tokens of min(r A, clip(r, 1-eps, 1+eps) A) [Eq. 9], and the ratio r; weights (B, T) scale
+    tokens' terms (forced tokens, spec §9.14) without changing the token count of the mean."""
     ratio = torch.exp(new_logp - old_logp)  # (B, T)
     surrogate = torch.min(ratio * advantages, ratio.clamp(1 - clip, 1 + clip) * advantages)
-    return -(surrogate * mask).sum() / mask.sum().clamp(min=1), ratio
+    weighted = surrogate * mask if weights is None else surrogate * mask * weights
+    return -weighted.sum() / mask.sum().clamp(min=1), ratio
 
 
 def value_loss(values, old_values, returns, mask, clip):
@@ -683,6 +692,8 @@ def ppo_update(accelerator, policy, value, ref, optimizers, schedulers, samples,
     device, pad = accelerator.device, tokenizer.pad_token_id
     policy.eval()
     score_samples(accelerator.unwrap_model(policy), ref, accelerator.unwrap_model(value), samples, pad, device, args)
+    for s in samples:  # per action token: --forced_weight on the forced root tokens, 1 on sampled ones (spec §9.14)
+        s["weight"] = [args.forced_weight] * s.get("forced", 0) + [1.0] * (len(s["adv"]) - s.get("forced", 0))
     flat = torch.tensor([a for s in samples for a in s["adv"]])
     mean, std = flat.mean().item(), flat.std().item() if len(flat) > 1 else 1.0
     policy.train()
@@ -704,7 +715,8 @@ def ppo_update(accelerator, policy, value, ref, optimizers, schedulers, samples,
                 full = lambda key, scale=1.0, shift=0.0: torch.zeros_like(mask).masked_scatter(
                     mask.bool(), torch.tensor([(x - shift) * scale for s in chunk for x in s[key]], device=device))
                 weight = mask.sum() / n_tokens  # token-mean over the whole minibatch
-                pg, ratio = clipped_surrogate(token_logp(policy, ids, attention), full("old"), full("adv", 1 / (std + 1e-8), mean), mask, args.clip)
+                pg, ratio = clipped_surrogate(token_logp(policy, ids, attention), full("old"), full("adv", 1 / (std + 1e-8), mean),
+                                              mask, args.clip, full("weight") if args.forced_weight != 1 else None)
                 # simplification: value loss 0.5 * MSE with OpenRLHF's value clipping, one PPO epoch (header item 4)
                 vf = value_loss(value(ids, attention)[:, :-1].float(), full("val"), full("ret"), mask, args.value_clip)  # [Eq. 10]
                 accelerator.backward((pg + args.vf_coef * vf) * weight)  # [Eq. 11]; separate networks and optimizers
@@ -860,7 +872,7 @@ def train(args):
         rows = rng.sample(train_rows, min(args.rollout_batch, len(train_rows)))
         trees = rollout(rows, proxy_actor(accelerator.unwrap_model(policy), tokenizer, args, greedy=False), llm,
                         retriever, args, mode, seed=args.seed * 100_003 + it * 7919 + accelerator.process_index)
-        samples = node_samples(trees)
+        samples = node_samples(trees, lambda text: len(tokenizer(text, add_special_tokens=False)["input_ids"]))
         stats = rollout_stats(trees, samples) | ppo_update(accelerator, policy, value, ref, optimizers, schedulers, samples, tokenizer, args)
         stats |= {"iteration": it + 1, "charts/seconds": time.time() - t0}
         log(stats)

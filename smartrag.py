@@ -107,6 +107,7 @@ class Args:
     max_grad_norm: float = field(default=0.5, metadata={"help": "gradient clipping (impl: 0.5)"})
     kl_init: float = field(default=0.001, metadata={"help": "initial KL coefficient beta (impl: 0.001, adaptive)"})
     kl_target: float = field(default=0.2, metadata={"help": "target KL of the adaptive controller (impl: 0.2)"})
+    kl_adaptive: bool = field(default=True, metadata={"help": "adapt beta to kl_target after each rollout (impl); False: fixed"})
     sample_top_k: int = field(default=50, metadata={"help": "top-k sampling in rollouts [App. A.3: 50]"})
     max_new_tokens: Optional[int] = field(default=None, metadata={"help": "tokens per action (impl: 50)"})
     # inference [§4.1, App. A.3]
@@ -628,7 +629,8 @@ def train(args):
             episodes += rollout(policy_now, tokenizer, retriever, rows, args, tag_ids, greedy=False,
                                 seed=args.seed * 100_003 + it * 97 + len(episodes) + accelerator.process_index)
         stats = ppo_iteration(accelerator, model, ref, optimizer, tokenizer, episodes, beta, args)
-        beta = update_kl_coef(beta, stats["rollout/kl"], args.kl_target)  # after each rollout (impl)
+        if args.kl_adaptive:
+            beta = update_kl_coef(beta, stats["rollout/kl"], args.kl_target)  # after each rollout (impl)
         returns = [discounted_return([t["reward"] for t in e["turns"]], 1.0) for e in episodes]
         stats |= {"iteration": it + 1, "rollout/return": sum(returns) / len(returns), "charts/kl_coef": beta,
                   "rollout/retrieval_rate": sum(any(t["kind"] == "retrieve" for t in e["turns"]) for e in episodes) / len(episodes),

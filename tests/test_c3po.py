@@ -157,6 +157,26 @@ def test_no_gradient_beyond_the_clip_and_masked_tokens_ignored():
     assert pg.item() == pytest.approx(-1.0)
 
 
+def test_forced_tokens_can_be_down_weighted_in_the_surrogate():
+    """spec §9.14: forced root tokens count in the token mean but their term is scaled by --forced_weight."""
+    new_logp, old_logp = torch.zeros(1, 3), torch.zeros(1, 3)  # ratio 1: the surrogate is A per token
+    advantages, mask = torch.tensor([[2.0, -1.0, 4.0]]), torch.tensor([[1.0, 1.0, 0.0]])
+    full, _ = c3po.clipped_surrogate(new_logp, old_logp, advantages, mask, 0.2)
+    weighted, _ = c3po.clipped_surrogate(new_logp, old_logp, advantages, mask, 0.2, torch.tensor([[0.1, 1.0, 1.0]]))
+    assert full.item() == pytest.approx(-(2.0 - 1.0) / 2) and weighted.item() == pytest.approx(-(0.2 - 1.0) / 2)
+
+
+def test_node_samples_count_the_forced_root_tokens():
+    nodes = [dict(kind="root", parent=None),
+             dict(kind="router", parent=0, prompt_ids=[5], action_ids=[7, 8, 1], fixed="[Planning]", prefix=""),
+             dict(kind="router", parent=0, prompt_ids=[5], action_ids=[7, 9, 6, 6, 1], fixed=None, prefix="[Retrieval]"),
+             dict(kind="filter", parent=2, prompt_ids=[5], action_ids=[4, 1], fixed=None, prefix=""),
+             dict(kind="leaf", parent=1, reward=1.0), dict(kind="leaf", parent=3, reward=0.0)]
+    count = lambda text: {"[Retrieval]": 2}[text]  # the toy tokenizer splits it into "[" "retrieval" "]"; 2 here
+    assert [s["forced"] for s in c3po.node_samples([{"nodes": nodes}], count)] == [3, 2, 0]
+    assert [s["forced"] for s in c3po.node_samples([{"nodes": nodes}])] == [3, 0, 0]  # no tokenizer: prefix unknown
+
+
 def test_value_loss_clips_around_the_old_values():
     """OpenRLHF's value clipping (spec §9.10), eps 0.2, by hand; the fifth token is masked out."""
     values = torch.tensor([[1.0, 0.6, 1.0, 1.0, 9.0]], requires_grad=True)
@@ -207,9 +227,9 @@ def test_ppo_update_whitens_advantages_over_the_rollout(monkeypatch, value_clip,
         for sample, h in zip(samples, hand):
             sample.update(h)
 
-    def spy(new, old, adv, mask, clip):
+    def spy(new, old, adv, mask, clip, weights=None):
         seen.append(adv[mask.bool()].tolist())
-        return surrogate(new, old, adv, mask, clip)
+        return surrogate(new, old, adv, mask, clip, weights)
     monkeypatch.setattr(c3po, "score_samples", fake_score)
     monkeypatch.setattr(c3po, "clipped_surrogate", spy)
     args = args_for(micro_batch_size=4, ppo_batch_size=8, value_clip=value_clip)
@@ -256,7 +276,7 @@ class FakeLLM:
         return ["step 1 : find it ." if p.startswith("write a plan") else "gold" for p in prompts]
 
 
-def scripted(dm_text="Thought: t\nAction: [Retrieval] sub", filter_text="Thought: t\nAction: [1]"):
+def scripted(dm_text="Thought: t\nAction: [Retrieval] sub", filter_text="Thought: t\nAction: [1]", router_text=None):
     """A fake proxy actor recording each call's requests; fixed texts are returned as they are."""
     calls = []
 
@@ -264,7 +284,8 @@ def scripted(dm_text="Thought: t\nAction: [Retrieval] sub", filter_text="Thought
         calls.append(requests)
         out = []
         for r in requests:
-            text = r["fixed"] or {"router": r["prefix"] + " q", "filter": filter_text, "dm": dm_text}[r["agent"]]
+            router = router_text or r["prefix"] + " q"
+            text = r["fixed"] or {"router": router, "filter": filter_text, "dm": dm_text}[r["agent"]]
             out.append([(text, [3], [4, 1])] * (1 if r["fixed"] else r["n"]))
         return out
     return act, calls
@@ -291,6 +312,23 @@ def test_forced_top_and_one_proxy_call_per_level_for_all_trees():
     assert all(r["n"] == 2 for r in calls[1])  # K(2) = K(3) = 2 (identical outputs deduplicated)
     assert len(retriever.calls) == 1 and len(retriever.calls[0][0]) == 3  # one retriever call per level
     assert [len(c) for c in llm.calls] == [3, 3, 6]  # level 1: roadmaps, then answers; level 2: answers
+
+
+@pytest.mark.parametrize("answer, reward", [("gold", 1.0), ("wrong", 0.0)])
+def test_single_trajectory_rollout_is_one_free_path_whose_reward_every_node_gets(answer, reward):
+    """The w/o-tree ablation (§6.4): the router is sampled, not forced, K = 1 everywhere, one leaf per question."""
+    act, calls = scripted(dm_text="Thought: t\nAction: [Retrieval] sub", router_text="[Planning]")
+    llm = FakeLLM()
+    llm.chat = lambda msgs, **kw: ["step 1 : find it ." if m[-1]["content"].startswith("write a plan") else answer for m in msgs]
+    trees = c3po.rollout(ROWS, act, llm, FakeRetriever(), args_for(credit_mode="single_trajectory"), "single")
+    assert all(r["fixed"] is None and r["prefix"] == "" and r["n"] == 1 for c in calls for r in c)
+    for tree in trees:
+        kinds = [n["kind"] for n in tree["nodes"]]
+        assert kinds.count("router") == 1 and kinds.count("leaf") == 1
+        assert [n["strategy"] for n in tree["nodes"] if n["kind"] == "router"] == ["Planning"]
+        assert kinds.count("dm") == 5 and kinds.count("filter") == 4  # 4 retrieval loops, then the forced [LLM]
+    samples = c3po.node_samples(trees)
+    assert len(samples) == 3 * 10 and {s["credit"] for s in samples} == {reward}
 
 
 def test_proxy_actor_forces_root_texts_and_prefix(monkeypatch):
@@ -401,15 +439,18 @@ def test_invalid_outputs_end_in_a_zero_leaf(router, filter_text, why):
     assert (leaf["why"] == "answer") is (filter_text == "Thought: t\nAction: [9]")
 
 
-def ppo_once(seed):
+def ppo_once(seed, forced_weight=1.0, only_fixed=False):
     """A tree rollout of a tiny random proxy (scripted LLM and retriever) and one PPO update: (texts, stats, policy)."""
     from accelerate import Accelerator
     from common.toy import load_toy_lm
     model, tokenizer = load_toy_lm("toy-lm:layers=1,hidden=32,heads=2,kv_heads=2,intermediate=64")
-    args = args_for(max_new_tokens=6, policy_lr=1e-2, value_lr=1e-2, micro_batch_size=4, ppo_batch_size=8, seed=seed)
+    args = args_for(max_new_tokens=6, policy_lr=1e-2, value_lr=1e-2, micro_batch_size=4, ppo_batch_size=8, seed=seed,
+                    forced_weight=forced_weight)
     trees = c3po.rollout(ROWS, c3po.proxy_actor(model, tokenizer, args, greedy=False), FakeLLM(), FakeRetriever(), args,
                          "tree", seed=seed)
     samples = c3po.node_samples(trees)
+    if only_fixed:  # the forced [No Retrieval] / [Planning] router texts alone
+        samples = [s for s in samples if s["forced"] == len(s["loss_mask"]) - s["loss_mask"].index(1)]
     ref, value = copy.deepcopy(model), c3po.ValueModel(model)
     optimizers = [torch.optim.Adam(m.parameters(), lr=1e-2) for m in (model, value)]
     schedulers = [torch.optim.lr_scheduler.LambdaLR(o, lambda step: 1.0) for o in optimizers]
@@ -425,6 +466,13 @@ def test_ppo_update_is_reproducible_and_moves_the_policy():
     assert all(len(s["adv"]) == sum(s["loss_mask"]) for s in samples) and stats["rollout/kl"] == pytest.approx(0.0, abs=1e-6)
     moved = [not torch.equal(p, q) for p, q in zip(policy.parameters(), ref.parameters())]
     assert any(moved) and all(torch.isfinite(p).all() for p in policy.parameters())
+
+
+@pytest.mark.parametrize("forced_weight, moves", [(1.0, True), (0.0, False)])
+def test_forced_weight_zero_leaves_the_policy_untouched_by_forced_texts(forced_weight, moves):
+    _, _, policy, ref, samples = ppo_once(0, forced_weight, only_fixed=True)
+    assert len(samples) == 6 and {s["credit"] for s in samples} == {0.0, 1.0}  # 3 trees x 2 fixed texts
+    assert any(not torch.equal(p, q) for p, q in zip(policy.parameters(), ref.parameters())) is moves
 
 
 # ---------------------------------------------------------------- the toy teacher and rejection sampling [§5.2]
@@ -605,6 +653,7 @@ def test_paper_templates_run_a_few_steps(tmp_path, capsys):
 
 
 @pytest.mark.parametrize("flag, message", [(["--train", "--preset", "nope"], "--preset must be one of"),
+                                           (["--train", "--forced_weight", "-1"], "--forced_weight must be >= 0"),
                                            (["--train", "--judge", "nope"], "--judge must be one of"), ([], "choose a mode")])
 def test_bad_flags_are_clear_errors(flag, message):
     with pytest.raises(SystemExit, match=message):

@@ -266,13 +266,16 @@ def run(args, cwd):
 def test_toy_train_then_eval_the_checkpoint(tmp_path, templates):
     out = tmp_path / "run"
     tiny = ["--n_train", "64", "--n_eval", "16", "--sft_steps", "20", "--ppo_iterations", "2", "--rollout_batch", "16",
-            "--sft_batch_size", "16", "--ppo_batch_size", "8", "--templates", templates, "--eval_every", "1"]
+            "--sft_batch_size", "16", "--ppo_batch_size", "8", "--templates", templates, "--eval_every", "1", "--kl_init", "0.05",
+            "--kl_adaptive", str(templates == "paper")]
     done = run(["--train", "--output_dir", str(out), *tiny], ROOT)
     assert done.returncode == 0, done.stderr[-3000:]
     results = check_contract(out, done.stdout)
     assert results["train_steps"] == {"sft": 20, "ppo": 2} and results["n_eval"] == 16
     metrics = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
     assert [m.get("iteration") for m in metrics if "iteration" in m] == [1, 2]
+    betas = [m["charts/kl_coef"] for m in metrics if "iteration" in m]  # compact: fixed beta; paper: adaptive (impl)
+    assert betas == [0.05, 0.05] if templates == "compact" else (betas[0] != 0.05 and betas[1] != betas[0])
     assert (out / "ppo" / "model.safetensors").is_file() and (out / "sft" / "model.safetensors").is_file()
     again = run(["--train", "--output_dir", str(out), *tiny], ROOT)  # resumes: SFT and PPO are not redone
     assert again.returncode == 0 and "sft step" not in again.stdout and "iteration=" not in again.stdout
