@@ -172,7 +172,7 @@ def test_node_samples_count_the_forced_root_tokens():
              dict(kind="router", parent=0, prompt_ids=[5], action_ids=[7, 9, 6, 6, 1], fixed=None, prefix="[Retrieval]"),
              dict(kind="filter", parent=2, prompt_ids=[5], action_ids=[4, 1], fixed=None, prefix=""),
              dict(kind="leaf", parent=1, reward=1.0), dict(kind="leaf", parent=3, reward=0.0)]
-    count = lambda text: {"[Retrieval]": 2}[text]  # the toy tokenizer splits it into "[" "retrieval" "]"; 2 here
+    count = lambda text: {"[Retrieval]": 2}[text]  # a stand-in tokenizer: the forced prefix is 2 tokens
     assert [s["forced"] for s in c3po.node_samples([{"nodes": nodes}], count)] == [3, 2, 0]
     assert [s["forced"] for s in c3po.node_samples([{"nodes": nodes}])] == [3, 0, 0]  # no tokenizer: prefix unknown
 

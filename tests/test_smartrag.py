@@ -275,7 +275,7 @@ def test_toy_train_then_eval_the_checkpoint(tmp_path, templates):
     metrics = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
     assert [m.get("iteration") for m in metrics if "iteration" in m] == [1, 2]
     betas = [m["charts/kl_coef"] for m in metrics if "iteration" in m]  # compact: fixed beta; paper: adaptive (impl)
-    assert betas == [0.05, 0.05] if templates == "compact" else (betas[0] != 0.05 and betas[1] != betas[0])
+    assert (betas == [0.05, 0.05]) if templates == "compact" else (betas[0] != 0.05 and betas[1] != betas[0])
     assert (out / "ppo" / "model.safetensors").is_file() and (out / "sft" / "model.safetensors").is_file()
     again = run(["--train", "--output_dir", str(out), *tiny], ROOT)  # resumes: SFT and PPO are not redone
     assert again.returncode == 0 and "sft step" not in again.stdout and "iteration=" not in again.stdout
