@@ -16,7 +16,7 @@ mean final reward of its reachable leaves (Eq. 5), with a value model, a frozen 
 Deviations from the paper (each marked `# simplification:` where it lives):
 1. Toy world only: the warm-up teacher is an oracle that knows the question's metadata (sub-queries, supporting
    entities, popular hops) and errs with probability --teacher_noise (the filter keeps every document, the Decision
-   Maker stops early), instead of Qwen2-72B-Instruct with few-shot prompts (C-3PO-ICL); SFT examples get the toy world's entity-renaming augmentation; the judge is cover-EM of the
+   Maker stops early), instead of Qwen2-72B-Instruct with few-shot prompts (C-3PO-ICL); SFT examples get the toy world's entity-renaming augmentation (--rl_augment_p: not-popular PPO trees too, the proxy reading renamed names while the retriever and the LLM see the real ones; off in the toy preset, docs/c3po.md); the judge is cover-EM of the
    short toy answer instead of an LLM judge; the toy preset uses one- and two-hop questions, top-3 documents, at most
    6 accumulated documents and the `compact` templates (same fields, tags and output formats, no instruction prose).
 2. With --teacher llm (paper preset) the frozen LLM plays the proxy roles zero-shot with the paper's prompts (the
@@ -48,7 +48,7 @@ from common.llm import chat_prompts, generate, load_model_and_tokenizer, make_ll
 from common.metrics import cover_em, exact_match, f1_score
 from common.retrieval import open_retriever
 from common.runs import append_metrics, load_state, save_checkpoint, write_results
-from common.toy import load_world, rename_entities  # the toy world's renaming augmentation (header item 1)
+from common.toy import apply_mapping, load_world, rename_entities, renamed_row  # toy renaming (header item 1)
 
 
 @dataclass
@@ -103,6 +103,7 @@ class Args:
     sft_batch_size: Optional[int] = field(default=None, metadata={"help": "SFT batch size [Tab. 6: 512]"})
     micro_batch_size: Optional[int] = field(default=None, metadata={"help": "sequences per forward pass (gradient accumulation)"})
     augment_p: Optional[float] = field(default=None, metadata={"help": "toy: entity-renaming probability of an SFT example"})
+    rl_augment_p: Optional[float] = field(default=None, metadata={"help": "toy: renaming probability of a not-popular PPO tree"})
     # PPO [§5.2, App. A.1, Tab. 7]
     ppo_iterations: Optional[int] = field(default=None, metadata={"help": "PPO updates (chosen on validation; impl ~150)"})
     rollout_batch: Optional[int] = field(default=None, metadata={"help": "questions (trees) per PPO update"})
@@ -124,11 +125,11 @@ PRESETS = {  # values for the fields left at None; any flag overrides them
     "toy": dict(data_dir="data/toy", model="toy-lm", llm="toy", judge="cover_em", templates="compact", system_prompt="",
                 question_types="one_hop,two_hop", top_k=3, max_documents=6, max_new_tokens=20, teacher="oracle",
                 teacher_noise=0.2, sft_epochs=0.0, sft_steps=1500, sft_lr=2e-3, sft_batch_size=32, micro_batch_size=256,
-                augment_p=1.0, ppo_iterations=10, rollout_batch=16, ppo_batch_size=128, policy_lr=5e-5, value_lr=5e-4),
+                augment_p=1.0, rl_augment_p=0.0, ppo_iterations=10, rollout_batch=16, ppo_batch_size=128, policy_lr=5e-5, value_lr=5e-4),
     "paper": dict(data_dir="data/c3po", model="Qwen/Qwen2-0.5B", llm="hf:Qwen/Qwen2-72B-Instruct", judge="llm",
                   templates="paper", system_prompt="You are a helpful assistant.", question_types="", top_k=10,
                   max_documents=10, max_new_tokens=2048, teacher="llm", teacher_noise=0.0, sft_epochs=3.0, sft_steps=0,
-                  sft_lr=4e-5, sft_batch_size=512, micro_batch_size=4, augment_p=0.0, ppo_iterations=150,
+                  sft_lr=4e-5, sft_batch_size=512, micro_batch_size=4, augment_p=0.0, rl_augment_p=0.0, ppo_iterations=150,
                   rollout_batch=64, ppo_batch_size=1024, policy_lr=5e-7, value_lr=5e-6),
 }
 
@@ -331,6 +332,16 @@ def router_requests(tree, mode, args):
             request(tree, 0, "router", 1, prompt, ctx, 1, fixed="[Planning]")]
 
 
+def to_env(tree, texts):
+    """A renamed tree's texts back to the real names the retriever and the LLM know (toy RL renaming, header item 1)."""
+    return apply_mapping(texts, tree["row"]["rename"][1]) if tree["row"].get("rename") else list(texts)
+
+
+def to_proxy(tree, texts):
+    """What the retriever and the LLM return, in a renamed tree's names (identity for a tree that is not renamed)."""
+    return apply_mapping(texts, tree["row"]["rename"][0]) if tree["row"].get("rename") else list(texts)
+
+
 def rollout(rows, act, llm, retriever, args, mode, seed=0):
     """Trees of a batch of questions, level by level: per level one proxy call for all pending states of all trees, one
     retriever call, one LLM call per kind. mode: tree (forced top, K(t): RL and warm-up), single (one sampled path: the
@@ -395,10 +406,12 @@ def rollout(rows, act, llm, retriever, args, mode, seed=0):
                     searches.append((tree, node, c, parsed[2]))
         if searches:  # a repeated query in a path returns the next page of top_k (impl)
             pages = [s[2]["used"].get(s[3], 0) for s in searches]
-            hits = retriever.search([s[3] for s in searches], args.top_k * (max(pages) + 1))
+            hits = retriever.search([to_env(s[0], [s[3]])[0] for s in searches], args.top_k * (max(pages) + 1))
             for (tree, node, c, query), page, h in zip(searches, pages, hits):
                 tree["retrievals"] += 1
-                c.update(docs=h[page * args.top_k:(page + 1) * args.top_k], query=query)
+                found = h[page * args.top_k:(page + 1) * args.top_k]  # a renamed tree's proxy reads them renamed
+                fields = {k: to_proxy(tree, [d[k] for d in found]) for k in ("title", "text", "contents") if found and k in found[0]}
+                c.update(docs=[dict(d, **{k: v[i] for k, v in fields.items()}) for i, d in enumerate(found)], query=query)
                 depth = tree["nodes"][node]["depth"] + 1
                 if depth > max_depth:
                     leaf(tree, node, "max_depth")
@@ -409,9 +422,10 @@ def rollout(rows, act, llm, retriever, args, mode, seed=0):
         for kind in ("roadmap", "answer"):
             todo = [x for x in calls if x[0] == kind]
             n = args.n_roadmaps if kind == "roadmap" and mode == "tree" else 1
-            messages = [[{"role": "user", "content": x[4]}] for x in todo for _ in range(n)]
+            messages = [[{"role": "user", "content": to_env(x[1], [x[4]])[0]}] for x in todo for _ in range(n)]
             replies = llm.chat(messages, temperature=args.roadmap_temperature if kind == "roadmap" else 0.0,
                                max_tokens=args.answer_max_tokens) if todo else []
+            replies = [to_proxy(todo[j // n][1], [r])[0] for j, r in enumerate(replies)]  # back in the tree's names
             for j, (_, tree, node, c, _) in enumerate(todo):
                 tree["llm_calls"] += n
                 for reply in dict.fromkeys(r.strip() for r in replies[j * n:(j + 1) * n]):
@@ -828,6 +842,8 @@ def train(args):
     test_rows = load_split(args.data_dir, "test", args.question_types)[:args.n_eval]
     retriever, llm = open_retriever(args.index, args.corpus, args.encoder), build_llm(args)
     log = lambda record: append_metrics(out / "metrics.jsonl", record, accelerator.is_main_process)
+    toy = (args.augment_p or args.rl_augment_p) and (Path(args.data_dir) / "world.json").is_file()
+    world = load_world(args.data_dir) if toy else None  # simplification: toy renaming augmentation (header item 1)
     sft_dir, steps = out / "sft", {"sft": 0, "ppo": 0}
     if (state := load_state(sft_dir)) is not None:  # resume: the warm-up is done
         model_name, args.model = args.model, str(sft_dir)
@@ -843,7 +859,6 @@ def train(args):
                           f"{len(train_rows)} questions ({solved:.2f} with a successful trajectory)")
         if not examples:
             raise SystemExit("the teacher solved no training question: no warm-up data (check --llm, --teacher, the data)")
-        world = load_world(args.data_dir) if args.augment_p and (Path(args.data_dir) / "world.json").is_file() else None
         policy, steps["sft"] = sft(accelerator, policy, tokenizer, examples, args, world)
         if accelerator.is_main_process:
             save_checkpoint(sft_dir, policy, tokenizer, {"before_sft": before_sft, "steps": steps["sft"]})
@@ -870,6 +885,8 @@ def train(args):
     for it in range(first, args.ppo_iterations):
         t0 = time.time()
         rows = rng.sample(train_rows, min(args.rollout_batch, len(train_rows)))
+        # simplification: toy-world renaming of not-popular PPO trees, as in SFT (header item 1)
+        rows = [renamed_row(r, world, rng) if world and rng.random() < args.rl_augment_p else r for r in rows]
         trees = rollout(rows, proxy_actor(accelerator.unwrap_model(policy), tokenizer, args, greedy=False), llm,
                         retriever, args, mode, seed=args.seed * 100_003 + it * 7919 + accelerator.process_index)
         samples = node_samples(trees, lambda text: len(tokenizer(text, add_special_tokens=False)["input_ids"]))

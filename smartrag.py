@@ -26,6 +26,9 @@ Deviations from the paper (each marked `# simplification:` where it lives):
    and SFT demonstrations get entity-renaming augmentation (a tiny model otherwise memorises instead of reading);
    so do PPO episodes of not-popular training questions (--rl_augment_p: question, passages and golds renamed
    through one bijection of the world's names, the queries mapped back to search the real corpus).
+   The raw toy-lm knows nothing, unlike the paper's pretrained base LLMs, so the toy base model first learns to
+   answer the popular training questions directly (--base_pretrain_steps, in the template-1 prompt, no tag): its
+   parametric knowledge, which the decision to skip retrieval needs (docs/smartrag.md, "Toy results").
    The toy preset trains and evaluates on one-hop questions (a PopQA-like mix of known, retrievable and unanswerable
    facts; --question_types "" uses every type).
 5. SFT trains for a number of steps (toy) or epochs (paper: 1); evaluation decodes with beam search after the
@@ -52,7 +55,7 @@ from common.llm import chat_prompts, generate, left_pad, load_model_and_tokenize
 from common.metrics import cover_em, exact_match, f1_score
 from common.retrieval import open_retriever
 from common.runs import append_metrics, load_state, save_checkpoint, write_results
-from common.toy import apply_mapping, rename_entities, world_renaming
+from common.toy import apply_mapping, rename_entities, renamed_row
 
 
 @dataclass
@@ -87,6 +90,7 @@ class Args:
     rewriter_model: str = field(default="", metadata={"help": "model name when --rewriter is an endpoint URL"})
     base_llm: Optional[str] = field(default=None, metadata={"help": "LLM spec that plays the base model's knowledge probe"})
     know_f1: float = field(default=0.2, metadata={"help": "base model 'knows' x if its direct-answer F1 >= this [App. A.2]"})
+    base_pretrain_steps: Optional[int] = field(default=None, metadata={"help": "toy: steps teaching the raw base model the popular facts"})
     sft_epochs: float = field(default=1.0, metadata={"help": "SFT epochs [§4: 1] (ignored when --sft_steps > 0)"})
     sft_steps: Optional[int] = field(default=None, metadata={"help": "SFT steps; overrides epochs when > 0"})
     sft_lr: Optional[float] = field(default=None, metadata={"help": "SFT learning rate [§4: 3e-4]"})
@@ -118,11 +122,11 @@ class Args:
 
 PRESETS = {  # values for the fields left at None; any flag overrides them
     "toy": dict(data_dir="data/toy", model="toy-lm", lora_r=0, templates="compact", top_k=1, question_types="one_hop", rewriter="oracle",
-                base_llm="toy", sft_steps=1200, sft_lr=2e-3, sft_batch_size=64, augment_p=1.0, rl_augment_p=1.0, ppo_iterations=60,
+                base_llm="toy", base_pretrain_steps=300, sft_steps=1200, sft_lr=2e-3, sft_batch_size=64, augment_p=1.0, rl_augment_p=1.0, ppo_iterations=60,
                 rollout_tokens=0, rollout_batch=128, ppo_lr=1e-4, ppo_batch_size=256, max_new_tokens=8, num_beams=1,
                 n_eval=None, gradient_checkpointing=False),
     "paper": dict(data_dir="data/smartrag", model="meta-llama/Llama-2-7b-chat-hf", lora_r=16, templates="paper",
-                  top_k=4, question_types="", rewriter="", base_llm="hf:meta-llama/Llama-2-7b-chat-hf", sft_steps=0, sft_lr=3e-4,
+                  top_k=4, question_types="", rewriter="", base_llm="hf:meta-llama/Llama-2-7b-chat-hf", base_pretrain_steps=0, sft_steps=0, sft_lr=3e-4,
                   sft_batch_size=8, augment_p=0.0, rl_augment_p=0.0, ppo_iterations=50, rollout_tokens=5120, rollout_batch=64,
                   ppo_lr=2e-6, ppo_batch_size=32, max_new_tokens=50, num_beams=4, n_eval=None,
                   gradient_checkpointing=True),  # a 7B policy, value model and reference on one 80 GB GPU: docs/benchmarks.md
@@ -346,17 +350,6 @@ def search(retriever, episodes, top_k):
     return [apply_mapping([o], r[0])[0] if r else o for o, r in zip(observations, renames)]  # and forward again
 
 
-def renamed_row(row, world, rng):
-    """A not-popular training question with its entities renamed for one PPO episode (toy world, like the SFT
-    augmentation): the question and golds through a fresh bijection of the world's names, kept with its inverse so
-    the episode's queries search the real corpus and its passages read renamed. Popular questions stay as they are."""
-    if row["metadata"].get("popular", False):
-        return row
-    forward, inverse = world_renaming(world, rng, searched=row["metadata"].get("entities", [])[:1])
-    question, *golds = apply_mapping([row["question"], *row["golden_answers"]], forward)
-    return dict(row, question=question, golden_answers=golds, rename=(forward, inverse))
-
-
 # --------------------------------------------------------------------------- 6. PPO pieces [§3.2]
 def gae(rewards, values, gamma, lam):
     """Advantages and returns over one episode's action tokens, concatenated across actions (done only at the end)."""
@@ -478,16 +471,17 @@ def sft_batch(examples, tokenizer, tag_ids, args, rng, world):
             # non-popular ones, other names onto any (docs/toy_world.md)
             texts = rename_entities(texts, world, rng, popular="keep" if ex["popular"] else "free", searched=ex["searched"])
         prompt = encode_states(tokenizer, [render_state(texts[0], texts[1:-1], args.templates)])[0]
-        target = [tag_ids[ex["tag"]]] + tokenizer(" " + texts[-1], add_special_tokens=False)["input_ids"] + [tokenizer.eos_token_id]
+        tag = [tag_ids[ex["tag"]]] if ex["tag"] else []  # no tag: the toy base model's pretraining (header item 4)
+        target = tag + tokenizer(" " + texts[-1], add_special_tokens=False)["input_ids"] + [tokenizer.eos_token_id]
         seqs.append((prompt + target, [-100] * len(prompt) + target))  # loss on the target only
     ids = right_pad([s[0] for s in seqs], tokenizer.pad_token_id)
     return ids, right_pad([s[1] for s in seqs], -100), right_pad([[1] * len(s[0]) for s in seqs], 0)
 
 
-def sft(accelerator, model, tokenizer, tag_ids, examples, args, world):
+def sft(accelerator, model, tokenizer, tag_ids, examples, args, world, steps=None, name="sft"):
     """Cross-entropy on the targets of the warm-up pairs; AdamW, linear decay [§4: 1 epoch, lr 3e-4, batch 8]."""
     rng = random.Random(args.seed)
-    steps = args.sft_steps or math.ceil(args.sft_epochs * len(examples) / args.sft_batch_size)
+    steps = steps or args.sft_steps or math.ceil(args.sft_epochs * len(examples) / args.sft_batch_size)
     optimizer = torch.optim.AdamW(model.parameters(), lr=args.sft_lr, betas=(0.9, 0.98))
     warmup = min(50, steps // 10)
     schedule = lambda s: min(1.0, (s + 1) / max(warmup, 1)) * max(0.1, 1 - s / steps)
@@ -510,8 +504,19 @@ def sft(accelerator, model, tokenizer, tag_ids, examples, args, world):
         scheduler.step()
         losses.append(loss.item())
         if (step + 1) % 100 == 0 or step + 1 == steps:
-            accelerator.print(f"sft step {step + 1}/{steps} | loss={sum(losses[-100:]) / len(losses[-100:]):.4f}")
+            accelerator.print(f"{name} step {step + 1}/{steps} | loss={sum(losses[-100:]) / len(losses[-100:]):.4f}")
     return accelerator.unwrap_model(model), steps
+
+
+def pretrain_toy_base(accelerator, model, tokenizer, tag_ids, rows, args):
+    """Toy world only: the raw toy-lm knows nothing, while the paper's base LLMs know popular facts, the premise of
+    the filtered warm-up and of learning when not to retrieve. So the toy base model first learns to answer the
+    popular training questions directly in the template-1 prompt (no tag), as a pretrained LLM answers what it knows."""
+    examples = [dict(question=r["question"], observations=[], tag=None, text=r["golden_answers"][0], popular=True,
+                     searched=[]) for r in rows if r.get("metadata", {}).get("popular")]
+    if not examples:
+        raise SystemExit("--base_pretrain_steps needs training questions with metadata.popular (the toy world's)")
+    return sft(accelerator, model, tokenizer, tag_ids, examples, args, None, args.base_pretrain_steps, "base pretraining")[0]
 
 
 # --------------------------------------------------------------------------- 8. evaluation [§4, spec §6.2]
@@ -593,6 +598,8 @@ def train(args):
         before_sft, steps["sft"] = state["before_sft"], state["steps"]
     else:
         policy, tokenizer, tag_ids = load_policy(args, accelerator.device)
+        if args.base_pretrain_steps:  # simplification: a toy base model that knows the popular facts (header item 4)
+            policy = pretrain_toy_base(accelerator, policy, tokenizer, tag_ids, train_rows, args)
         before_sft = evaluate_both(policy, tokenizer, retriever, test_rows, args, tag_ids)
         accelerator.print(f"raw start | {brief(before_sft)}")
         examples, known = build_warmup(train_rows, retriever, args)

@@ -454,6 +454,18 @@ def world_renaming(world, rng, searched=()):
     return forward, {v: k for k, v in forward.items()}
 
 
+def renamed_row(row, world, rng):
+    """A not-popular question with its entities renamed for one RL episode (the SFT augmentation's counterpart): the
+    question and golds through a fresh world_renaming, kept with it as row["rename"] = (forward, inverse), so the
+    episode's queries and LLM prompts go back to the real names and what comes back reads renamed. Popular questions
+    stay as they are (their facts are the memory a model learns)."""
+    if row["metadata"].get("popular", False):
+        return row
+    forward, inverse = world_renaming(world, rng, searched=row["metadata"].get("entities", [])[:1])
+    question, *golds = apply_mapping([row["question"], *row["golden_answers"]], forward)
+    return dict(row, question=question, golden_answers=golds, rename=(forward, inverse))
+
+
 def apply_mapping(texts, mapping):
     """Replace whole words of texts by their image under mapping (a dict of single words; texts unchanged when it is
     empty). One fixed pattern and a dict lookup, so a map of every name in the world costs no more than a small one."""

@@ -483,6 +483,46 @@ def toy():
     return args, rows, c3po.build_llm(args), c3po.open_retriever(args.index, args.corpus, args.encoder)
 
 
+def test_a_renamed_tree_is_the_same_tree_under_other_names(toy):
+    """PPO's toy renaming (--rl_augment_p): the proxy reads renamed names, the retriever and the LLM the real ones, so
+    an actor that writes the same actions in the renamed names grows the same tree with the same rewards."""
+    from common.toy import apply_mapping, load_world, renamed_row
+    args, rows, llm, retriever = toy
+    row = next(r for r in rows if r["metadata"]["type"] == "two_hop" and not any(r["metadata"]["popular_hops"])
+               and r["metadata"]["answerable"])
+    renamed = renamed_row(row, load_world(args.data_dir), random.Random(0))
+    forward, inverse = renamed["rename"]
+    assert renamed["question"] != row["question"] and renamed["golden_answers"] != row["golden_answers"]
+    back = lambda text: apply_mapping([text], inverse)[0]
+    real_docs = lambda docs: [dict(d, title=back(d["title"]), text=back(d["text"])) for d in docs]
+    queries = []
+
+    class Recording:  # the retriever, recording the queries it is sent
+        def search(self, qs, k):
+            queries.append(list(qs))
+            return retriever.search(qs, k)
+
+    def renamed_oracle(seed):  # the oracle teacher, reading a renamed tree's state through the inverse map
+        oracle = c3po.teacher_actor(args, llm, seed)
+
+        def act(requests, s):
+            real = [dict(r, tree=dict(r["tree"], row=row), ctx=dict(r["ctx"], docs=real_docs(r["ctx"]["docs"]),
+                    acc=real_docs(r["ctx"]["acc"]), used={back(q): n for q, n in r["ctx"]["used"].items()})) for r in requests]
+            return [[(apply_mapping([t], forward)[0], p, a) for t, p, a in outs] for outs in oracle(real, s)]
+        return act
+
+    plain = c3po.rollout([row], c3po.teacher_actor(args, llm, 0), llm, Recording(), args, "tree")[0]
+    real_queries, queries[:] = list(queries), []
+    other = c3po.rollout([renamed], renamed_oracle(0), llm, Recording(), args, "tree")[0]
+    assert queries == real_queries  # the retriever saw the real names
+    assert [n["kind"] for n in other["nodes"]] == [n["kind"] for n in plain["nodes"]]
+    assert [n.get("reward") for n in other["nodes"]] == [n.get("reward") for n in plain["nodes"]]
+    assert 1.0 in [n.get("reward") for n in other["nodes"]]
+    texts = [(n.get("text"), n.get("prompt"), n.get("answer")) for n in plain["nodes"]]
+    assert [(n.get("text"), n.get("prompt"), n.get("answer")) for n in other["nodes"]] == \
+        [tuple(None if x is None else apply_mapping([x], forward)[0] for x in t) for t in texts]  # the proxy's view
+
+
 def test_oracle_teacher_solves_a_two_hop_question_by_planning(toy):
     args, rows, llm, retriever = toy
     row = next(r for r in rows if r["metadata"]["type"] == "two_hop" and not any(r["metadata"]["popular_hops"])
@@ -621,7 +661,7 @@ def run(args, capsys):
 
 
 TINY = ["--n_train", "32", "--n_eval", "8", "--sft_steps", "8", "--ppo_iterations", "2", "--rollout_batch", "4",
-        "--sft_batch_size", "16", "--ppo_batch_size", "64", "--eval_every", "1"]
+        "--sft_batch_size", "16", "--ppo_batch_size", "64", "--eval_every", "1", "--rl_augment_p", "1.0"]
 
 
 def outcome(result):

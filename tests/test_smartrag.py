@@ -254,6 +254,28 @@ def test_threshold_decides_the_first_token(tagged, monkeypatch):
         assert seen[0] == tags[tag]
 
 
+def test_the_toy_base_model_learns_the_popular_facts_before_the_warm_up():
+    """--base_pretrain_steps: the raw toy-lm learns to answer the popular training questions directly, with no tag."""
+    from accelerate import Accelerator
+    from common.data import load_split
+    from common.llm import generate
+    model, tokenizer = load_toy_lm("toy-lm")
+    tag_ids = smartrag.add_tags(model, tokenizer)
+    args = smartrag.apply_preset(smartrag.Args(base_pretrain_steps=150, sft_batch_size=32))
+    rows = load_split(args.data_dir, "train", args.question_types)
+    known = [r for r in rows if r["metadata"]["popular"]][:24]
+    with pytest.raises(SystemExit, match="metadata.popular"):
+        smartrag.pretrain_toy_base(Accelerator(cpu=True), model, tokenizer, tag_ids, [r for r in rows if not r["metadata"]["popular"]], args)
+    ids, labels, _ = smartrag.sft_batch([dict(question=known[0]["question"], observations=[], tag=None, text="x",
+                                              popular=True, searched=[])], tokenizer, tag_ids, args, None, None)
+    assert not set(labels[0].tolist()) & set(tag_ids.values())  # no tag: a base model answers plainly
+    prompts = smartrag.encode_states(tokenizer, [smartrag.render_state(r["question"], [], "compact") for r in known])
+    answers = lambda: [tokenizer.decode(i, skip_special_tokens=True).strip() for i in generate(model, tokenizer, prompts, 3).token_ids]
+    assert sum(a == r["golden_answers"][0] for a, r in zip(answers(), known)) <= 2  # the raw model does not know them
+    model = smartrag.pretrain_toy_base(Accelerator(cpu=True), model, tokenizer, tag_ids, known, args)
+    assert sum(a == r["golden_answers"][0] for a, r in zip(answers(), known)) >= 22
+
+
 # ---------------------------------------------------------------- end to end on the toy world
 def run(args, cwd):
     env = {**os.environ, "HF_HUB_OFFLINE": "1", "TOKENIZERS_PARALLELISM": "false",
@@ -267,11 +289,12 @@ def test_toy_train_then_eval_the_checkpoint(tmp_path, templates):
     out = tmp_path / "run"
     tiny = ["--n_train", "64", "--n_eval", "16", "--sft_steps", "20", "--ppo_iterations", "2", "--rollout_batch", "16",
             "--sft_batch_size", "16", "--ppo_batch_size", "8", "--templates", templates, "--eval_every", "1", "--kl_init", "0.05",
-            "--kl_adaptive", str(templates == "paper")]
+            "--kl_adaptive", str(templates == "paper"), "--base_pretrain_steps", str(3 * (templates == "compact"))]
     done = run(["--train", "--output_dir", str(out), *tiny], ROOT)
     assert done.returncode == 0, done.stderr[-3000:]
     results = check_contract(out, done.stdout)
     assert results["train_steps"] == {"sft": 20, "ppo": 2} and results["n_eval"] == 16
+    assert ("base pretraining step 3/3" in done.stdout) is (templates == "compact")
     metrics = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
     assert [m.get("iteration") for m in metrics if "iteration" in m] == [1, 2]
     betas = [m["charts/kl_coef"] for m in metrics if "iteration" in m]  # compact: fixed beta; paper: adaptive (impl)
