@@ -302,6 +302,7 @@ def test_toy_train_then_eval_the_checkpoint(tmp_path, templates):
     assert (out / "ppo" / "model.safetensors").is_file() and (out / "sft" / "model.safetensors").is_file()
     again = run(["--train", "--output_dir", str(out), *tiny], ROOT)  # resumes: SFT and PPO are not redone
     assert again.returncode == 0 and "sft step" not in again.stdout and "iteration=" not in again.stdout
+    assert "base pretraining" not in again.stdout
     evaluated = run(["--eval", "--model", str(out / "ppo"), "--output_dir", str(tmp_path / "eval"), "--n_eval", "16",
                      "--templates", templates], ROOT)
     assert evaluated.returncode == 0, evaluated.stderr[-3000:]
