@@ -409,9 +409,10 @@ def rollout(rows, act, llm, retriever, args, mode, seed=0):
             hits = retriever.search([to_env(s[0], [s[3]])[0] for s in searches], args.top_k * (max(pages) + 1))
             for (tree, node, c, query), page, h in zip(searches, pages, hits):
                 tree["retrievals"] += 1
-                found = h[page * args.top_k:(page + 1) * args.top_k]  # a renamed tree's proxy reads them renamed
-                fields = {k: to_proxy(tree, [d[k] for d in found]) for k in ("title", "text", "contents") if found and k in found[0]}
-                c.update(docs=[dict(d, **{k: v[i] for k, v in fields.items()}) for i, d in enumerate(found)], query=query)
+                docs = h[page * args.top_k:(page + 1) * args.top_k]
+                if tree["row"].get("rename"):  # a renamed tree's proxy reads its documents renamed
+                    docs = [dict(d, **{k: to_proxy(tree, [d[k]])[0] for k in ("title", "text", "contents") if k in d}) for d in docs]
+                c.update(docs=docs, query=query)
                 depth = tree["nodes"][node]["depth"] + 1
                 if depth > max_depth:
                     leaf(tree, node, "max_depth")
