@@ -16,7 +16,8 @@ mean final reward of its reachable leaves (Eq. 5), with a value model, a frozen 
 Deviations from the paper (each marked `# simplification:` where it lives):
 1. Toy world only: the warm-up teacher is an oracle that knows the question's metadata (sub-queries, supporting
    entities, popular hops) and errs with probability --teacher_noise (the filter keeps every document, the Decision
-   Maker stops early), instead of Qwen2-72B-Instruct with few-shot prompts (C-3PO-ICL); SFT examples get the toy world's entity-renaming augmentation (--rl_augment_p: not-popular PPO trees too, the proxy reading renamed names while the retriever and the LLM see the real ones; off in the toy preset, docs/c3po.md); the judge is cover-EM of the
+   Maker stops early), instead of Qwen2-72B-Instruct with few-shot prompts (C-3PO-ICL); SFT examples get the toy world's entity-renaming augmentation (--rl_augment_p: not-popular PPO trees too, the proxy reading renamed names while the retriever and the LLM see the real ones; off in the toy preset, docs/c3po.md); --warmup_select cheapest keeps only the trajectories of the cheapest strategy that succeeded
+   (spec §5.2 [R], --warmup_select; docs/c3po.md); the judge is cover-EM of the
    short toy answer instead of an LLM judge; the toy preset uses one- and two-hop questions, top-3 documents, at most
    6 accumulated documents and the `compact` templates (same fields, tags and output formats, no instruction prose).
 2. With --teacher llm (paper preset) the frozen LLM plays the proxy roles zero-shot with the paper's prompts (the
@@ -97,6 +98,7 @@ class Args:
     teacher_noise: Optional[float] = field(default=None, metadata={"help": "oracle: probability of a wrong action"})
     teacher_temperature: float = field(default=0.6, metadata={"help": "llm teacher sampling temperature (impl: 0.6)"})
     warmup_keep: int = field(default=4, metadata={"help": "successful trajectories kept per question [§6.1: 4]"})
+    warmup_select: Optional[str] = field(default=None, metadata={"help": "which successful trajectories: uniform (spec §5.2 default), or only those of the cheapest successful strategy (spec §5.2 [R]; docs/c3po.md)"})
     sft_epochs: Optional[float] = field(default=None, metadata={"help": "SFT epochs [Tab. 6: 3] (when --sft_steps is 0)"})
     sft_steps: Optional[int] = field(default=None, metadata={"help": "SFT steps; overrides epochs when > 0"})
     sft_lr: Optional[float] = field(default=None, metadata={"help": "SFT learning rate [Tab. 6: 4e-5]"})
@@ -124,11 +126,11 @@ class Args:
 PRESETS = {  # values for the fields left at None; any flag overrides them
     "toy": dict(data_dir="data/toy", model="toy-lm", llm="toy", judge="cover_em", templates="compact", system_prompt="",
                 question_types="one_hop,two_hop", top_k=3, max_documents=6, max_new_tokens=20, teacher="oracle",
-                teacher_noise=0.2, sft_epochs=0.0, sft_steps=1500, sft_lr=2e-3, sft_batch_size=32, micro_batch_size=256,
+                teacher_noise=0.2, warmup_select="uniform", sft_epochs=0.0, sft_steps=1500, sft_lr=2e-3, sft_batch_size=32, micro_batch_size=256,
                 augment_p=1.0, rl_augment_p=0.0, ppo_iterations=10, rollout_batch=16, ppo_batch_size=128, policy_lr=5e-5, value_lr=5e-4),
     "paper": dict(data_dir="data/c3po", model="Qwen/Qwen2-0.5B", llm="hf:Qwen/Qwen2-72B-Instruct", judge="llm",
                   templates="paper", system_prompt="You are a helpful assistant.", question_types="", top_k=10,
-                  max_documents=10, max_new_tokens=2048, teacher="llm", teacher_noise=0.0, sft_epochs=3.0, sft_steps=0,
+                  max_documents=10, max_new_tokens=2048, teacher="llm", teacher_noise=0.0, warmup_select="uniform", sft_epochs=3.0, sft_steps=0,
                   sft_lr=4e-5, sft_batch_size=512, micro_batch_size=4, augment_p=0.0, rl_augment_p=0.0, ppo_iterations=150,
                   rollout_batch=64, ppo_batch_size=1024, policy_lr=5e-7, value_lr=5e-6),
 }
@@ -529,10 +531,26 @@ def teacher_actor(args, llm, seed):
 
 
 # --------------------------------------------------------------------------- 6. warm-up data [§5.2: rejection sampling]
-def successful_paths(tree, keep, rng):
-    """Agent nodes on up to `keep` random successful root-to-leaf paths, as deduplicated (prompt, output) pairs."""
+STRATEGY_COST = {"No Retrieval": 0, "Retrieval": 1, "Planning": 2}  # spec §5.2 [R]: No Retrieval < Retrieval < Planning
+
+
+def leaf_strategy(nodes, i):
+    """The strategy of the router node above node i (None if it has none)."""
+    while i is not None and nodes[i]["kind"] != "router":
+        i = nodes[i]["parent"]
+    return None if i is None else nodes[i].get("strategy")
+
+
+def successful_paths(tree, keep, rng, select="uniform"):
+    """Agent nodes on up to `keep` random successful root-to-leaf paths, as deduplicated (prompt, output) pairs.
+    select="cheapest" draws them only among the paths of the cheapest strategy that succeeded (spec §5.2 [R])."""
     nodes = tree["nodes"]
     wins = [i for i, n in enumerate(nodes) if n["kind"] == "leaf" and n["reward"] == 1]
+    if select not in ("uniform", "cheapest"):
+        raise ValueError(f"--warmup_select: expected uniform or cheapest, got {select!r}")
+    if select == "cheapest" and wins:
+        cost = {i: STRATEGY_COST.get(leaf_strategy(nodes, i), len(STRATEGY_COST)) for i in wins}
+        wins = [i for i in wins if cost[i] == min(cost.values())]
     pairs = {}
     for i in rng.sample(wins, min(keep, len(wins))):
         while i is not None:
@@ -548,7 +566,7 @@ def build_warmup(rows, llm, retriever, args, batch=128):
     for s in range(0, len(rows), batch):
         trees = rollout(rows[s:s + batch], teacher_actor(args, llm, args.seed + s), llm, retriever, args, "tree", s)
         for tree in trees:
-            got = successful_paths(tree, args.warmup_keep, rng)
+            got = successful_paths(tree, args.warmup_keep, rng, args.warmup_select)
             solved += bool(got)
             examples += got
     return examples, solved / max(len(rows), 1)

@@ -547,6 +547,28 @@ def test_rejection_sampling_keeps_at_most_four_successful_paths():
     assert len(pairs) == 4 and "[Retrieval] q0" not in [p["output"] for p in pairs]
 
 
+def test_cheapest_selection_keeps_only_the_cheapest_successful_strategy():
+    nodes = [dict(kind="root", parent=None)]
+    for strategy, text, rewards in (("No Retrieval", "[No Retrieval]", [0.0]), ("Retrieval", "[Retrieval] q", [1.0, 1.0]),
+                                    ("Planning", "[Planning]", [1.0, 1.0, 1.0])):
+        nodes.append(dict(kind="router", parent=0, prompt="p", text=text, strategy=strategy))
+        router = len(nodes) - 1
+        for j, r in enumerate(rewards):  # router -> filter -> leaf
+            nodes.append(dict(kind="filter", parent=router, prompt=f"f{strategy}{j}", text=f"Action: [{j + 1}]"))
+            nodes.append(dict(kind="leaf", parent=len(nodes) - 1, reward=r))
+    tree = {"nodes": nodes, "row": ROWS[0]}
+    cheap = c3po.successful_paths(tree, 4, random.Random(0), "cheapest")
+    # No Retrieval failed, so both Retrieval paths and nothing of Planning: router once + 2 filters
+    assert sorted(p["output"] for p in cheap) == ["Action: [1]", "Action: [2]", "[Retrieval] q"]
+    uniform = c3po.successful_paths(tree, 5, random.Random(0))
+    assert {p["output"] for p in uniform} >= {"[Retrieval] q", "[Planning]"}
+    nodes[3]["reward"] = 1.0  # now the No Retrieval path succeeds: it alone is kept
+    assert [(p["agent"], p["output"]) for p in c3po.successful_paths(tree, 4, random.Random(0), "cheapest")] == \
+        [("filter", "Action: [1]"), ("router", "[No Retrieval]")]
+    with pytest.raises(ValueError, match="warmup_select"):
+        c3po.successful_paths(tree, 4, random.Random(0), "cheap")
+
+
 # ---------------------------------------------------------------- the LLM judge and the LLM teacher (fake frozen LLM)
 class ChatLLM:
     """A frozen LLM with common.llm's chat interface (HFChatLLM / EndpointLLM): reply(prompt) gives each canned reply."""
