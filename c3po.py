@@ -534,23 +534,14 @@ def teacher_actor(args, llm, seed):
 STRATEGY_COST = {"No Retrieval": 0, "Retrieval": 1, "Planning": 2}  # spec §5.2 [R]: No Retrieval < Retrieval < Planning
 
 
-def leaf_strategy(nodes, i):
-    """The strategy of the router node above node i (None if it has none)."""
-    while i is not None and nodes[i]["kind"] != "router":
-        i = nodes[i]["parent"]
-    return None if i is None else nodes[i].get("strategy")
-
-
 def successful_paths(tree, keep, rng, select="uniform"):
-    """Agent nodes on up to `keep` random successful root-to-leaf paths, as deduplicated (prompt, output) pairs.
-    select="cheapest" draws them only among the paths of the cheapest strategy that succeeded (spec §5.2 [R])."""
+    """Up to `keep` random successful paths' agent nodes as (prompt, output) pairs; cheapest: of the cheapest strategy."""
     nodes = tree["nodes"]
     wins = [i for i, n in enumerate(nodes) if n["kind"] == "leaf" and n["reward"] == 1]
-    if select not in ("uniform", "cheapest"):
-        raise ValueError(f"--warmup_select: expected uniform or cheapest, got {select!r}")
-    if select == "cheapest" and wins:
-        cost = {i: STRATEGY_COST.get(leaf_strategy(nodes, i), len(STRATEGY_COST)) for i in wins}
-        wins = [i for i in wins if cost[i] == min(cost.values())]
+    if select not in ("uniform", "cheapest"): raise ValueError(f"--warmup_select: expected uniform or cheapest, got {select!r}")
+    up = lambda i: None if i is None else nodes[i].get("strategy") if nodes[i]["kind"] == "router" else up(nodes[i]["parent"])
+    cost = {i: STRATEGY_COST.get(up(i), 3) if select == "cheapest" else 0 for i in wins}
+    wins = [i for i in wins if cost[i] == min(cost.values())]
     pairs = {}
     for i in rng.sample(wins, min(keep, len(wins))):
         while i is not None:
