@@ -16,8 +16,8 @@ mean final reward of its reachable leaves (Eq. 5), with a value model, a frozen 
 Deviations from the paper (each marked `# simplification:` where it lives):
 1. Toy world only: the warm-up teacher is an oracle that knows the question's metadata (sub-queries, supporting
    entities, popular hops) and errs with probability --teacher_noise (the filter keeps every document, the Decision
-   Maker stops early), instead of Qwen2-72B-Instruct with few-shot prompts (C-3PO-ICL); SFT examples get the toy world's entity-renaming augmentation (--rl_augment_p: not-popular PPO trees too, the proxy reading renamed names while the retriever and the LLM see the real ones; off in the toy preset, docs/c3po.md); --warmup_select cheapest keeps only the trajectories of the cheapest strategy that succeeded
-   (spec §5.2 [R], --warmup_select; docs/c3po.md); the judge is cover-EM of the
+   Maker stops early), instead of Qwen2-72B-Instruct with few-shot prompts (C-3PO-ICL); the toy preset keeps only the trajectories of the cheapest strategy that succeeded (--warmup_select cheapest, spec §5.2 [R]; paper preset: uniform); SFT examples
+   and not-popular PPO trees get the toy world's entity renaming (--augment_p, --rl_augment_p: the proxy reads renamed names, the retriever and the LLM the real ones); the toy preset scales the forced root tokens' policy loss by --forced_weight 0.1 (spec §9.14's option; paper preset 1; docs/c3po.md); the judge is cover-EM of the
    short toy answer instead of an LLM judge; the toy preset uses one- and two-hop questions, top-3 documents, at most
    6 accumulated documents and the `compact` templates (same fields, tags and output formats, no instruction prose).
 2. With --teacher llm (paper preset) the frozen LLM plays the proxy roles zero-shot with the paper's prompts (the
@@ -91,7 +91,7 @@ class Args:
     answer_max_tokens: int = field(default=256, metadata={"help": "LLM tokens per answer / roadmap (ours)"})
     dedupe: bool = field(default=True, metadata={"help": "drop identical sampled children (impl)"})
     credit_mode: str = field(default="tree", metadata={"help": "tree (Eq. 5) or single_trajectory (the w/o-tree ablation, §6.4)"})
-    forced_weight: float = field(default=1.0, metadata={"help": "policy-loss weight of forced root tokens (spec §9.14: 1, trained as sampled)"})
+    forced_weight: Optional[float] = field(default=None, metadata={"help": "policy-loss weight of forced root tokens (spec §9.14: 1, trained as sampled)"})
     gen_batch_size: int = field(default=512, metadata={"help": "prompts per proxy generate call (memory only)"})
     # warm-up [§5.2]
     teacher: Optional[str] = field(default=None, metadata={"help": "oracle (toy metadata) or llm (the frozen LLM in the proxy roles)"})
@@ -124,15 +124,16 @@ class Args:
 
 
 PRESETS = {  # values for the fields left at None; any flag overrides them
+    # simplification: the toy preset's warm-up keeps the cheapest successful strategy, down-weights forced tokens (header item 1)
     "toy": dict(data_dir="data/toy", model="toy-lm", llm="toy", judge="cover_em", templates="compact", system_prompt="",
                 question_types="one_hop,two_hop", top_k=3, max_documents=6, max_new_tokens=20, teacher="oracle",
-                teacher_noise=0.2, warmup_select="uniform", sft_epochs=0.0, sft_steps=1500, sft_lr=2e-3, sft_batch_size=32, micro_batch_size=256,
-                augment_p=1.0, rl_augment_p=0.0, ppo_iterations=10, rollout_batch=16, ppo_batch_size=128, policy_lr=5e-5, value_lr=5e-4),
+                teacher_noise=0.2, warmup_select="cheapest", sft_epochs=0.0, sft_steps=1500, sft_lr=2e-3, sft_batch_size=32, micro_batch_size=8,
+                augment_p=1.0, rl_augment_p=1.0, ppo_iterations=10, rollout_batch=32, ppo_batch_size=32, forced_weight=0.1, policy_lr=1e-4, value_lr=1e-3),
     "paper": dict(data_dir="data/c3po", model="Qwen/Qwen2-0.5B", llm="hf:Qwen/Qwen2-72B-Instruct", judge="llm",
                   templates="paper", system_prompt="You are a helpful assistant.", question_types="", top_k=10,
                   max_documents=10, max_new_tokens=2048, teacher="llm", teacher_noise=0.0, warmup_select="uniform", sft_epochs=3.0, sft_steps=0,
                   sft_lr=4e-5, sft_batch_size=512, micro_batch_size=4, augment_p=0.0, rl_augment_p=0.0, ppo_iterations=150,
-                  rollout_batch=64, ppo_batch_size=1024, policy_lr=5e-7, value_lr=5e-6),
+                  rollout_batch=64, ppo_batch_size=1024, forced_weight=1.0, policy_lr=5e-7, value_lr=5e-6),
 }
 
 
@@ -145,7 +146,7 @@ def apply_preset(args):
             setattr(args, key, value)
     args.corpus = args.corpus or str(Path(args.data_dir) / "corpus.jsonl")
     for name, allowed in (("templates", TEMPLATES), ("judge", ("llm", "cover_em")), ("teacher", ("oracle", "llm")),
-                          ("credit_mode", ("tree", "single_trajectory"))):
+                          ("credit_mode", ("tree", "single_trajectory")), ("warmup_select", ("uniform", "cheapest"))):
         if getattr(args, name) not in allowed:
             raise SystemExit(f"--{name} must be one of {sorted(allowed)}, got {getattr(args, name)!r}")
     if args.forced_weight < 0:
@@ -564,7 +565,7 @@ def build_warmup(rows, llm, retriever, args, batch=128):
 
 
 def sft_batch(examples, tokenizer, args, rng, world):
-    """(ids, labels, attention) of a batch: chat prompt + output + EOS, loss on the output only; toy renaming."""
+    """(ids, labels, attention) of a batch sorted by length: chat prompt + output + EOS, loss on the output only; toy renaming."""
     seqs = []
     for ex in examples:
         texts = [ex["prompt"], ex["output"]]
@@ -573,6 +574,7 @@ def sft_batch(examples, tokenizer, args, rng, world):
         prompt = encode_prompts(tokenizer, [texts[0]], args.system_prompt)[0]
         target = tokenizer(texts[1], add_special_tokens=False)["input_ids"] + [tokenizer.eos_token_id]
         seqs.append((prompt + target, [-100] * len(prompt) + target))
+    seqs.sort(key=lambda s: len(s[0]))  # sorted by length: micro-batches of similar lengths, less padding, the same gradient
     return (right_pad([s[0] for s in seqs], tokenizer.pad_token_id), right_pad([s[1] for s in seqs], -100),
             right_pad([[1] * len(s[0]) for s in seqs], 0))
 
@@ -604,9 +606,10 @@ def sft(accelerator, model, tokenizer, examples, args, world):
         ids, labels, attention = (t.to(accelerator.device) for t in sft_batch([examples[i] for i in batch], tokenizer, args, rng, world))
         n_tokens, total = (labels[:, 1:] != -100).sum().clamp(min=1), 0.0
         optimizer.zero_grad()
-        for m in range(0, len(ids), args.micro_batch_size):  # gradient accumulation over micro-batches
-            logits = model(input_ids=ids[m:m + args.micro_batch_size], attention_mask=attention[m:m + args.micro_batch_size]).logits
-            loss = sft_loss(logits, labels[m:m + args.micro_batch_size], n_tokens)
+        for m in range(0, len(ids), args.micro_batch_size):  # gradient accumulation over micro-batches, each cut to its longest
+            rows, width = slice(m, m + args.micro_batch_size), int(attention[m:m + args.micro_batch_size].sum(1).max())
+            logits = model(input_ids=ids[rows, :width], attention_mask=attention[rows, :width]).logits
+            loss = sft_loss(logits, labels[rows, :width], n_tokens)
             accelerator.backward(loss)
             total += loss.item()
         accelerator.clip_grad_norm_(model.parameters(), 1.0)
@@ -699,8 +702,9 @@ def batch_tensors(samples, pad, device):
 @torch.no_grad()
 def score_samples(policy, ref, value, samples, pad, device, args):
     """Old and reference log-probs, values, then per-token rewards and GAE per node; writes them into the samples."""
+    by_length = sorted(samples, key=lambda s: len(s["ids"]))  # micro-batches of similar lengths: less padding
     for s in range(0, len(samples), args.micro_batch_size):
-        chunk = samples[s:s + args.micro_batch_size]
+        chunk = by_length[s:s + args.micro_batch_size]
         ids, attention, mask = batch_tensors(chunk, pad, device)
         old, reference = token_logp(policy, ids, attention), token_logp(ref, ids, attention)
         values = value(ids, attention)[:, :-1].float()  # V(s_m): the state before action token m
@@ -729,12 +733,12 @@ def ppo_update(accelerator, policy, value, ref, optimizers, schedulers, samples,
     for _ in range(args.ppo_epochs):
         order = rng.sample(range(len(samples)), len(samples))
         for b in range(n_mb):
-            mb = [samples[i] for i in order[b::n_mb]]
+            mb = sorted((samples[i] for i in order[b::n_mb]), key=lambda s: len(s["ids"]))  # length-sorted micro-batches
             n_tokens = sum(sum(s["loss_mask"]) for s in mb)
             for opt in optimizers:
                 opt.zero_grad()
             for m in range(n_micro):
-                chunk = mb[m::n_micro]
+                chunk = mb[m * len(mb) // n_micro:(m + 1) * len(mb) // n_micro]  # never empty: len(mb) >= n_micro
                 ids, attention, mask = batch_tensors(chunk, pad, device)
                 full = lambda key, scale=1.0, shift=0.0: torch.zeros_like(mask).masked_scatter(
                     mask.bool(), torch.tensor([(x - shift) * scale for s in chunk for x in s[key]], device=device))
@@ -766,17 +770,15 @@ def tree_record(tree):
     router = next((n for n in nodes if n["kind"] == "router"), {})
     return dict(accuracy=leaf["reward"], em=exact_match(leaf["answer"], golds), f1=f1_score(leaf["answer"], golds),
                 invalid=float(leaf["why"] != "answer"), retrievals=tree["retrievals"], llm_calls=tree["llm_calls"],
-                proxy_calls=tree["proxy_calls"], depth=leaf["depth"],
-                generated_tokens=sum(len(n["action_ids"] or []) for n in nodes if n["kind"] in AGENTS),
-                strategy=router.get("strategy", "invalid"))
+                proxy_calls=tree["proxy_calls"], depth=leaf["depth"], strategy=router.get("strategy", "invalid"),
+                generated_tokens=sum(len(n["action_ids"] or []) for n in nodes if n["kind"] in AGENTS))
 
 
 def summarize(records, rows):
     """Means overall and by metadata group, plus the strategy distribution."""
     groups = defaultdict(list)
     for rec, row in zip(records, rows):
-        meta = row.get("metadata", {})
-        for key in ["all"] + [f"{k}={meta[k]}" for k in ("type", "popular", "answerable") if k in meta]:
+        for key in ["all"] + [f"{k}={v}" for k, v in row.get("metadata", {}).items() if k in ("type", "popular", "answerable")]:
             groups[key].append(rec)
     def mean(recs):
         out = {k: sum(r[k] for r in recs) / len(recs) for k in recs[0] if k != "strategy"}
@@ -790,8 +792,7 @@ def evaluate(model, tokenizer, llm, retriever, rows, args, greedy=True, seed=0, 
     """Alg. 1 on the rows (greedy, or sampled at T = 1), batched; accuracy = the judge, latency = wall / question."""
     start, records = time.time(), []
     for s in range(0, len(rows), batch):
-        trees = rollout(rows[s:s + batch], proxy_actor(model, tokenizer, args, greedy), llm, retriever, args,
-                        "greedy" if greedy else "sample", seed + s)
+        trees = rollout(rows[s:s + batch], proxy_actor(model, tokenizer, args, greedy), llm, retriever, args, "greedy" if greedy else "sample", seed + s)
         records += [tree_record(t) for t in trees]
     # simplification: latency = batched wall time per question, not one question served at a time (header item 5)
     return summarize(records, rows) | {"latency_s": (time.time() - start) / max(len(rows), 1)}

@@ -623,7 +623,7 @@ def paper_llm(router_reply):
 def test_llm_teacher_outputs_become_tree_nodes_and_sft_examples(router_reply):
     """--teacher llm (paper preset): the frozen LLM plays the proxy roles zero-shot [§5.2]; its outputs are the tree's
     agent nodes, leaves are judged by the same LLM, and successful paths become (prompt, output) SFT pairs."""
-    args = args_for(templates="paper", system_prompt="You are a helpful assistant.", teacher="llm", judge="llm")
+    args = args_for(templates="paper", system_prompt="You are a helpful assistant.", teacher="llm", judge="llm", warmup_select="uniform")
     row = {"id": "q0", "question": "who directed zekil ?", "golden_answers": ["mipon"], "metadata": {}}
     llm = ChatLLM(paper_llm(router_reply))
     tree = c3po.rollout([row], c3po.teacher_actor(args, llm, 0), llm, FakeRetriever(), args, "tree")[0]
@@ -652,7 +652,8 @@ def test_sft_batch_puts_labels_on_the_output_and_eos_only():
     _, tokenizer = load_toy_lm(TINY_LM)
     examples = [dict(prompt="write a plan . question : x ?", output="[Planning]"),
                 dict(prompt="decide : no retrieval , retrieval or planning . question : x ?", output="[No Retrieval]")]
-    ids, labels, attention = c3po.sft_batch(examples, tokenizer, args_for(system_prompt=""), random.Random(0), None)
+    # given longest first, the rows come back sorted by length (the shorter planning example first)
+    ids, labels, attention = c3po.sft_batch(examples[::-1], tokenizer, args_for(system_prompt=""), random.Random(0), None)
     assert (labels != -100).sum(1).tolist() == [3 + 1, 4 + 1]  # `[ planning ]` + EOS, `[ no retrieval ]` + EOS
     for row, ex in enumerate(examples):
         prompt = c3po.encode_prompts(tokenizer, [ex["prompt"]], "")[0]
@@ -661,6 +662,23 @@ def test_sft_batch_puts_labels_on_the_output_and_eos_only():
         assert ids[row].tolist() == prompt + target + [tokenizer.pad_token_id] * (width - n)
         assert labels[row].tolist() == [-100] * len(prompt) + target + [-100] * (width - n)
         assert attention[row].tolist() == [1] * n + [0] * (width - n)
+
+
+def test_length_sorted_micro_batches_give_the_full_batch_gradient():
+    """Micro-batches cut to their own longest sequence change the padding, not the gradient of the SFT step."""
+    from accelerate import Accelerator
+    from common.toy import load_toy_lm
+    examples = [dict(prompt="question : " + "x " * n + "?", output=["[Planning]", "[No Retrieval]"][n % 2]) for n in (1, 9, 3, 14, 6, 2)]
+    grads = {}
+    for micro in (6, 2):
+        torch.manual_seed(0)
+        model, tokenizer = load_toy_lm(TINY_LM)
+        accelerator = Accelerator(cpu=True)
+        accelerator.clip_grad_norm_ = lambda params, norm, m=micro: grads.setdefault(m, [p.grad.clone() for p in params])
+        c3po.sft(accelerator, model, tokenizer, examples, args_for(sft_steps=1, sft_batch_size=6, micro_batch_size=micro,
+                                                                   augment_p=0.0, system_prompt=""), None)
+    assert len(grads[6]) == len(grads[2]) > 0 and any(g.abs().sum() > 0 for g in grads[6])
+    assert all(torch.allclose(a, b, atol=1e-6) for a, b in zip(grads[6], grads[2]))
 
 
 def test_sft_loss_counts_only_the_target_tokens():
@@ -716,7 +734,9 @@ def test_paper_templates_run_a_few_steps(tmp_path, capsys):
 
 @pytest.mark.parametrize("flag, message", [(["--train", "--preset", "nope"], "--preset must be one of"),
                                            (["--train", "--forced_weight", "-1"], "--forced_weight must be >= 0"),
-                                           (["--train", "--judge", "nope"], "--judge must be one of"), ([], "choose a mode")])
+                                           (["--train", "--judge", "nope"], "--judge must be one of"),
+                                           (["--train", "--warmup_select", "best"], "--warmup_select must be one of"),
+                                           ([], "choose a mode")])
 def test_bad_flags_are_clear_errors(flag, message):
     with pytest.raises(SystemExit, match=message):
         c3po.main(flag)
