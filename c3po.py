@@ -27,7 +27,15 @@ Deviations from the paper (each marked `# simplification:` where it lives):
    spec recommends where the paper is silent); value loss 0.5 * MSE with OpenRLHF's value clipping 0.2 (spec §9.10,
    the framework of App. A.2) where Eq. 10 prints the unclipped MSE (--value_clip 0 gives Eq. 10).
 5. Latency is wall time per question of batched evaluation (all questions advance together), not per-question serving.
-6. The frozen LLM's roadmaps and answers are capped at --answer_max_tokens (256; the paper states no cap).
+6. The frozen LLM's roadmaps and answers are capped at --answer_max_tokens (256; the paper states no cap); so are the
+   LLM teacher's outputs in the proxy roles; the proxy's actions at --max_new_tokens (toy: 20; paper: 2048, Tab. 7).
+7. The value head is zero-initialised (the paper does not say how).
+8. The policy loss is a token mean over the whole minibatch (OpenRLHF), where Eq. 9 sums over each sequence's tokens.
+9. SFT uses AdamW betas (0.9, 0.98) and a cosine floor of 0.1 x lr (Tab. 6 says only AdamW and cosine).
+10. With --teacher llm a forced prefix (`[Retrieval]` under a forced root) is appended to the user message, not
+    written as the start of the assistant turn (a chat endpoint cannot continue a partial reply).
+11. Accuracy is the LLM judge of App. D.2 (paper preset) or cover-EM (toy); EM, F1 and `acc` (FlashRAG's sub-EM) are
+    logged beside it.
 """
 import copy
 import math
@@ -41,14 +49,14 @@ from typing import Optional
 
 import torch
 import torch.nn.functional as F
-from accelerate import Accelerator
 from transformers import HfArgumentParser, set_seed
 
 from common.data import load_split, sample_rows
-from common.llm import chat_prompts, generate, load_model_and_tokenizer, make_llm, right_pad
-from common.metrics import cover_em, exact_match, f1_score
+from common.llm import chat_prompts, generate, load_model_and_tokenizer, make_llm, right_pad, unknown_words
+from common.metrics import cover_em, exact_match, f1_score, sub_exact_match
 from common.retrieval import open_retriever
-from common.runs import append_metrics, load_state, save_checkpoint, write_results
+from common.runs import (append_metrics, load_state, make_accelerator, refuse_training_results, run_main,
+                         save_checkpoint, write_results)
 from common.toy import apply_mapping, load_world, rename_entities, renamed_row  # toy renaming (header item 1)
 
 
@@ -59,13 +67,13 @@ class Args:
     train: bool = field(default=False, metadata={"help": "teacher warm-up data, SFT, PPO, evaluation"})
     eval: bool = field(default=False, metadata={"help": "evaluate --model (a checkpoint or the untrained start)"})
     ask: str = field(default="", metadata={"help": "answer one question with --model and print the trajectory"})
-    output_dir: str = field(default="runs/c3po", metadata={"help": "results, metrics and checkpoints"})
+    output_dir: Optional[str] = field(default=None, metadata={"help": "results, metrics and checkpoints (default: runs/c3po; --eval: <model>/eval)"})
     seed: int = field(default=0, metadata={"help": "seed of models, sampling and data order"})
     # data, retriever, models
     data_dir: Optional[str] = field(default=None, metadata={"help": "folder with train/test jsonl (FlashRAG QA)"})
     corpus: Optional[str] = field(default=None, metadata={"help": "FlashRAG corpus jsonl (default: data_dir/corpus.jsonl)"})
     index: str = field(default="", metadata={"help": "saved retriever folder [§6.1: contriever-msmarco, wiki-18]"})
-    encoder: str = field(default="tfidf", metadata={"help": "encoder to build an index with when --index is empty"})
+    encoder: Optional[str] = field(default=None, metadata={"help": "tfidf, bm25, or a dense encoder (hub id / folder) when --index is empty"})
     model: Optional[str] = field(default=None, metadata={"help": "proxy: hub id, folder or toy-lm spec [Tab. 6: Qwen2-0.5B/1.5B]"})
     llm: Optional[str] = field(default=None, metadata={"help": "frozen LLM spec: toy, hf:<name>, http(s)://.../v1 [§6.1: Qwen2-72B-Instruct]"})
     llm_model: str = field(default="", metadata={"help": "served model name when --llm is an endpoint URL"})
@@ -125,11 +133,11 @@ class Args:
 
 PRESETS = {  # values for the fields left at None; any flag overrides them
     # simplification: the toy preset's warm-up keeps the cheapest successful strategy, down-weights forced tokens (header item 1)
-    "toy": dict(data_dir="data/toy", model="toy-lm", llm="toy", judge="cover_em", templates="compact", system_prompt="",
+    "toy": dict(data_dir="data/toy", encoder="tfidf", model="toy-lm", llm="toy", judge="cover_em", templates="compact", system_prompt="",
                 question_types="one_hop,two_hop", top_k=3, max_documents=6, max_new_tokens=20, teacher="oracle",
                 teacher_noise=0.2, warmup_select="cheapest", sft_epochs=0.0, sft_steps=1500, sft_lr=2e-3, sft_batch_size=32, micro_batch_size=8,
                 augment_p=1.0, rl_augment_p=1.0, ppo_iterations=10, rollout_batch=32, ppo_batch_size=32, forced_weight=0.1, policy_lr=1e-4, value_lr=1e-3),
-    "paper": dict(data_dir="data/c3po", model="Qwen/Qwen2-0.5B", llm="hf:Qwen/Qwen2-72B-Instruct", judge="llm",
+    "paper": dict(data_dir="data/c3po", encoder="facebook/contriever-msmarco", model="Qwen/Qwen2-0.5B", llm="hf:Qwen/Qwen2-72B-Instruct", judge="llm",
                   templates="paper", system_prompt="You are a helpful assistant.", question_types="", top_k=10,
                   max_documents=10, max_new_tokens=2048, teacher="llm", teacher_noise=0.0, warmup_select="uniform", sft_epochs=3.0, sft_steps=0,
                   sft_lr=4e-5, sft_batch_size=512, micro_batch_size=4, augment_p=0.0, rl_augment_p=0.0, ppo_iterations=150,
@@ -145,6 +153,12 @@ def apply_preset(args):
         if getattr(args, key) is None:
             setattr(args, key, value)
     args.corpus = args.corpus or str(Path(args.data_dir) / "corpus.jsonl")
+    if args.llm == "toy":  # the toy reader of the world being trained on, never data/toy by default
+        args.llm = f"toy:{args.data_dir}"
+    if args.output_dir is None:  # --eval writes next to the model it evaluates, never over a training run's results
+        model_dir = Path(args.model)
+        args.output_dir = str(model_dir / "eval") if args.eval and model_dir.is_dir() else (
+            "runs/c3po-eval" if args.eval else "runs/c3po")
     for name, allowed in (("templates", TEMPLATES), ("judge", ("llm", "cover_em")), ("teacher", ("oracle", "llm")),
                           ("credit_mode", ("tree", "single_trajectory")), ("warmup_select", ("uniform", "cheapest"))):
         if getattr(args, name) not in allowed:
@@ -519,7 +533,8 @@ def teacher_actor(args, llm, seed):
         if args.teacher == "oracle":  # simplification: toy-world stand-in for C-3PO-ICL (header item 1)
             outs = [[r["fixed"]] if r["fixed"] else [r["prefix"] + oracle_output(r, rng, args.teacher_noise)
                                                       for _ in range(r["n"])] for r in requests]
-        else:  # simplification: zero-shot prompts, no few-shot examples (header item 2); a forced prefix ends the prompt
+        else:  # simplification: zero-shot prompts, no few-shot examples (header item 2); a forced prefix ends the user
+            # message (header item 10), capped at answer_max_tokens (header item 6)
             system = [{"role": "system", "content": args.system_prompt}] if args.system_prompt else []
             replies = iter(llm.chat([system + [{"role": "user", "content": (r["prompt"] + "\n" + r["prefix"]).strip()}]
                                      for r in requests if not r["fixed"] for _ in range(r["n"])],
@@ -593,6 +608,7 @@ def sft(accelerator, model, tokenizer, examples, args, world):
     """Cross-entropy on the outputs of the warm-up pairs; AdamW, 3% warm-up, cosine [Tab. 6]."""
     rng = random.Random(args.seed)
     steps = args.sft_steps or math.ceil(args.sft_epochs * len(examples) / args.sft_batch_size)
+    # simplification: betas and the cosine floor are ours (header item 9)
     optimizer = torch.optim.AdamW(model.parameters(), lr=args.sft_lr, betas=(0.9, 0.98), weight_decay=0.0)
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: cosine(s, steps, max(1, int(0.03 * steps))))
     model, optimizer = accelerator.prepare(model, optimizer)
@@ -623,17 +639,24 @@ def sft(accelerator, model, tokenizer, examples, args, world):
 
 # --------------------------------------------------------------------------- 7. PPO [§5.2, App. A.1]
 class ValueModel(torch.nn.Module):
-    """The centralized critic V_phi: a copy of the SFT proxy whose LM head is replaced by a scalar head [App. A.2]."""
+    """The centralized critic V_phi: a copy of the SFT proxy whose LM head is replaced by a scalar head [App. A.2]
+    (the backbone alone runs: no vocabulary-wide logits are computed and thrown away)."""
 
     def __init__(self, policy):
         super().__init__()
-        self.backbone = copy.deepcopy(policy)
+        self.backbone = backbone_of(copy.deepcopy(policy))
         self.head = torch.nn.Linear(policy.config.hidden_size, 1, bias=False)
-        torch.nn.init.zeros_(self.head.weight)
+        torch.nn.init.zeros_(self.head.weight)  # simplification: zero-initialised head (header item 7)
 
     def forward(self, input_ids, attention_mask):
-        hidden = self.backbone(input_ids=input_ids, attention_mask=attention_mask, output_hidden_states=True).hidden_states[-1]
+        hidden = self.backbone(input_ids=input_ids, attention_mask=attention_mask).last_hidden_state  # (B, T, H)
         return self.head(hidden.to(self.head.weight.dtype)).squeeze(-1)  # (B, T)
+
+
+def backbone_of(model):
+    """The transformer body of a causal LM (LoRA layers included), without its LM head."""
+    model = model.get_base_model() if hasattr(model, "get_base_model") else model  # peft: the wrapped transformers model
+    return model.base_model
 
 
 def node_samples(trees, count_tokens=None):
@@ -742,8 +765,9 @@ def ppo_update(accelerator, policy, value, ref, optimizers, schedulers, samples,
                 ids, attention, mask = batch_tensors(chunk, pad, device)
                 full = lambda key, scale=1.0, shift=0.0: torch.zeros_like(mask).masked_scatter(
                     mask.bool(), torch.tensor([(x - shift) * scale for s in chunk for x in s[key]], device=device))
-                weight = mask.sum() / n_tokens  # token-mean over the whole minibatch
-                pg, ratio = clipped_surrogate(token_logp(policy, ids, attention), full("old"), full("adv", 1 / (std + 1e-8), mean),
+                weight = mask.sum() / n_tokens  # simplification: token-mean over the whole minibatch (header item 8)
+                logp, old = token_logp(policy, ids, attention), full("old")
+                pg, ratio = clipped_surrogate(logp, old, full("adv", 1 / (std + 1e-8), mean),
                                               mask, args.clip, full("weight") if args.forced_weight != 1 else None)
                 # simplification: value loss 0.5 * MSE with OpenRLHF's value clipping, one PPO epoch (header item 4)
                 vf = value_loss(value(ids, attention)[:, :-1].float(), full("val"), full("ret"), mask, args.value_clip)  # [Eq. 10]
@@ -751,6 +775,8 @@ def ppo_update(accelerator, policy, value, ref, optimizers, schedulers, samples,
                 stats["losses/policy"].append(pg.item())
                 stats["losses/value"].append(vf.item())
                 stats["losses/clipfrac"].append(((((ratio - 1).abs() > args.clip).float() * mask).sum() / mask.sum()).item())
+                log_ratio = (logp - old).detach()
+                stats["losses/approx_kl"].append((((log_ratio.exp() - 1) - log_ratio) * mask).sum().item() / mask.sum().item())
             for model, opt in zip((policy, value), optimizers):
                 accelerator.clip_grad_norm_(model.parameters(), args.max_grad_norm)
                 opt.step()
@@ -759,6 +785,8 @@ def ppo_update(accelerator, policy, value, ref, optimizers, schedulers, samples,
     out = {k: sum(v) / len(v) for k, v in stats.items()}
     kl = [o - r for s in samples for o, r in zip(s["old"], s["ref"])]
     out["rollout/kl"] = sum(kl) / max(len(kl), 1)
+    ret, val = torch.tensor([x for s in samples for x in s["ret"]]), torch.tensor([x for s in samples for x in s["val"]])
+    out["losses/explained_variance"] = (1 - (ret - val).var() / ret.var().clamp(min=1e-8)).item() if len(ret) > 1 else 0.0
     return out
 
 
@@ -769,6 +797,7 @@ def tree_record(tree):
     leaf = next(n for n in nodes if n["kind"] == "leaf")
     router = next((n for n in nodes if n["kind"] == "router"), {})
     return dict(accuracy=leaf["reward"], em=exact_match(leaf["answer"], golds), f1=f1_score(leaf["answer"], golds),
+                acc=sub_exact_match(leaf["answer"], golds),  # FlashRAG's Sub_ExactMatch (the paper: an LLM judge)
                 invalid=float(leaf["why"] != "answer"), retrievals=tree["retrievals"], llm_calls=tree["llm_calls"],
                 proxy_calls=tree["proxy_calls"], depth=leaf["depth"], strategy=router.get("strategy", "invalid"),
                 generated_tokens=sum(len(n["action_ids"] or []) for n in nodes if n["kind"] in AGENTS))
@@ -818,14 +847,15 @@ def build_llm(args):
 
 def load_proxy(args, device):
     """The proxy LM and its tokenizer."""
-    model, tokenizer = load_model_and_tokenizer(args.model, dtype=torch.bfloat16 if device.type == "cuda" else torch.float32)
+    # fp32 master weights; bf16 comes from autocast (accelerate mixed precision), never Adam on bf16 weights
+    model, tokenizer = load_model_and_tokenizer(args.model, dtype=torch.float32, world=args.data_dir)
     return model.to(device), tokenizer
 
 
 def result_record(args, before_sft, before, after, steps, wall):
     """The project's result contract (README / DESIGN: results.json)."""
     final = after or before
-    return {"method": "c3po", "preset": args.preset, "seed": args.seed, "model": args.model, "dataset": args.data_dir,
+    return {"method": "c3po", "mode": "train" if args.train else "eval", "preset": args.preset, "seed": args.seed, "model": args.model, "dataset": args.data_dir,
             "n_eval": final["n"], "before_sft": before_sft, "before": before, "after": final,
             "retrievals_per_question": final["retrievals"], "llm_calls_per_question": final["llm_calls"],
             "generated_tokens_per_question": final["generated_tokens"], "wall_s": round(wall, 1),
@@ -846,7 +876,7 @@ def rollout_stats(trees, samples):
 def train(args):
     """Teacher warm-up data, SFT, PPO on tree rollouts, evaluation before and after; resumes from sft/ and ppo/."""
     start, out = time.time(), Path(args.output_dir)
-    accelerator = Accelerator(cpu=not torch.cuda.is_available())
+    accelerator = make_accelerator()
     out.mkdir(parents=True, exist_ok=True)
     set_seed(args.seed)
     train_rows = sample_rows(load_split(args.data_dir, "train", args.question_types), args.n_train, args.seed)
@@ -863,7 +893,8 @@ def train(args):
         before_sft, steps["sft"] = state["before_sft"], state["steps"]
     else:
         policy, tokenizer = load_proxy(args, accelerator.device)
-        before_sft = evaluate_both(policy, tokenizer, llm, retriever, test_rows, args)
+        with accelerator.autocast():
+            before_sft = evaluate_both(policy, tokenizer, llm, retriever, test_rows, args)
         accelerator.print(f"raw start | {brief(before_sft)}")
         examples, solved = build_warmup(train_rows, llm, retriever, args)
         accelerator.print(f"warm-up: {len(examples)} examples {dict(Counter(e['agent'] for e in examples))} from "
@@ -872,8 +903,10 @@ def train(args):
             raise SystemExit("the teacher solved no training question: no warm-up data (check --llm, --teacher, the data)")
         policy, steps["sft"] = sft(accelerator, policy, tokenizer, examples, args, world)
         if accelerator.is_main_process:
-            save_checkpoint(sft_dir, policy, tokenizer, {"before_sft": before_sft, "steps": steps["sft"]})
-    before = evaluate_both(policy, tokenizer, llm, retriever, test_rows, args)
+            save_checkpoint(sft_dir, policy, tokenizer, {"before_sft": before_sft, "steps": steps["sft"],
+                                                         "data_dir": args.data_dir})
+    with accelerator.autocast():
+        before = evaluate_both(policy, tokenizer, llm, retriever, test_rows, args)
     accelerator.print(f"after SFT | {brief(before)}")
     log({"stage": "sft", "eval": before})
     # ---- PPO: policy and centralized critic trained with separate optimizers, reference frozen [App. A.2, Tab. 7]
@@ -885,7 +918,7 @@ def train(args):
     ppo_dir, first = out / "ppo", 0
     if (state := load_state(ppo_dir)) is not None:  # resume
         first = state["iteration"]
-        saved = torch.load(ppo_dir / "training.pt", map_location="cpu")
+        saved = torch.load(ppo_dir / "training.pt", map_location="cpu", weights_only=True)
         for o, state in zip([policy, value, *optimizers, *schedulers], [saved["policy"], saved["value"], *saved["optimizers"], *saved["schedulers"]]):
             o.load_state_dict(state)
         steps["ppo"] = first
@@ -898,8 +931,9 @@ def train(args):
         rows = rng.sample(train_rows, min(args.rollout_batch, len(train_rows)))
         # simplification: toy-world renaming of not-popular PPO trees, as in SFT (header item 1)
         rows = [renamed_row(r, world, rng) if world and rng.random() < args.rl_augment_p else r for r in rows]
-        trees = rollout(rows, proxy_actor(accelerator.unwrap_model(policy), tokenizer, args, greedy=False), llm,
-                        retriever, args, mode, seed=args.seed * 100_003 + it * 7919 + accelerator.process_index)
+        with accelerator.autocast():
+            trees = rollout(rows, proxy_actor(accelerator.unwrap_model(policy), tokenizer, args, greedy=False), llm,
+                            retriever, args, mode, seed=args.seed * 100_003 + it * 7919 + accelerator.process_index)
         samples = node_samples(trees, lambda text: len(tokenizer(text, add_special_tokens=False)["input_ids"]))
         stats = rollout_stats(trees, samples) | ppo_update(accelerator, policy, value, ref, optimizers, schedulers, samples, tokenizer, args)
         stats |= {"iteration": it + 1, "charts/seconds": time.time() - t0}
@@ -910,12 +944,13 @@ def train(args):
             accelerator.wait_for_everyone()
             if accelerator.is_main_process:
                 p, v = accelerator.unwrap_model(policy), accelerator.unwrap_model(value)
-                save_checkpoint(ppo_dir, p, tokenizer, {"iteration": it + 1},
+                save_checkpoint(ppo_dir, p, tokenizer, {"iteration": it + 1, "data_dir": args.data_dir},
                                 {"training.pt": {"policy": p.state_dict(), "value": v.state_dict(),
                                                  "optimizers": [o.state_dict() for o in optimizers],
                                                  "schedulers": [s.state_dict() for s in schedulers]}})
     policy = accelerator.unwrap_model(policy)
-    after = evaluate_both(policy, tokenizer, llm, retriever, test_rows, args)
+    with accelerator.autocast():
+        after = evaluate_both(policy, tokenizer, llm, retriever, test_rows, args)
     accelerator.print(f"after PPO | {brief(after)}")
     log({"stage": "ppo", "eval": after})
     write_results(out, result_record(args, before_sft, before, after, steps, time.time() - start), accelerator.is_main_process)
@@ -924,19 +959,23 @@ def train(args):
 def run_eval(args):
     """Evaluate --model (a checkpoint folder, or the untrained start) on the test split."""
     start, out = time.time(), Path(args.output_dir)
-    accelerator = Accelerator(cpu=not torch.cuda.is_available())
+    refuse_training_results(out)
+    accelerator = make_accelerator()
     out.mkdir(parents=True, exist_ok=True)
     set_seed(args.seed)
+    rows = load_split(args.data_dir, "test", args.question_types)[:args.n_eval]  # a bad data file fails first
     policy, tokenizer = load_proxy(args, accelerator.device)
-    rows = load_split(args.data_dir, "test", args.question_types)[:args.n_eval]
-    result = evaluate_both(policy, tokenizer, build_llm(args), open_retriever(args.index, args.corpus, args.encoder), rows, args)
+    with accelerator.autocast():
+        result = evaluate_both(policy, tokenizer, build_llm(args), open_retriever(args.index, args.corpus, args.encoder), rows, args)
     accelerator.print(f"eval | {brief(result)}")
     write_results(out, result_record(args, None, result, None, {"sft": 0, "ppo": 0}, time.time() - start), accelerator.is_main_process)
 
 
 def ask(args):
     """One question through Algorithm 1 with the greedy proxy, printing every node."""
-    policy, tokenizer = load_proxy(args, Accelerator(cpu=not torch.cuda.is_available()).device)
+    policy, tokenizer = load_proxy(args, make_accelerator().device)
+    if unknown := unknown_words(tokenizer, args.ask):
+        print(f"warning: words the proxy's tokenizer does not know (read as <unk>): {' '.join(unknown)}")
     row = {"id": "ask", "question": args.ask, "golden_answers": [""], "metadata": {}}
     tree = rollout([row], proxy_actor(policy, tokenizer, args, greedy=True), build_llm(args), open_retriever(args.index, args.corpus, args.encoder), args, "greedy")[0]
     for n in tree["nodes"][1:]:
@@ -947,6 +986,11 @@ def ask(args):
 def main(argv=None):
     """Parse the flags, fill the preset, dispatch on the mode."""
     (args,) = HfArgumentParser(Args).parse_args_into_dataclasses(args=argv)
+    if args.ask and args.model is None:
+        raise SystemExit("--ask needs --model: a trained checkpoint (e.g. runs/c3po/ppo after --train); "
+                         "the untrained proxy writes no valid action")
+    if args.data_dir is None and args.model and (state := load_state(args.model)):
+        args.data_dir = state.get("data_dir")  # a checkpoint remembers its world (tokenizer, reader, corpus)
     apply_preset(args)
     if not (args.train or args.eval or args.ask):
         raise SystemExit("choose a mode: --train, --eval or --ask \"question\" (see --help)")
@@ -954,4 +998,4 @@ def main(argv=None):
 
 
 if __name__ == "__main__":
-    main()
+    run_main(main)  # a user's mistake (bad file, missing field) ends in one line, not a traceback

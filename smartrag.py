@@ -35,6 +35,13 @@ Deviations from the paper (each marked `# simplification:` where it lives):
    first-token threshold (paper: 4 beams; toy: 1, i.e. greedy). The toy preset's PPO takes 128 questions per rollout
    and one minibatch of all their sequences at lr 1e-4 (paper: 5120 tokens, minibatches of 32, lr 2e-6): smaller
    noisy minibatches made the tiny policy drift without gain (docs/smartrag.md, "Toy results").
+6. gamma discounts per token (impl, RL4LMs), where Eq. 6 discounts per step: the retrieval cost seen from the answer
+   grows with the query length (about 0.27 for 4 tokens, 0.84 for 50 at gamma 0.99).
+7. Unlisted in the paper: SFT uses AdamW betas (0.9, 0.98), a linear warm-up of min(50, steps/10) steps, linear decay
+   to a floor of 0.1 x lr, and gradient clipping at 1.0; the value head is zero-initialised.
+8. An empty search query searches with the question (the paper does not say what an empty query does).
+9. Toy world: the knowledge probe is the toy reader's parametric memory, which is exactly the `popular` flag.
+10. Metrics: EM and F1 as the paper reports them (FlashRAG's definitions); `acc` (sub-EM) is logged beside them.
 """
 import copy
 import math
@@ -47,14 +54,14 @@ from typing import Optional
 
 import torch
 import torch.nn.functional as F
-from accelerate import Accelerator
 from transformers import HfArgumentParser, set_seed
 
 from common.data import load_split, sample_rows
-from common.llm import chat_prompts, generate, left_pad, load_model_and_tokenizer, make_llm, right_pad
-from common.metrics import cover_em, exact_match, f1_score
+from common.llm import chat_prompts, generate, left_pad, load_model_and_tokenizer, make_llm, right_pad, unknown_words
+from common.metrics import cover_em, exact_match, f1_score, sub_exact_match
 from common.retrieval import open_retriever
-from common.runs import append_metrics, load_state, save_checkpoint, write_results
+from common.runs import (append_metrics, load_state, make_accelerator, refuse_training_results, run_main,
+                         save_checkpoint, write_results)
 from common.toy import apply_mapping, rename_entities, renamed_row
 
 
@@ -65,13 +72,13 @@ class Args:
     train: bool = field(default=False, metadata={"help": "SFT warm-up, then PPO, then evaluation"})
     eval: bool = field(default=False, metadata={"help": "evaluate --model (a checkpoint or the untrained start)"})
     ask: str = field(default="", metadata={"help": "answer one question with --model and print the trajectory"})
-    output_dir: str = field(default="runs/smartrag", metadata={"help": "results, metrics and checkpoints"})
+    output_dir: Optional[str] = field(default=None, metadata={"help": "results, metrics and checkpoints (default: runs/smartrag; --eval: <model>/eval)"})
     seed: int = field(default=0, metadata={"help": "seed of models, sampling and data order"})
     # data, retriever, model
     data_dir: Optional[str] = field(default=None, metadata={"help": "folder with train/test jsonl (FlashRAG QA)"})
     corpus: Optional[str] = field(default=None, metadata={"help": "FlashRAG corpus jsonl (default: data_dir/corpus.jsonl)"})
     index: str = field(default="", metadata={"help": "saved retriever folder (python -m common.retrieval build)"})
-    encoder: str = field(default="tfidf", metadata={"help": "encoder to build an index with when --index is empty"})
+    encoder: Optional[str] = field(default=None, metadata={"help": "tfidf, bm25, or a dense encoder (hub id / folder) when --index is empty"})
     model: Optional[str] = field(default=None, metadata={"help": "policy: hub id, local folder or toy-lm spec"})
     lora_r: Optional[int] = field(default=None, metadata={"help": "LoRA rank, 0 = full fine-tuning [App. A.3: LoRA for LLaMA]"})
     gradient_checkpointing: Optional[bool] = field(default=None, metadata={"help": "recompute activations in backward (memory)"})
@@ -101,7 +108,7 @@ class Args:
     ppo_iterations: Optional[int] = field(default=None, metadata={"help": "PPO iterations (impl: 100 for T5-large)"})
     rollout_tokens: Optional[int] = field(default=None, metadata={"help": "generated tokens per iteration [§4: 5120]"})
     rollout_batch: Optional[int] = field(default=None, metadata={"help": "questions per batched rollout"})
-    ppo_epochs: int = field(default=1, metadata={"help": "epochs over each rollout [§4: 1]"})
+    ppo_epochs: Optional[int] = field(default=None, metadata={"help": "epochs over each rollout [§4: 1]"})
     ppo_lr: Optional[float] = field(default=None, metadata={"help": "PPO learning rate [§4: 2e-6]"})
     ppo_batch_size: Optional[int] = field(default=None, metadata={"help": "sequences per PPO minibatch [§4: 32]"})
     gamma: float = field(default=0.99, metadata={"help": "discount [Eq. 6] (impl: 0.99 per token)"})
@@ -121,13 +128,13 @@ class Args:
 
 
 PRESETS = {  # values for the fields left at None; any flag overrides them
-    "toy": dict(data_dir="data/toy", model="toy-lm", lora_r=0, templates="compact", top_k=1, question_types="one_hop", rewriter="oracle",
+    "toy": dict(data_dir="data/toy", encoder="tfidf", model="toy-lm", lora_r=0, templates="compact", top_k=1, question_types="one_hop", rewriter="oracle",
                 base_llm="toy", base_pretrain_steps=300, sft_steps=1200, sft_lr=2e-3, sft_batch_size=64, augment_p=1.0, rl_augment_p=1.0, ppo_iterations=60,
-                rollout_tokens=0, rollout_batch=128, ppo_lr=1e-4, ppo_batch_size=256, max_new_tokens=8, num_beams=1,
+                rollout_tokens=0, rollout_batch=128, ppo_epochs=4, ppo_lr=1e-4, ppo_batch_size=256, max_new_tokens=8, num_beams=1,
                 n_eval=None, gradient_checkpointing=False),
-    "paper": dict(data_dir="data/smartrag", model="meta-llama/Llama-2-7b-chat-hf", lora_r=16, templates="paper",
+    "paper": dict(data_dir="data/smartrag", encoder="intfloat/e5-base-v2", model="meta-llama/Llama-2-7b-chat-hf", lora_r=16, templates="paper",
                   top_k=4, question_types="", rewriter="", base_llm="hf:meta-llama/Llama-2-7b-chat-hf", base_pretrain_steps=0, sft_steps=0, sft_lr=3e-4,
-                  sft_batch_size=8, augment_p=0.0, rl_augment_p=0.0, ppo_iterations=50, rollout_tokens=5120, rollout_batch=64,
+                  sft_batch_size=8, augment_p=0.0, rl_augment_p=0.0, ppo_iterations=50, rollout_tokens=5120, rollout_batch=64, ppo_epochs=1,
                   ppo_lr=2e-6, ppo_batch_size=32, max_new_tokens=50, num_beams=4, n_eval=None,
                   gradient_checkpointing=True),  # a 7B policy, value model and reference on one 80 GB GPU: docs/benchmarks.md
 }
@@ -141,6 +148,12 @@ def apply_preset(args):
         if getattr(args, key) is None:
             setattr(args, key, value)
     args.corpus = args.corpus or str(Path(args.data_dir) / "corpus.jsonl")
+    if args.base_llm == "toy":  # the toy reader of the world being trained on, never data/toy by default
+        args.base_llm = f"toy:{args.data_dir}"
+    if args.output_dir is None:  # --eval writes next to the model it evaluates, never over a training run's results
+        model_dir = Path(args.model)
+        args.output_dir = str(model_dir / "eval") if args.eval and model_dir.is_dir() else (
+            "runs/smartrag-eval" if args.eval else "runs/smartrag")
     if args.preset == "paper" and not args.rewriter and args.train:
         raise SystemExit("--preset paper --train needs --rewriter (an LLM spec, e.g. an OpenAI-compatible URL for "
                          "gpt-3.5-turbo-1106 with --rewriter_model) to build the warm-up queries [App. A.2]")
@@ -231,7 +244,7 @@ def rewrite_queries(rows, args):
 
 def probe_knowledge(rows, args):
     """Which training questions the base model answers directly (F1 >= know_f1), asked with the direct template."""
-    llm = make_llm(args.base_llm)
+    llm = make_llm(args.base_llm)  # simplification: in the toy world, the toy reader (header item 9)
     prompts = [[{"role": "user", "content": render_state(r["question"], [], args.templates)}] for r in rows]
     replies = llm.chat(prompts, temperature=0.0, max_tokens=32)
     strip_tag = lambda reply: reply.replace(ANSWER_TAG, "").strip()  # a chat model may echo the format
@@ -250,20 +263,26 @@ def build_warmup(rows, retriever, args):
 
 # --------------------------------------------------------------------------- 4. model plumbing kept visible
 class PolicyAndValue(torch.nn.Module):
-    """The policy LM and a value model (a copy of it with a bias-free scalar head), wrapped for one prepare()."""
+    """The policy LM and a value model (a copy of its backbone, without the LM head, and a bias-free scalar head),
+    wrapped for one prepare(). The critic never computes the vocabulary-wide logits it would throw away."""
 
     def __init__(self, policy):
         super().__init__()
         self.policy = policy
-        self.value_backbone = copy.deepcopy(policy)  # impl: a separate copy of the SFT model
+        self.value_backbone = backbone_of(copy.deepcopy(policy))  # impl: a separate copy of the SFT model
         self.value_head = torch.nn.Linear(policy.config.hidden_size, 1, bias=False)
-        torch.nn.init.zeros_(self.value_head.weight)
+        torch.nn.init.zeros_(self.value_head.weight)  # simplification: zero-initialised value head (header item 7)
 
     def forward(self, input_ids, attention_mask):
         logits = self.policy(input_ids=input_ids, attention_mask=attention_mask).logits  # (B, T, V)
-        hidden = self.value_backbone(input_ids=input_ids, attention_mask=attention_mask,
-                                     output_hidden_states=True).hidden_states[-1]  # (B, T, H)
+        hidden = self.value_backbone(input_ids=input_ids, attention_mask=attention_mask).last_hidden_state  # (B, T, H)
         return logits, self.value_head(hidden.to(self.value_head.weight.dtype)).squeeze(-1)  # (B, T)
+
+
+def backbone_of(model):
+    """The transformer body of a causal LM (LoRA layers included), without its LM head."""
+    model = model.get_base_model() if hasattr(model, "get_base_model") else model  # peft: the wrapped transformers model
+    return model.base_model
 
 
 def add_tags(model, tokenizer):
@@ -277,13 +296,17 @@ def add_tags(model, tokenizer):
 
 def load_policy(args, device):
     """The policy LM and tokenizer, with the two tags (and LoRA adapters when lora_r > 0)."""
-    dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
-    model, tokenizer = load_model_and_tokenizer(args.model, dtype=dtype)
+    # fp32 master weights, bf16 autocast (accelerate mixed precision); only a frozen LoRA base may be stored in bf16
+    dtype = torch.bfloat16 if device.type == "cuda" and args.lora_r else torch.float32
+    model, tokenizer = load_model_and_tokenizer(args.model, dtype=dtype, world=args.data_dir)
     tag_ids = add_tags(model, tokenizer)
     if args.lora_r and not hasattr(model, "peft_config"):
         from common.llm import add_lora
         model = add_lora(model, dict(r=args.lora_r, lora_alpha=2 * args.lora_r, lora_dropout=0.05,
                                      target_modules=["q_proj", "k_proj", "v_proj", "o_proj"]))
+    for p in model.parameters():  # never Adam on bf16 weights: every trained parameter is fp32
+        if p.requires_grad:
+            p.data = p.data.float()
     if args.gradient_checkpointing:  # only in train mode; rollouts run in eval mode with the KV cache
         model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
     return model.to(device), tokenizer, tag_ids
@@ -343,7 +366,7 @@ def rollout(model, tokenizer, retriever, rows, args, tag_ids, greedy, seed):
 
 def search(retriever, episodes, top_k):
     """The observation of each episode's last query (the question when the query is empty), one batched search."""
-    queries = [e["turns"][-1]["text"] or e["row"]["question"] for e in episodes]
+    queries = [e["turns"][-1]["text"] or e["row"]["question"] for e in episodes]  # simplification: header item 8
     renames = [e["row"].get("rename") for e in episodes]  # simplification: toy-world RL augmentation (header item 4)
     queries = [apply_mapping([q], r[1])[0] if r else q for q, r in zip(queries, renames)]  # back to the real corpus
     observations = [format_observation(h) for h in retriever.search(queries, top_k)]
@@ -353,6 +376,7 @@ def search(retriever, episodes, top_k):
 # --------------------------------------------------------------------------- 6. PPO pieces [§3.2]
 def gae(rewards, values, gamma, lam):
     """Advantages and returns over one episode's action tokens, concatenated across actions (done only at the end)."""
+    # simplification: gamma per token, not per step as in Eq. 6 (header item 6)
     advantages, last = [0.0] * len(rewards), 0.0
     for t in reversed(range(len(rewards))):
         next_value = values[t + 1] if t + 1 < len(rewards) else 0.0  # across the action boundary: V of the next state
@@ -453,7 +477,12 @@ def ppo_iteration(accelerator, model, ref, optimizer, tokenizer, episodes, beta,
             optimizer.step()
             stats["losses/policy"].append(pg.item())
             stats["losses/value"].append(vf.item())
-            stats["losses/clipfrac"].append((((ratio - 1).abs() > args.clip).float() * m[:, :width]).sum().item() / m.sum().item())
+            mw = m[:, :width]
+            stats["losses/clipfrac"].append((((ratio - 1).abs() > args.clip).float() * mw).sum().item() / mw.sum().item())
+            log_ratio = (logp - old_logp[batch, :width]).detach()
+            stats["losses/approx_kl"].append((((log_ratio.exp() - 1) - log_ratio) * mw).sum().item() / mw.sum().item())  # k3
+    ret, val = returns[mask.bool()], old_values[mask.bool()]
+    stats["losses/explained_variance"] = [(1 - (ret - val).var() / ret.var().clamp(min=1e-8)).item()]
     out = {k: sum(v) / len(v) for k, v in stats.items()}
     out["rollout/kl"] = kl_mean
     out["rollout/frac_trained_tokens"] = (mask.sum() / right_pad([[1] * len(s["ids"]) for s in seqs], 0).sum()).item()
@@ -482,6 +511,7 @@ def sft(accelerator, model, tokenizer, tag_ids, examples, args, world, steps=Non
     """Cross-entropy on the targets of the warm-up pairs; AdamW, linear decay [§4: 1 epoch, lr 3e-4, batch 8]."""
     rng = random.Random(args.seed)
     steps = steps or args.sft_steps or math.ceil(args.sft_epochs * len(examples) / args.sft_batch_size)
+    # simplification: betas, warm-up, decay floor and clipping are ours (header item 7)
     optimizer = torch.optim.AdamW(model.parameters(), lr=args.sft_lr, betas=(0.9, 0.98))
     warmup = min(50, steps // 10)
     schedule = lambda s: min(1.0, (s + 1) / max(warmup, 1)) * max(0.1, 1 - s / steps)
@@ -531,6 +561,7 @@ def evaluate(model, tokenizer, retriever, rows, args, tag_ids, greedy, seed=0, b
         golds, meta = e["row"]["golden_answers"], e["row"].get("metadata", {})
         retrieved = sum(t["kind"] == "retrieve" for t in e["turns"])
         record = dict(em=exact_match(e["answer"], golds), f1=f1_score(e["answer"], golds),
+                      acc=sub_exact_match(e["answer"], golds),  # FlashRAG's Sub_ExactMatch; the paper reports EM and F1
                       reward=discounted_return([t["reward"] for t in e["turns"]], 1.0),
                       retrieval_rate=float(retrieved > 0), retrievals=retrieved,
                       invalid=float(any(t["kind"] == "invalid" for t in e["turns"])),
@@ -570,7 +601,8 @@ def toy_world_or_none(args):
 def result_record(args, before_sft, before, after, steps, wall):
     """The result contract of the project (README / DESIGN: results.json)."""
     final = after or before
-    return {"method": "smartrag", "preset": args.preset, "seed": args.seed, "model": args.model,
+    return {"method": "smartrag", "mode": "train" if args.train else "eval", "preset": args.preset, "seed": args.seed,
+            "model": args.model,
             "dataset": args.data_dir, "n_eval": final["n"],
             "before_sft": before_sft, "before": before, "after": final,
             "retrievals_per_question": final["retrievals"], "llm_calls_per_question": final["policy_calls"],
@@ -581,7 +613,7 @@ def result_record(args, before_sft, before, after, steps, wall):
 def train(args):
     """SFT warm-up, PPO, evaluation before and after; resumes from output_dir/sft and output_dir/ppo."""
     start, out = time.time(), Path(args.output_dir)
-    accelerator = Accelerator(cpu=not torch.cuda.is_available())
+    accelerator = make_accelerator()
     out.mkdir(parents=True, exist_ok=True)
     set_seed(args.seed)
     train_rows = sample_rows(load_split(args.data_dir, "train", args.question_types), args.n_train, args.seed)
@@ -600,15 +632,18 @@ def train(args):
         policy, tokenizer, tag_ids = load_policy(args, accelerator.device)
         if args.base_pretrain_steps:  # simplification: a toy base model that knows the popular facts (header item 4)
             policy = pretrain_toy_base(accelerator, policy, tokenizer, tag_ids, train_rows, args)
-        before_sft = evaluate_both(policy, tokenizer, retriever, test_rows, args, tag_ids)
+        with accelerator.autocast():
+            before_sft = evaluate_both(policy, tokenizer, retriever, test_rows, args, tag_ids)
         accelerator.print(f"raw start | {brief(before_sft)}")
         examples, known = build_warmup(train_rows, retriever, args)
         accelerator.print(f"warm-up: {len(examples)} pairs from {len(train_rows)} questions ({args.initial_policy}; "
                           f"base model knows {known:.2f})")
         policy, steps["sft"] = sft(accelerator, policy, tokenizer, tag_ids, examples, args, world)
         if accelerator.is_main_process:
-            save_checkpoint(sft_dir, policy, tokenizer, {"before_sft": before_sft, "steps": steps["sft"]})
-    before = evaluate_both(policy, tokenizer, retriever, test_rows, args, tag_ids)
+            save_checkpoint(sft_dir, policy, tokenizer, {"before_sft": before_sft, "steps": steps["sft"],
+                                                         "data_dir": args.data_dir})
+    with accelerator.autocast():
+        before = evaluate_both(policy, tokenizer, retriever, test_rows, args, tag_ids)
     accelerator.print(f"after SFT | {brief(before)}")
     log({"stage": "sft", "eval": before})
     # ---- PPO [§3.2]: policy + value model trained, reference frozen
@@ -617,8 +652,8 @@ def train(args):
     optimizer = torch.optim.AdamW(model.parameters(), lr=args.ppo_lr, weight_decay=1e-6)  # impl: wd 1e-6
     ppo_dir, beta, first = out / "ppo", args.kl_init, 0
     if (state := load_state(ppo_dir)) is not None:  # resume
-        model.load_state_dict(torch.load(ppo_dir / "policy_and_value.pt", map_location="cpu"))
-        optimizer.load_state_dict(torch.load(ppo_dir / "optimizer.pt", map_location="cpu"))
+        model.load_state_dict(torch.load(ppo_dir / "policy_and_value.pt", map_location="cpu", weights_only=True))
+        optimizer.load_state_dict(torch.load(ppo_dir / "optimizer.pt", map_location="cpu", weights_only=True))
         beta, first = state["beta"], state["iteration"]
         steps["ppo"] = first
         accelerator.print(f"resumed PPO at iteration {first}")
@@ -633,8 +668,9 @@ def train(args):
             rows = rng.sample(train_rows, min(args.rollout_batch, len(train_rows)))
             # simplification: toy-world renaming of PPO episodes (header item 4)
             rows = [renamed_row(r, world, rng) if world and rng.random() < args.rl_augment_p else r for r in rows]
-            episodes += rollout(policy_now, tokenizer, retriever, rows, args, tag_ids, greedy=False,
-                                seed=args.seed * 100_003 + it * 97 + len(episodes) + accelerator.process_index)
+            with accelerator.autocast():
+                episodes += rollout(policy_now, tokenizer, retriever, rows, args, tag_ids, greedy=False,
+                                    seed=args.seed * 100_003 + it * 97 + len(episodes) + accelerator.process_index)
         stats = ppo_iteration(accelerator, model, ref, optimizer, tokenizer, episodes, beta, args)
         if args.kl_adaptive:
             beta = update_kl_coef(beta, stats["rollout/kl"], args.kl_target)  # after each rollout (impl)
@@ -649,10 +685,11 @@ def train(args):
             accelerator.wait_for_everyone()
             unwrapped = accelerator.unwrap_model(model)
             if accelerator.is_main_process:
-                save_checkpoint(ppo_dir, unwrapped.policy, tokenizer, {"beta": beta, "iteration": it + 1},
+                save_checkpoint(ppo_dir, unwrapped.policy, tokenizer, {"beta": beta, "iteration": it + 1, "data_dir": args.data_dir},
                                 {"policy_and_value.pt": unwrapped.state_dict(), "optimizer.pt": optimizer.state_dict()})
     policy = accelerator.unwrap_model(model).policy
-    after = evaluate_both(policy, tokenizer, retriever, test_rows, args, tag_ids)
+    with accelerator.autocast():
+        after = evaluate_both(policy, tokenizer, retriever, test_rows, args, tag_ids)
     accelerator.print(f"after PPO | {brief(after)}")
     log({"stage": "ppo", "eval": after})
     write_results(out, result_record(args, before_sft, before, after, steps, time.time() - start), accelerator.is_main_process)
@@ -661,19 +698,23 @@ def train(args):
 def run_eval(args):
     """Evaluate --model (a checkpoint folder, or the untrained start) on the test split."""
     start, out = time.time(), Path(args.output_dir)
-    accelerator = Accelerator(cpu=not torch.cuda.is_available())
+    refuse_training_results(out)
+    accelerator = make_accelerator()
     out.mkdir(parents=True, exist_ok=True)
     set_seed(args.seed)
+    rows = load_split(args.data_dir, "test", args.question_types)[:args.n_eval]  # a bad data file fails first
     policy, tokenizer, tag_ids = load_policy(args, accelerator.device)
-    rows = load_split(args.data_dir, "test", args.question_types)[:args.n_eval]
-    result = evaluate_both(policy, tokenizer, open_retriever(args.index, args.corpus, args.encoder), rows, args, tag_ids)
+    with accelerator.autocast():
+        result = evaluate_both(policy, tokenizer, open_retriever(args.index, args.corpus, args.encoder), rows, args, tag_ids)
     accelerator.print(f"eval | {brief(result)}")
     write_results(out, result_record(args, None, result, None, {"sft": 0, "ppo": 0}, time.time() - start), accelerator.is_main_process)
 
 
 def ask(args):
     """One question through Algorithm 1 with the greedy (threshold) policy, printing every step."""
-    policy, tokenizer, tag_ids = load_policy(args, Accelerator().device)
+    policy, tokenizer, tag_ids = load_policy(args, make_accelerator().device)
+    if unknown := unknown_words(tokenizer, args.ask):
+        print(f"warning: words the model's tokenizer does not know (read as <unk>): {' '.join(unknown)}")
     row = {"id": "ask", "question": args.ask, "golden_answers": [""], "metadata": {}}
     episode = rollout(policy, tokenizer, open_retriever(args.index, args.corpus, args.encoder), [row], args, tag_ids, greedy=True, seed=args.seed)[0]
     for n, turn in enumerate(episode["turns"]):
@@ -686,6 +727,11 @@ def ask(args):
 def main(argv=None):
     """Parse the flags, fill the preset, dispatch on the mode."""
     (args,) = HfArgumentParser(Args).parse_args_into_dataclasses(args=argv)
+    if args.ask and args.model is None:
+        raise SystemExit("--ask needs --model: a trained checkpoint (e.g. runs/smartrag/ppo after --train); "
+                         "the untrained start answers at random")
+    if args.data_dir is None and args.model and (state := load_state(args.model)):
+        args.data_dir = state.get("data_dir")  # a checkpoint remembers its world (tokenizer, reader, corpus)
     apply_preset(args)
     if args.train:
         train(args)
@@ -698,4 +744,4 @@ def main(argv=None):
 
 
 if __name__ == "__main__":
-    main()
+    run_main(main)  # a user's mistake (bad file, missing field) ends in one line, not a traceback

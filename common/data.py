@@ -1,20 +1,31 @@
 """QA datasets in the FlashRAG jsonl format, with validation that names the file and line."""
 import json
 import random
+import warnings
 from pathlib import Path
 
 
-class DataError(ValueError):
+class UserError(ValueError):
+    """A mistake in what the user gave (a data file, a model name, a flag): reported as one line, no traceback."""
+
+
+class DataError(UserError):
     """A data file is malformed; the message names the file and line."""
 
 
 def iter_jsonl(path, required=()):
-    """Yield (line number, row) from a jsonl file, checking that each row is an object with `required` keys."""
+    """Yield (line number, row) from a jsonl file, checking that each row is an object with `required` keys; a line
+    that is not UTF-8 or not JSON is a DataError naming the file and line (a UTF-8 byte-order mark is allowed)."""
     path = Path(path)
     if not path.is_file():
         raise DataError(f"{path}: file not found")
-    with path.open(encoding="utf-8") as f:
-        for lineno, line in enumerate(f, 1):
+    with path.open("rb") as f:
+        for lineno, raw in enumerate(f, 1):
+            try:
+                line = raw.decode("utf-8-sig" if lineno == 1 else "utf-8")
+            except UnicodeDecodeError as e:
+                raise DataError(f"{path}:{lineno}: not valid UTF-8 (byte 0x{raw[e.start]:02x} at column {e.start + 1})"
+                                ) from None
             if not line.strip():
                 continue
             try:
@@ -45,15 +56,28 @@ def write_jsonl(path, rows):
 
 
 def load_qa(path):
-    """Load FlashRAG QA rows {"id", "question", "golden_answers", "metadata"} ("metadata" optional, default {})."""
+    """Load FlashRAG QA rows {"id", "question", "golden_answers", "metadata"} ("metadata" optional, default {}).
+
+    A row may give its gold list as "answers" (C-3PO's raw format): it becomes "golden_answers". The id must be a
+    non-empty string or an integer; the gold list must hold strings, at least one of them not blank (blank ones
+    beside real answers are dropped: they would match an empty prediction)."""
     rows = []
-    for lineno, row in iter_jsonl(path, required=("id", "question", "golden_answers")):
+    for lineno, row in iter_jsonl(path, required=("id", "question")):
         where = f"{path}:{lineno}"
+        field = "golden_answers" if "golden_answers" in row or "answers" not in row else "answers"
+        if field not in row:
+            raise DataError(f"{where}: missing field 'golden_answers' (or 'answers')")
+        qid = row["id"]
+        if isinstance(qid, bool) or not isinstance(qid, (str, int)) or not str(qid).strip():
+            raise DataError(f"{where}: field 'id' must be a non-empty string or an integer, got {qid!r}")
         if not isinstance(row["question"], str) or not row["question"].strip():
             raise DataError(f"{where}: field 'question' must be a non-empty string")
-        answers = row["golden_answers"]
+        answers = row.pop(field)
         if not isinstance(answers, list) or not answers or not all(isinstance(a, str) for a in answers):
-            raise DataError(f"{where}: field 'golden_answers' must be a non-empty list of strings, got {answers!r}")
+            raise DataError(f"{where}: field {field!r} must be a non-empty list of strings, got {answers!r}")
+        if not any(a.strip() for a in answers):
+            raise DataError(f"{where}: field {field!r} holds only empty answers, got {answers!r}")
+        row["golden_answers"] = [a for a in answers if a.strip()]
         if not isinstance(row.setdefault("metadata", {}), dict):
             raise DataError(f"{where}: field 'metadata' must be an object")
         rows.append(row)
@@ -63,9 +87,25 @@ def load_qa(path):
 
 
 def load_split(data_dir, split, types=""):
-    """QA rows of data_dir/<split>.jsonl whose metadata "type" is one of the comma-separated `types` (all if empty)."""
-    wanted = set(filter(None, types.split(",")))
-    return [r for r in load_qa(Path(data_dir) / f"{split}.jsonl") if not wanted or r["metadata"].get("type") in wanted]
+    """QA rows of data_dir/<split>.jsonl whose metadata "type" is one of `types` (comma-separated or a list; all rows
+    if empty or None). A row without a type never matches a filter. When no row of the file has a type (a plain
+    FlashRAG dataset), the filter does not apply: all rows come back, with a warning. When rows have types but none
+    is wanted, a DataError names the file, the wanted types and those present."""
+    path = Path(data_dir) / f"{split}.jsonl"
+    rows = load_qa(path)
+    wanted = types.split(",") if isinstance(types, str) else list(types or ())
+    wanted = sorted({t.strip() for t in wanted if t.strip()})
+    if not wanted:
+        return rows
+    present = sorted({str(r["metadata"]["type"]) for r in rows if r["metadata"].get("type") is not None})
+    if not present:
+        warnings.warn(f"{path}: no row has a metadata 'type', so the type filter {','.join(wanted)} is ignored "
+                      f"(all {len(rows)} rows used)", stacklevel=2)
+        return rows
+    kept = [r for r in rows if r["metadata"].get("type") in wanted]
+    if not kept:
+        raise DataError(f"{path}: no row of type {', '.join(wanted)}; the types present are {', '.join(present)}")
+    return kept
 
 
 def sample_rows(rows, n, seed):

@@ -4,7 +4,8 @@
 token ids (PPO's `loss_mask` covers exactly those ids). `make_llm(spec)` gives a frozen LLM with one method,
 `.chat(messages_lists, **sampling) -> list[str]`, behind three backends chosen by the spec string:
 "hf:<name or folder>" a local transformers model, "http(s)://<host>/v1" any OpenAI-compatible chat endpoint
-(vLLM, SGLang, ...; stdlib urllib, retries, a thread pool), "toy" / "toy:<world dir>" the toy world's reader.
+(vLLM, SGLang, ...; stdlib urllib, retries, a thread pool), "toy:<world dir>" the toy reader of that world ("toy":
+the committed data/toy). `unknown_words` lists the words of a text that a tokenizer can only read as its unk token.
 """
 import http.client
 import json
@@ -35,13 +36,22 @@ class LLMRequestError(RuntimeError):
     """A request to an LLM endpoint failed (after the retries, where retrying made sense)."""
 
 
-def load_model_and_tokenizer(name_or_path, dtype=None, device=None, lora=None, trust_remote_code=False):
-    """(model, tokenizer) from a hub id or a local folder; the tokenizer pads on the left; `lora` wraps it with peft."""
+def load_model_and_tokenizer(name_or_path, dtype=None, device=None, lora=None, trust_remote_code=False, world=None):
+    """(model, tokenizer) from a hub id or a local folder; the tokenizer pads on the left; `lora` wraps it with peft.
+    "toy-lm[:options]" builds a tiny model whose vocabulary is the toy world in folder `world` (required there, the
+    --data_dir trained on; other names ignore it). A folder saved from a toy-lm loads its own saved tokenizer."""
     name = str(name_or_path)
-    if name.startswith("toy-lm"):
-        from common.toy import load_toy_lm
+    if name == "toy-lm" or name.startswith("toy-lm:"):
+        if world is None:
+            message = f"{name!r} takes its vocabulary from a toy world: pass world=<its folder> (--data_dir)"
+            raise ModelLoadError(message)
+        from common.toy_lm import load_toy_lm  # a sentinel name, like a hub id; the only import of the toy model code
 
-        return load_toy_lm(name, dtype=dtype, device=device, lora=lora)
+        try:
+            model, tokenizer = load_toy_lm(name, dtype=dtype, device=device, world=world)
+        except FileNotFoundError as e:
+            raise ModelLoadError(f"cannot build {name!r}: {e}") from None
+        return (model if lora is None else add_lora(model, lora)), tokenizer
     folder = Path(name).expanduser()
     local = folder.is_dir()
     if not local and name.startswith(("/", "./", "../", "~", ".\\")):
@@ -74,6 +84,20 @@ def tokenizer_class_for(folder):
         return AutoTokenizer
     named = json.loads(config.read_text(encoding="utf-8")).get("tokenizer_class")
     return PreTrainedTokenizerFast if named in ("TokenizersBackend", "PreTrainedTokenizerFast") else AutoTokenizer
+
+
+def unknown_words(tokenizer, text):
+    """The words of text (once each, in order) that the tokenizer maps to its unk token: [] for a tokenizer without
+    one or one that never emits it (byte-level BPE). A toy-lm tokenizer reads a word outside its world as <unk>."""
+    unk = tokenizer.unk_token_id
+    if unk is None:
+        return []
+    if not tokenizer.is_fast:  # no offsets: test each white-space word on its own
+        pieces = [w for w in text.split() if unk in tokenizer(w, add_special_tokens=False)["input_ids"]]
+    else:
+        encoded = tokenizer(text, add_special_tokens=False, return_offsets_mapping=True)
+        pieces = [text[a:b].strip() for i, (a, b) in zip(encoded["input_ids"], encoded["offset_mapping"]) if i == unk]
+    return list(dict.fromkeys(p for p in pieces if p and p != tokenizer.unk_token))  # a typed "<unk>" is no word
 
 
 def add_lora(model, lora):

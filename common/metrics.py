@@ -1,19 +1,34 @@
-"""Answer metrics as in SQuAD/FlashRAG: normalisation, exact match, token F1, cover-EM, document recall."""
+"""Answer metrics equal to FlashRAG's evaluator (flashrag/evaluator/metrics.py and utils.py) on every input.
+
+  normalize_answer  FlashRAG's normalize_answer (the SQuAD one): lower case, drop ASCII `string.punctuation`,
+                    drop the whole words a/an/the, fold white space. No Unicode normalisation (NFC, accents),
+                    and non-ASCII punctuation (curly quotes, dashes, « », ¿, …) is kept as it is.
+  exact_match       ExactMatch ("em"): the normalised prediction equals some normalised gold answer.
+  f1_score          F1_Score ("f1"): best token F1 over the gold answers; 0 for a gold whose tokens do not
+                    overlap, and 0 when the normalised prediction or gold is "yes", "no" or "noanswer" and
+                    the two differ.
+  sub_exact_match   Sub_ExactMatch ("acc", Search-R1's sub-EM, the "accuracy" of many agentic-RAG papers):
+                    some normalised gold answer is a substring of the normalised prediction, even inside a
+                    word ("1963" in "19634"); a gold that normalises to "" is in every prediction.
+  cover_em          stricter than sub_exact_match: the gold must cover whole tokens of the prediction and a gold
+                    that normalises to "" never matches. Not a FlashRAG metric.
+  doc_recall        fraction of the gold document ids that were retrieved.
+Gold answers are a list of strings or one string; an empty list scores 0. FlashRAG's regex mode for the
+curatedtrec data set (gold answers as patterns) is not reproduced.
+"""
 import re
 import string
-import unicodedata
 from collections import Counter
 
 _ARTICLES = re.compile(r"\b(a|an|the)\b")
-_PUNCT = set(string.punctuation)
+_PUNCT = set(string.punctuation)  # ASCII only, as in FlashRAG
+_YES_NO = ("yes", "no", "noanswer")
 
 
 def normalize_answer(s):
-    """SQuAD normalisation: lower case, drop punctuation and the articles a/an/the, fold white space."""
-    s = unicodedata.normalize("NFC", s).lower()
-    s = "".join(ch for ch in s if ch not in _PUNCT)
-    s = _ARTICLES.sub(" ", s)
-    return " ".join(s.split())
+    """Lower case, drop ASCII punctuation, then the articles a/an/the as whole words, fold white space."""
+    s = "".join(ch for ch in s.lower() if ch not in _PUNCT)
+    return " ".join(_ARTICLES.sub(" ", s).split())
 
 
 def _as_list(golds):
@@ -21,23 +36,31 @@ def _as_list(golds):
 
 
 def exact_match(pred, golds):
-    """1.0 if the normalised prediction equals some normalised gold answer, else 0.0."""
+    """1.0 if the normalised prediction equals some normalised gold answer, else 0.0 (FlashRAG ExactMatch)."""
     p = normalize_answer(pred)
     return float(any(p == normalize_answer(g) for g in _as_list(golds)))
 
 
-def _f1(pred_tokens, gold_tokens):
-    common = sum((Counter(pred_tokens) & Counter(gold_tokens)).values())
+def _f1(p, g):
+    if p != g and (p in _YES_NO or g in _YES_NO):
+        return 0.0  # a yes/no/noanswer answer scores only when it is matched exactly
+    common = sum((Counter(p.split()) & Counter(g.split())).values())
     if common == 0:
         return 0.0
-    precision, recall = common / len(pred_tokens), common / len(gold_tokens)
+    precision, recall = common / len(p.split()), common / len(g.split())
     return 2 * precision * recall / (precision + recall)
 
 
 def f1_score(pred, golds):
-    """Token-level F1 between the normalised prediction and the best-matching gold answer."""
-    p = normalize_answer(pred).split()
-    return max((_f1(p, normalize_answer(g).split()) for g in _as_list(golds)), default=0.0)
+    """Token F1 of the normalised prediction against the best gold answer (FlashRAG F1_Score)."""
+    p = normalize_answer(pred)
+    return max((_f1(p, normalize_answer(g)) for g in _as_list(golds)), default=0.0)
+
+
+def sub_exact_match(pred, golds):
+    """1.0 if some normalised gold answer is a substring of the normalised prediction (FlashRAG Sub_ExactMatch)."""
+    p = normalize_answer(pred)
+    return float(any(normalize_answer(g) in p for g in _as_list(golds)))
 
 
 def cover_em(pred, golds):

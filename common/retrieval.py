@@ -1,12 +1,22 @@
 """Retrieval: FlashRAG corpus loading, encoders (offline TF-IDF, transformers), a faiss dense index, BM25.
 
     python -m common.retrieval build --corpus corpus.jsonl --encoder intfloat/e5-base-v2 --out index/e5
+    python -m common.retrieval build --corpus corpus.jsonl --encoder bm25 --out index/bm25
     python -m common.retrieval search --index index/e5 --query "who directed kanikx" -k 5
 
-A retriever folder holds index.faiss, doc_ids.json and retriever.json (encoder spec, corpus path, factory
-string), plus corpus.jsonl when the index was built from an in-memory corpus rather than a file.
-IVF indexes search with faiss's nprobe=1 by default: raise it with
+`encoder` is "tfidf", "bm25" or a transformers encoder (hub id or local folder; E5/BGE/Contriever presets).
+open_retriever(index, corpus, encoder) is what a run uses: the saved folder `index`, else one built over `corpus`.
+
+A retriever folder holds retriever.json (kind "dense" or "bm25", corpus path, and for dense the encoder spec
+and faiss factory string), doc_ids.json, corpus.jsonl when it was built from an in-memory corpus rather than a
+file, and the index: index.faiss (dense) or bm25s's own files (BM25). Loading checks that the corpus has the
+ids of doc_ids.json, in order. IVF indexes search with faiss's nprobe=1 by default: raise it with
 faiss.ParameterSpace().set_index_parameter(retriever.index, "nprobe", 64).
+
+TF-IDF vectors are dense (passages x vocabulary, float32), so TF-IDF refuses corpora beyond TFIDF_MAX_CELLS
+(the toy world is 401 x 526); BM25 and transformers encoders have no such limit. BM25 tokenises as FlashRAG's
+bm25s builder does (English stopwords), but does not stem unless asked, since PyStemmer is not a dependency:
+`pip install PyStemmer` and build with `--stemmer english` (BM25Retriever.build(corpus, stemmer="english")).
 """
 import argparse
 import json
@@ -27,11 +37,17 @@ ENCODER_PRESETS = {  # matched against the lowercased model name, first hit wins
     "contriever": dict(pooling="mean", query_prefix="", passage_prefix=""),
     "e5": dict(pooling="mean", query_prefix="query: ", passage_prefix="passage: "),
 }
-RETRIEVER_FILES = ("index.faiss", "doc_ids.json", "retriever.json")
+BM25_FILES = ("params.index.json", "vocab.index.json", "data.csc.index.npy", "indices.csc.index.npy",
+              "indptr.csc.index.npy")  # what bm25s.BM25.save writes (k1, b, method; vocabulary; sparse scores)
+# Most cells (passages x vocabulary words) of a TF-IDF index: 0.4 GB of float32, and a build holds about two
+# copies: 4,900 100-word passages x 20,081 words built with a peak RSS of 851 MiB. The toy world is 401 x 526;
+# wiki-18 passages (about 16,000 words in 1,000) would reach the limit at about 3,000 passages.
+TFIDF_MAX_CELLS = 100_000_000
 
 
 class EncoderLoadError(ValueError):
-    """An encoder model cannot be loaded (not a local folder, and not in the hub cache when offline)."""
+    """An encoder or retriever cannot be made as asked: an unknown name or a model not loadable (not a local
+    folder, and not in the hub cache when offline), TF-IDF over too large a corpus, stemming without PyStemmer."""
 
 
 # ---------------------------------------------------------------- corpus
@@ -145,8 +161,9 @@ class HFEncoder:
             self.tokenizer = AutoTokenizer.from_pretrained(name_or_path, local_files_only=local)
             self.model = AutoModel.from_pretrained(name_or_path, local_files_only=local).to(self.device).eval()
         except (OSError, ValueError) as e:
-            raise EncoderLoadError(f"cannot load encoder {name_or_path!r}: not a local folder and not loadable from "
-                                   f"the hub (offline: HF_HUB_OFFLINE={os.environ.get('HF_HUB_OFFLINE', '')!r}); "
+            offline = os.environ.get("HF_HUB_OFFLINE", "")
+            raise EncoderLoadError(f"cannot load encoder {name_or_path!r}: not 'tfidf' or 'bm25', not a local "
+                                   f"folder and not loadable from the hub (offline: HF_HUB_OFFLINE={offline!r}); "
                                    f"download it first or pass a local folder. ({str(e).splitlines()[0]})") from None
         self.dim = self.model.config.hidden_size
 
@@ -196,6 +213,80 @@ def encoder_from_spec(spec, **kwargs):
     return HFEncoder(**spec, **kwargs)
 
 
+# ---------------------------------------------------------------- retriever folders
+
+def resolve_corpus(corpus):
+    """A corpus given as a jsonl path or as docs -> (its absolute path, or None for docs; the docs)."""
+    if isinstance(corpus, (str, Path)):
+        return str(Path(corpus).resolve()), load_corpus(corpus)
+    return None, corpus
+
+
+def atomic_write(path, write):
+    """Call write(tmp_path), then rename the temporary file to path."""
+    tmp = path.with_name(path.name + ".tmp")
+    write(str(tmp))
+    os.replace(tmp, path)
+
+
+def write_folder(folder, retriever, meta, write_index):
+    """Save a retriever: corpus.jsonl (if built from docs), its index (write_index(folder)), doc_ids.json, and last
+    retriever.json (meta plus corpus path and size), so that a folder with a retriever.json is complete."""
+    folder = Path(folder)
+    folder.mkdir(parents=True, exist_ok=True)
+    docs = retriever.corpus
+    if retriever.corpus_path is None:
+        write_jsonl(folder / "corpus.jsonl", [{"id": d["id"], "contents": d["contents"]} for d in docs])
+    write_index(folder)
+    meta = {**meta, "corpus": retriever.corpus_path, "num_docs": len(docs)}
+    atomic_write(folder / "doc_ids.json", lambda p: Path(p).write_text(json.dumps([d["id"] for d in docs])))
+    atomic_write(folder / "retriever.json", lambda p: Path(p).write_text(json.dumps(meta)))
+
+
+def read_folder(folder, kind, files, corpus=None):
+    """(meta, docs, corpus path) of a saved retriever folder of this kind, after checking its files and that the
+    corpus (given as docs or a path, else the recorded one) has the ids of doc_ids.json, in order."""
+    folder, meta_path = Path(folder), Path(folder) / "retriever.json"
+    meta = json.loads(meta_path.read_text()) if meta_path.is_file() else {}
+    if meta and meta.get("kind", "dense") != kind:  # folders saved before BM25 folders existed have no kind: dense
+        raise DataError(f"{meta_path}: field 'kind' is {meta.get('kind')!r}, not {kind!r} (load_retriever "
+                        "opens either kind)")
+    for name in ("retriever.json", "doc_ids.json", *files):
+        if not (folder / name).is_file():
+            raise DataError(f"{folder}: missing {name} (not a folder written by `python -m common.retrieval build`)")
+    doc_ids = json.loads((folder / "doc_ids.json").read_text())
+    if corpus is None:
+        corpus_path = meta["corpus"]  # None: the corpus was saved in the folder
+        docs = load_corpus(corpus_path or folder / "corpus.jsonl")
+    else:
+        corpus_path, docs = resolve_corpus(corpus)
+    if [d["id"] for d in docs] != doc_ids:
+        raise DataError(f"{folder}: the corpus {corpus_path or '(given)'} does not match doc_ids.json "
+                        f"({len(docs)} vs {len(doc_ids)} passages, or a different order)")
+    return meta, docs, corpus_path
+
+
+def load_retriever(folder, corpus=None, **encoder_kwargs):
+    """Load a saved retriever folder of either kind, as its retriever.json says (kwargs go to a dense encoder)."""
+    path = Path(folder) / "retriever.json"
+    if path.is_file() and json.loads(path.read_text()).get("kind") == "bm25":
+        return BM25Retriever.load(folder, corpus)
+    return DenseRetriever.load(folder, corpus, **encoder_kwargs)  # also the error for a folder missing files
+
+
+def open_retriever(index, corpus, encoder="tfidf"):
+    """The frozen retriever of a run: the saved folder `index` when set (its retriever.json says what it is; corpus
+    and encoder are then unused), else one built over the `corpus` jsonl with `encoder`: "tfidf" (None too), "bm25",
+    or a transformers encoder (hub id or local folder; build a large corpus's index once with the CLI instead)."""
+    if index:
+        return load_retriever(index)
+    if not corpus:
+        raise DataError("no corpus and no index: pass a corpus jsonl (--corpus) or a retriever folder (--index)")
+    if encoder == "bm25":
+        return BM25Retriever.build(corpus)
+    return DenseRetriever.build(corpus, make_encoder(encoder or "tfidf"))
+
+
 # ---------------------------------------------------------------- dense retrieval
 
 def new_index(dim, index_factory, encoder, texts, train_size, seed=0):
@@ -209,13 +300,6 @@ def new_index(dim, index_factory, encoder, texts, train_size, seed=0):
     return index
 
 
-def atomic_write(path, write):
-    """Call write(tmp_path), then rename the temporary file to path."""
-    tmp = path.with_name(path.name + ".tmp")
-    write(str(tmp))
-    os.replace(tmp, path)
-
-
 class DenseRetriever:
     """A faiss inner-product index over encoded passages, with the doc ids in index order."""
 
@@ -225,12 +309,18 @@ class DenseRetriever:
 
     @classmethod
     def build(cls, corpus, encoder, index_factory="Flat", chunk_size=100_000, train_size=100_000):
-        """Encode a corpus (jsonl path, or docs with "id", "contents") in chunks into a new index; fits an unfitted TF-IDF."""
-        corpus_path = str(Path(corpus).resolve()) if isinstance(corpus, (str, Path)) else None
-        docs = load_corpus(corpus) if corpus_path else corpus
+        """Encode a corpus (jsonl path, or docs with "id", "contents") in chunks into a new index; fits an unfitted
+        TF-IDF, and refuses one whose dense vectors would pass TFIDF_MAX_CELLS."""
+        corpus_path, docs = resolve_corpus(corpus)
         texts = [d["contents"] for d in docs]
-        if isinstance(encoder, TfidfEncoder) and not encoder.vocab:
-            encoder.fit(texts)
+        if isinstance(encoder, TfidfEncoder):
+            encoder = encoder if encoder.vocab else encoder.fit(texts)
+            if len(texts) * encoder.dim > TFIDF_MAX_CELLS:
+                gb = len(texts) * encoder.dim * 4e-9
+                raise EncoderLoadError(
+                    f"TF-IDF over {len(texts)} passages x {encoder.dim} words is a dense {gb:.1f} GB matrix "
+                    f"(more than TFIDF_MAX_CELLS = {TFIDF_MAX_CELLS:.0e} cells): use --encoder bm25, or a dense "
+                    "encoder such as intfloat/e5-base-v2 with `python -m common.retrieval build`")
         index = new_index(encoder.dim, index_factory, encoder, texts, train_size)
         starts = range(0, len(texts), chunk_size)
         for start in tqdm(starts, desc="index", disable=len(starts) < 2):
@@ -250,73 +340,76 @@ class DenseRetriever:
     def save(self, folder):
         """Write index.faiss, doc_ids.json, retriever.json (and corpus.jsonl if built from a list), atomically."""
         import faiss
-        folder = Path(folder)
-        folder.mkdir(parents=True, exist_ok=True)
-        corpus_path = self.corpus_path
-        if corpus_path is None:
-            write_jsonl(folder / "corpus.jsonl", [{"id": d["id"], "contents": d["contents"]} for d in self.corpus])
-        meta = {"encoder": self.encoder.spec(), "corpus": corpus_path, "index_factory": self.index_factory,
-                "num_docs": len(self.corpus)}
-        atomic_write(folder / "index.faiss", lambda p: faiss.write_index(self.index, p))
-        atomic_write(folder / "doc_ids.json", lambda p: Path(p).write_text(json.dumps([d["id"] for d in self.corpus])))
-        atomic_write(folder / "retriever.json", lambda p: Path(p).write_text(json.dumps(meta)))
+        meta = {"kind": "dense", "encoder": self.encoder.spec(), "index_factory": self.index_factory}
+        write_folder(folder, self, meta, 
+                     lambda f: atomic_write(f / "index.faiss", lambda p: faiss.write_index(self.index, p)))
 
     @classmethod
     def load(cls, folder, corpus=None, encoder=None, **encoder_kwargs):
         """Load a saved retriever; corpus (docs or path) defaults to the recorded one, encoder to the saved spec."""
         import faiss
-        folder = Path(folder)
-        for name in RETRIEVER_FILES:
-            if not (folder / name).is_file():
-                raise DataError(f"{folder}: missing {name} (not a folder written by DenseRetriever.save / "
-                                f"`python -m common.retrieval build`)")
-        meta = json.loads((folder / "retriever.json").read_text())
-        doc_ids = json.loads((folder / "doc_ids.json").read_text())
-        if corpus is None:
-            corpus_path = meta["corpus"]  # None: the corpus was saved in the folder
-            docs = load_corpus(corpus_path or folder / "corpus.jsonl")
-        else:
-            corpus_path = str(Path(corpus).resolve()) if isinstance(corpus, (str, Path)) else None
-            docs = load_corpus(corpus) if corpus_path else corpus
-        if [d["id"] for d in docs] != doc_ids:
-            raise DataError(f"{folder}: the corpus {corpus_path or '(given)'} does not match doc_ids.json "
-                            f"({len(docs)} vs {len(doc_ids)} passages, or a different order)")
-        index = faiss.read_index(str(folder / "index.faiss"))
+        meta, docs, corpus_path = read_folder(folder, "dense", ["index.faiss"], corpus)
+        index = faiss.read_index(str(Path(folder) / "index.faiss"))
         encoder = encoder or encoder_from_spec(meta["encoder"], **encoder_kwargs)
         return cls(index, docs, encoder, corpus_path, meta["index_factory"])
 
 
 # ---------------------------------------------------------------- BM25
 
-def open_retriever(index, corpus, encoder="tfidf"):
-    """The frozen retriever of a run: a saved index folder when `index` is set, else one built once over `corpus`."""
-    return DenseRetriever.load(index) if index else DenseRetriever.build(corpus, make_encoder(encoder))
+def make_stemmer(language):
+    """A PyStemmer stemmer for bm25s, e.g. "english" (None: no stemming); PyStemmer is optional, not a dependency."""
+    if language is None:
+        return None
+    try:
+        import Stemmer
+    except ImportError:
+        raise EncoderLoadError(f"BM25 stemming ({language!r}) needs PyStemmer: pip install PyStemmer, or leave "
+                               "stemming off") from None
+    return Stemmer.Stemmer(language)
 
 
 class BM25Retriever:
-    """Lexical BM25 through bm25s (English stopwords removed by default), same hits as DenseRetriever."""
+    """Lexical BM25 through bm25s (English stopwords removed, stemmed if asked), same hits as DenseRetriever."""
 
-    def __init__(self, model, corpus, stopwords="en"):
-        self.model, self.corpus, self.stopwords = model, corpus, stopwords
+    def __init__(self, model, corpus, stopwords="en", stemmer=None, corpus_path=None):
+        self.model, self.corpus, self.stopwords, self.stemmer = model, corpus, stopwords, stemmer
+        self.corpus_path, self.stem = corpus_path, make_stemmer(stemmer)
 
     @classmethod
-    def build(cls, corpus, stopwords="en", k1=1.5, b=0.75):
-        """Index a corpus (list of docs or jsonl path) with BM25."""
+    def build(cls, corpus, stopwords="en", stemmer=None, k1=1.5, b=0.75):
+        """Index a corpus (list of docs or jsonl path) with BM25; stemmer: a PyStemmer language such as "english"."""
         import bm25s
-        docs = load_corpus(corpus) if isinstance(corpus, (str, Path)) else corpus
-        model = bm25s.BM25(k1=k1, b=b)
-        tokens = bm25s.tokenize([d["contents"] for d in docs], stopwords=stopwords, show_progress=False)
-        model.index(tokens, show_progress=False)
-        return cls(model, docs, stopwords)
+        corpus_path, docs = resolve_corpus(corpus)
+        retriever = cls(bm25s.BM25(k1=k1, b=b), docs, stopwords, stemmer, corpus_path)
+        retriever.model.index(retriever.tokenize([d["contents"] for d in docs]), show_progress=False)
+        return retriever
+
+    def tokenize(self, texts, return_ids=True):
+        """bm25s tokens of texts: lowercased words of 2+ characters, stopwords removed, stemmed if asked."""
+        import bm25s
+        return bm25s.tokenize(list(texts), stopwords=self.stopwords, stemmer=self.stem, return_ids=return_ids,
+                              show_progress=False)
+
+    def save(self, folder):
+        """Write bm25s's own files, doc_ids.json, retriever.json (and corpus.jsonl if built from a list)."""
+        meta = {"kind": "bm25", "stopwords": self.stopwords, "stemmer": self.stemmer}
+        write_folder(folder, self, meta, lambda f: self.model.save(str(f), show_progress=False))
+
+    @classmethod
+    def load(cls, folder, corpus=None):
+        """Load a saved BM25 folder; corpus (docs or path) defaults to the recorded one."""
+        import bm25s
+        meta, docs, corpus_path = read_folder(folder, "bm25", BM25_FILES, corpus)
+        model = bm25s.BM25.load(str(folder), show_progress=False)
+        return cls(model, docs, meta["stopwords"], meta["stemmer"], corpus_path)
 
     def search(self, queries, k):
         """Top-k passages per query, best first (ties and zero scores fill up to k)."""
-        import bm25s
         if k < 1:
             raise ValueError(f"k must be at least 1, got {k}")
         if not queries:
             return []
-        tokens = bm25s.tokenize(list(queries), stopwords=self.stopwords, return_ids=False, show_progress=False)
+        tokens = self.tokenize(queries, return_ids=False)
         ids, scores = self.model.retrieve(tokens, k=min(k, len(self.corpus)), show_progress=False)
         return [[make_hit(self.corpus[i], s) for i, s in zip(row_ids, row_scores)]
                 for row_ids, row_scores in zip(ids, scores)]
@@ -330,7 +423,10 @@ def parse_args(argv=None):
     sub = parser.add_subparsers(dest="command", required=True)
     build = sub.add_parser("build", help="encode a corpus jsonl and save a retriever folder")
     build.add_argument("--corpus", required=True, help="FlashRAG corpus jsonl ({'id', 'contents'} per line)")
-    build.add_argument("--encoder", required=True, help="'tfidf', a hub id or a local folder (e5/bge/contriever presets)")
+    build.add_argument("--encoder", required=True,
+                       help="'tfidf', 'bm25', a hub id or a local folder (e5/bge/contriever presets)")
+    build.add_argument("--stemmer", default=None, help="BM25 only: stem with PyStemmer, e.g. english (not installed "
+                       "with this project: pip install PyStemmer); default: no stemming")
     build.add_argument("--out", required=True, help="folder to write the retriever to")
     build.add_argument("--index_factory", default="Flat", help="faiss factory string, e.g. Flat, IVF4096,Flat, HNSW32")
     build.add_argument("--train_size", type=int, default=100_000, help="passages sampled to train an IVF/PQ index")
@@ -338,7 +434,7 @@ def parse_args(argv=None):
     build.add_argument("--max_length", type=int, default=512, help="encoder max tokens (transformers encoders)")
     build.add_argument("--device", default=None, help="encoder device, default cuda if available")
     search = sub.add_parser("search", help="search a saved retriever folder; prints one JSON line per query")
-    search.add_argument("--index", required=True, help="retriever folder written by `build`")
+    search.add_argument("--index", required=True, help="retriever folder written by `build` (dense or BM25)")
     search.add_argument("--query", required=True, action="append", help="query text (repeat for several)")
     search.add_argument("-k", type=int, default=5, help="passages per query")
     search.add_argument("--corpus", default=None, help="corpus jsonl, if it moved since the build")
@@ -348,7 +444,13 @@ def parse_args(argv=None):
 def main(argv=None):
     """Run the command line."""
     args = parse_args(argv)
-    if args.command == "build":
+    if args.command == "build" and args.encoder == "bm25":
+        retriever = BM25Retriever.build(args.corpus, stemmer=args.stemmer)
+        retriever.save(args.out)
+        print(f"indexed {len(retriever.corpus)} passages (bm25, stemmer {args.stemmer}) into {args.out}")
+    elif args.command == "build":
+        if args.stemmer:
+            raise EncoderLoadError(f"--stemmer is for --encoder bm25, not {args.encoder!r}")
         hf_kwargs = {} if args.encoder == "tfidf" else dict(batch_size=args.batch_size, max_length=args.max_length,
                                                             device=args.device)
         retriever = DenseRetriever.build(args.corpus, make_encoder(args.encoder, **hf_kwargs), args.index_factory,
@@ -356,10 +458,11 @@ def main(argv=None):
         retriever.save(args.out)
         print(f"indexed {retriever.index.ntotal} passages ({args.encoder}, {args.index_factory}) into {args.out}")
     else:
-        retriever = DenseRetriever.load(args.index, corpus=args.corpus)
+        retriever = load_retriever(args.index, corpus=args.corpus)
         for query, hits in zip(args.query, retriever.search(args.query, args.k)):
             print(json.dumps({"query": query, "hits": hits}, ensure_ascii=False))
 
 
 if __name__ == "__main__":
-    main()
+    from common.runs import run_main  # a user's mistake (missing corpus, unknown encoder ...): one line, exit 2
+    run_main(main)

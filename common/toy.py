@@ -6,6 +6,8 @@
 A world folder holds corpus.jsonl (FlashRAG {"id", "contents": '"title"\\ntext'}), train/dev/test.jsonl (FlashRAG QA
 rows), triples.jsonl ({"doc_id", "head", "relation", "tail"}) and world.json (entities, types, popularity, facts: what
 the reader's memory, the tiny models' vocabulary and the renaming augmentation use). docs/toy_world.md describes it.
+Whatever reads a world takes its folder (ToyReader, load_world, baselines, world_stats): only the CLI defaults to
+data/toy. Model code imports this module, not the reverse (common.llm and common.toy_lm import it).
 
 World. Entities of five types (person, film, city, country, company) with single-token syllable names and eight
 relations (RELATIONS). Each entity has one passage stating its facts ("velbo was born in tuvia . velbo was born in
@@ -363,11 +365,14 @@ def write_world(out, seed=0, size=1.0):
 # ---------------------------------------------------------------- the world as the reader and augmentation see it
 
 @functools.lru_cache(maxsize=8)
-def load_world(world_dir=DEFAULT_WORLD):
+def load_world(world_dir):
     """world.json with indexes: types, popular set, memory of popular facts, near names, renaming pools."""
     path = Path(world_dir) / "world.json"
     if not path.is_file():
-        raise FileNotFoundError(f"{path}: no toy world here; write one with python -m common.toy --out {world_dir}")
+        from common.data import DataError  # a user's mistake: one line, no traceback (common.runs.run_main)
+
+        raise DataError(f"{path}: no toy world here (the toy reader and toy-lm need one): pass the world folder, e.g. "
+                        f"--llm toy:data/toy, or write one with python -m common.toy --out {world_dir}")
     world = json.loads(path.read_text(encoding="utf-8"))
     ents = world["entities"]
     world["types"] = {n: e["type"] for n, e in ents.items()}
@@ -503,7 +508,7 @@ class ToyReader:
     """The toy world's frozen LLM: deterministic, reads toy facts in its prompt plus a memory of popular entities.
     See the module docstring for the protocol (question finding, fact reading, careless lookup, the three modes)."""
 
-    def __init__(self, world_dir=DEFAULT_WORLD, **_):
+    def __init__(self, world_dir, **_):
         self.world = load_world(str(world_dir))
 
     def chat(self, messages_lists, **_sampling):
@@ -659,7 +664,7 @@ def evaluate_reader(reader, rows, docs_per_row):
     return {k: sum(v) / len(v) for k, v in groups.items()}
 
 
-def baselines(world_dir=DEFAULT_WORLD, split="test"):
+def baselines(world_dir, split="test"):
     """The baseline table: {setting: {group: EM}} plus retrieval hit rates {name: rate}."""
     from common.data import load_qa
     from common.retrieval import DenseRetriever, load_corpus, make_encoder
@@ -721,7 +726,7 @@ def format_baselines(table, hits):
     return "\n".join(lines)
 
 
-def world_stats(world_dir=DEFAULT_WORLD):
+def world_stats(world_dir):
     """Counts of a world folder: entities by type and flag, questions by split and type, corpus size, bytes."""
     from common.data import read_jsonl
 
@@ -759,12 +764,6 @@ def main(argv=None):
     out = write_world(args.out, args.seed, args.size)
     print(json.dumps(world_stats(out), sort_keys=True))
 
-
-def load_toy_lm(spec="toy-lm", dtype=None, device=None, lora=None, **kwargs):
-    """A tiny Qwen2 causal LM and word-level tokenizer for the toy world (see common.toy_lm.load_toy_lm)."""
-    from common.toy_lm import load_toy_lm as load
-
-    return load(spec, dtype=dtype, device=device, lora=lora, **kwargs)
 
 if __name__ == "__main__":
     main()

@@ -1,16 +1,20 @@
-"""Tiny trainable models for the toy world: a word-level tokenizer over the toy vocabulary and a small Qwen2 causal LM.
+"""Tiny trainable models for the toy world: a word-level tokenizer over one world's vocabulary and a small Qwen2 LM.
 
-    model, tokenizer = load_toy_lm("toy-lm")                             # 2 layers, hidden 128: about 0.6M parameters
-    model, tokenizer = load_toy_lm("toy-lm:layers=4,hidden=256", extra_tokens=("[Search]", "<think>"))
+    model, tokenizer = load_toy_lm("toy-lm", world="data/toy")          # 2 layers, hidden 128: about 0.6M parameters
+    model, tokenizer = load_toy_lm("toy-lm:layers=4,hidden=256", world=args.data_dir, extra_tokens=("[Search]",))
 
+The vocabulary is the world's (its names, years, template words and the format words), so a model is built for the
+world it is trained on; `save_pretrained` keeps its tokenizer, so a checkpoint remembers its world's vocabulary.
 Built offline from a config in well under a second, seeded, saved and loaded like any hub model
 (`save_pretrained` / `AutoModelForCausalLM.from_pretrained`, `AutoTokenizer.from_pretrained`).
 Tokenizer: lowercase, split on white space and punctuation, one token per word (every toy name and year is one
 token, anything else is <unk>); `extra_tokens` are matched verbatim before that (case kept, never split) and are not
 special, so decoding keeps them. Special tokens: <pad> <eos> <unk> <system> <user> <assistant>. Chat template:
 "<user> {content} <eos> ... <assistant>" (each message is "<role> content <eos>"; a reply ends with <eos>).
+This module imports the toy world (common.toy), never common.llm: llm.py reaches it lazily for the "toy-lm" name.
 """
 import re
+from pathlib import Path
 
 import torch
 from tokenizers import AddedToken, Tokenizer, models, normalizers, pre_tokenizers
@@ -68,10 +72,13 @@ def parse_spec(spec):
     return out
 
 
-def load_toy_lm(spec="toy-lm", dtype=None, device=None, lora=None, extra_tokens=(), seed=0, world=DEFAULT_WORLD):
-    """(model, tokenizer): a randomly initialised (seeded) Qwen2ForCausalLM with tied embeddings and its tokenizer."""
+def load_toy_lm(spec="toy-lm", dtype=None, device=None, extra_tokens=(), seed=0, world=DEFAULT_WORLD):
+    """(model, tokenizer): a randomly initialised (seeded) Qwen2ForCausalLM with tied embeddings and the tokenizer of
+    `world` (a world folder or a loaded world). The committed world by default, for tests and benchmarks only: a
+    method reaches this through common.llm.load_model_and_tokenizer, which needs the world (LoRA is added there)."""
     options = parse_spec(spec)
-    tokenizer = build_tokenizer(load_world(str(world)), extra_tokens)
+    world = load_world(str(world)) if isinstance(world, (str, Path)) else world
+    tokenizer = build_tokenizer(world, extra_tokens)
     tokenizer.model_max_length = options["max_positions"]
     config = Qwen2Config(
         vocab_size=len(tokenizer), hidden_size=options["hidden"], num_hidden_layers=options["layers"],
@@ -87,8 +94,4 @@ def load_toy_lm(spec="toy-lm", dtype=None, device=None, lora=None, extra_tokens=
         model = model.to(getattr(torch, dtype) if isinstance(dtype, str) else dtype)
     if device is not None:
         model = model.to(device)
-    if lora is not None:
-        from common.llm import add_lora
-
-        model = add_lora(model, lora)
     return model, tokenizer

@@ -195,7 +195,7 @@ TINY_LM = "toy-lm:layers=1,hidden=32,heads=2,kv_heads=2,intermediate=64"
 
 def test_value_model_is_a_copy_of_the_policy_with_a_zero_scalar_head():
     from common.llm import right_pad
-    from common.toy import load_toy_lm
+    from common.toy_lm import load_toy_lm
     model, _ = load_toy_lm(TINY_LM)
     value = c3po.ValueModel(model)
     ids, attention = right_pad([[4, 7, 8, 9], [4, 7]], 0), right_pad([[1] * 4, [1] * 2], 0)
@@ -215,7 +215,7 @@ def test_ppo_update_whitens_advantages_over_the_rollout(monkeypatch, value_clip,
     """Advantages 1, 2 | 3 (two nodes) whiten over the rollout to -1, 0 | 1 (mean 2, std 1), not per node; the critic
     starts at V = 0, so its clipped loss follows from the stored old values by hand."""
     from accelerate import Accelerator
-    from common.toy import load_toy_lm
+    from common.toy_lm import load_toy_lm
     model, tokenizer = load_toy_lm(TINY_LM)
     samples = [dict(ids=[4, 7, 8], loss_mask=[0, 1, 1], credit=1.0, agent="router"),
                dict(ids=[4, 9], loss_mask=[0, 1], credit=0.0, agent="dm")]
@@ -333,7 +333,7 @@ def test_single_trajectory_rollout_is_one_free_path_whose_reward_every_node_gets
 
 def test_proxy_actor_forces_root_texts_and_prefix(monkeypatch):
     from common.llm import Generation
-    from common.toy import load_toy_lm
+    from common.toy_lm import load_toy_lm
     model, tokenizer = load_toy_lm("toy-lm:layers=1,hidden=32,heads=2,kv_heads=2,intermediate=64")
     seen = []
     encode = lambda text: tokenizer(text, add_special_tokens=False)["input_ids"]
@@ -442,7 +442,7 @@ def test_invalid_outputs_end_in_a_zero_leaf(router, filter_text, why):
 def ppo_once(seed, forced_weight=1.0, only_fixed=False):
     """A tree rollout of a tiny random proxy (scripted LLM and retriever) and one PPO update: (texts, stats, policy)."""
     from accelerate import Accelerator
-    from common.toy import load_toy_lm
+    from common.toy_lm import load_toy_lm
     model, tokenizer = load_toy_lm("toy-lm:layers=1,hidden=32,heads=2,kv_heads=2,intermediate=64")
     args = args_for(max_new_tokens=6, policy_lr=1e-2, value_lr=1e-2, micro_batch_size=4, ppo_batch_size=8, seed=seed,
                     forced_weight=forced_weight)
@@ -648,7 +648,7 @@ def test_llm_teacher_outputs_become_tree_nodes_and_sft_examples(router_reply):
 
 # ---------------------------------------------------------------- SFT warm-up: the loss is on the output tokens only
 def test_sft_batch_puts_labels_on_the_output_and_eos_only():
-    from common.toy import load_toy_lm
+    from common.toy_lm import load_toy_lm
     _, tokenizer = load_toy_lm(TINY_LM)
     examples = [dict(prompt="write a plan . question : x ?", output="[Planning]"),
                 dict(prompt="decide : no retrieval , retrieval or planning . question : x ?", output="[No Retrieval]")]
@@ -667,7 +667,7 @@ def test_sft_batch_puts_labels_on_the_output_and_eos_only():
 def test_length_sorted_micro_batches_give_the_full_batch_gradient():
     """Micro-batches cut to their own longest sequence change the padding, not the gradient of the SFT step."""
     from accelerate import Accelerator
-    from common.toy import load_toy_lm
+    from common.toy_lm import load_toy_lm
     examples = [dict(prompt="question : " + "x " * n + "?", output=["[Planning]", "[No Retrieval]"][n % 2]) for n in (1, 9, 3, 14, 6, 2)]
     grads = {}
     for micro in (6, 2):
@@ -724,6 +724,28 @@ def test_toy_train_then_resume_then_eval_the_checkpoint(tmp_path, capsys):
     assert outcome(check_contract(out, again)["after"]) == outcome(results["after"])
     stdout = run(["--eval", "--model", str(out / "ppo"), "--output_dir", str(tmp_path / "eval"), "--n_eval", "8"], capsys)
     assert outcome(check_contract(tmp_path / "eval", stdout)["after"]) == outcome(results["after"])  # greedy and sampled
+    # --eval writes next to the model by default and never over a training run's results
+    trained = (out / "results.json").read_text()
+    stdout = run(["--eval", "--model", str(out / "ppo"), "--n_eval", "8"], capsys)
+    assert outcome(check_contract(out / "ppo" / "eval", stdout)["after"]) == outcome(results["after"])
+    with pytest.raises(SystemExit, match="training"):
+        run(["--eval", "--model", str(out / "ppo"), "--output_dir", str(out), "--n_eval", "2"], capsys)
+    assert (out / "results.json").read_text() == trained
+    # a FlashRAG folder whose rows have no metadata runs with the default flags
+    flashrag = tmp_path / "flashrag"
+    flashrag.mkdir()
+    rows = [json.loads(line) for line in (ROOT / "data/toy/test.jsonl").read_text().splitlines()[:4]]
+    (flashrag / "test.jsonl").write_text("".join(json.dumps({k: r[k] for k in ("id", "question", "golden_answers")})
+                                                 + "\n" for r in rows))
+    with pytest.raises(ValueError, match="no toy world here"):  # the toy reader needs a world: named, not guessed
+        run(["--eval", "--model", str(out / "ppo"), "--data_dir", str(flashrag), "--output_dir", str(tmp_path / "x")],
+            capsys)
+    stdout = run(["--eval", "--model", str(out / "ppo"), "--data_dir", str(flashrag), "--corpus",
+                  str(ROOT / "data/toy/corpus.jsonl"), "--llm", "toy:data/toy", "--output_dir",
+                  str(tmp_path / "flashrag_eval")], capsys)
+    assert check_contract(tmp_path / "flashrag_eval", stdout)["n_eval"] == 4
+    stdout = run(["--ask", "what is the birthplace of qqzzyx ?", "--model", str(out / "ppo")], capsys)
+    assert "warning: words the proxy's tokenizer does not know (read as <unk>): qqzzyx" in stdout
 
 
 def test_paper_templates_run_a_few_steps(tmp_path, capsys):
@@ -736,7 +758,65 @@ def test_paper_templates_run_a_few_steps(tmp_path, capsys):
                                            (["--train", "--forced_weight", "-1"], "--forced_weight must be >= 0"),
                                            (["--train", "--judge", "nope"], "--judge must be one of"),
                                            (["--train", "--warmup_select", "best"], "--warmup_select must be one of"),
-                                           ([], "choose a mode")])
+                                           ([], "choose a mode"),
+                                           (["--ask", "who ?"], "--ask needs --model")])
 def test_bad_flags_are_clear_errors(flag, message):
     with pytest.raises(SystemExit, match=message):
         c3po.main(flag)
+
+
+# ---------------------------------------------------------------- numerics: fp32 master weights, a critic without LM head
+def test_bf16_mixed_precision_trains_fp32_weights_under_autocast(monkeypatch):
+    from accelerate import Accelerator
+    from accelerate.state import AcceleratorState
+
+    stepped = []
+
+    class SpyAdamW(torch.optim.AdamW):
+        def step(self, *a, **k):
+            stepped.append({p.dtype for g in self.param_groups for p in g["params"]})
+            return super().step(*a, **k)
+
+    monkeypatch.setattr(c3po.torch.optim, "AdamW", SpyAdamW)
+    AcceleratorState._reset_state(reset_partial_state=True)  # a singleton: other tests made one without bf16
+    accelerator = Accelerator(cpu=True, mixed_precision="bf16")
+    args = c3po.apply_preset(c3po.Args(train=True, model=TINY_LM, sft_steps=2, sft_batch_size=4, sft_lr=1e-2))
+    policy, tokenizer = c3po.load_proxy(args, accelerator.device)
+    logits_dtypes = []
+    policy.lm_head.register_forward_hook(lambda module, inputs, output: logits_dtypes.append(output.dtype))
+    before = [p.detach().clone() for p in policy.parameters()]
+    examples = [dict(prompt=f"decide : question : who is velbo {i} ?", output="[No Retrieval]", agent="router", row={})
+                for i in range(4)]
+    trained, _ = c3po.sft(accelerator, policy, tokenizer, examples, args, None)
+    assert stepped == [{torch.float32}] * 2  # Adam updates fp32 master weights ...
+    assert logits_dtypes and set(logits_dtypes) == {torch.bfloat16}  # ... of a forward pass run in bf16
+    assert all(p.dtype == torch.float32 for p in trained.parameters())
+    assert any(not torch.equal(a, b) for a, b in zip(before, trained.parameters()))
+    AcceleratorState._reset_state(reset_partial_state=True)
+
+
+def test_the_critic_runs_no_lm_head():
+    from common.toy_lm import load_toy_lm
+
+    model, _ = load_toy_lm(TINY_LM)
+    value = c3po.ValueModel(model)
+    vocab = model.config.vocab_size
+    assert not any(isinstance(m, torch.nn.Linear) and m.out_features == vocab for m in value.modules())
+    calls = []
+    model.lm_head.register_forward_hook(lambda *_: calls.append(1))
+    ids = torch.tensor([[4, 7, 8, 9]])
+    assert value(ids, torch.ones_like(ids)).shape == (1, 4) and calls == []
+
+
+def test_trains_on_a_freshly_generated_world(tmp_path, capsys):
+    """The tokenizer, the toy reader and the renaming come from --data_dir: a world of another seed trains."""
+    from common.toy import write_world
+
+    world = write_world(tmp_path / "world", seed=3, size=0.5)
+    out = tmp_path / "run"
+    stdout = run(["--train", "--data_dir", str(world), "--output_dir", str(out), "--n_eval", "40", "--n_train", "120",
+                  "--sft_steps", "200", "--ppo_iterations", "1", "--rollout_batch", "4"], capsys)
+    results = check_contract(out, stdout)
+    assert results["dataset"] == str(world) and results["args"]["llm"] == f"toy:{world}"
+    assert results["before_sft"]["accuracy"] == 0.0 and results["before"]["accuracy"] >= 0.1  # raw start -> after SFT
+    assert json.loads((out / "sft" / "run_state.json").read_text())["data_dir"] == str(world)  # remembers its world

@@ -1,9 +1,10 @@
 """FlashRAG QA loading: good files load, every kind of bad line names its file and line."""
 import json
+import warnings
 
 import pytest
 
-from common.data import DataError, load_qa, read_jsonl, sample_rows, write_jsonl
+from common.data import DataError, UserError, load_qa, load_split, read_jsonl, sample_rows, write_jsonl
 
 GOOD = [
     {"id": "q1", "question": "who directed kanikx ?", "golden_answers": ["velbo"], "metadata": {"hops": 1}},
@@ -35,6 +36,14 @@ def test_load_qa_reads_rows_and_defaults_metadata(tmp_path):
     ('{"id": "q3", "question": "x ?", "golden_answers": [1]}', "non-empty list of strings"),
     ('{"id": "q3", "question": "  ", "golden_answers": ["a"]}', "'question' must be a non-empty string"),
     ('{"id": "q3", "question": "x ?", "golden_answers": ["a"], "metadata": 3}', "'metadata' must be an object"),
+    ('{"question": "x ?", "golden_answers": ["a"]}', "missing field 'id'"),
+    ('{"id": null, "question": "x ?", "golden_answers": ["a"]}', "field 'id' must be a non-empty string or an int"),
+    ('{"id": " ", "question": "x ?", "golden_answers": ["a"]}', "field 'id' must be a non-empty string or an int"),
+    ('{"id": "q3", "question": "x ?", "golden_answers": [""]}', "field 'golden_answers' holds only empty answers"),
+    ('{"id": "q3", "question": "x ?", "golden_answers": [" ", "\\t"]}', "field 'golden_answers' holds only empty"),
+    ('{"id": "q3", "question": "x ?", "answers": []}', "field 'answers' must be a non-empty list of strings"),
+    ('{"id": "q3", "question": "x ?", "answers": ["", " "]}', "field 'answers' holds only empty answers"),
+    ('{"id": "q3", "question": "x ?", "answer": ["a"]}', "missing field 'golden_answers' (or 'answers')"),
 ])
 def test_bad_lines_name_file_and_line(tmp_path, bad_line, message):
     path = write(tmp_path / "qa.jsonl", [json.dumps(GOOD[0]), "", bad_line])
@@ -42,6 +51,36 @@ def test_bad_lines_name_file_and_line(tmp_path, bad_line, message):
         load_qa(path)
     assert f"{path}:3:" in str(err.value)
     assert message in str(err.value)
+
+
+def test_errors_are_user_errors():
+    assert issubclass(DataError, UserError) and issubclass(UserError, ValueError)
+
+
+def test_non_utf8_bytes_name_file_and_line(tmp_path):
+    path = tmp_path / "qa.jsonl"
+    good = json.dumps(GOOD[0]).encode()
+    path.write_bytes(good + b"\n" + good + b"\n" + b'{"id": "q3", "question": "caf\xe9 ?", "golden_answers": ["a"]}\n')
+    with pytest.raises(DataError) as err:
+        load_qa(path)
+    assert str(err.value) == f"{path}:3: not valid UTF-8 (byte 0xe9 at column 30)"
+
+
+def test_a_byte_order_mark_and_crlf_line_ends_are_read(tmp_path):
+    path = tmp_path / "qa.jsonl"
+    path.write_bytes(b"\xef\xbb\xbf" + "\r\n".join(json.dumps(r, ensure_ascii=False) for r in GOOD).encode() + b"\r\n")
+    assert [r["id"] for r in load_qa(path)] == ["q1", "q2"]
+
+
+def test_answers_is_read_as_golden_answers_and_blank_answers_beside_real_ones_are_dropped(tmp_path):
+    path = write(tmp_path / "qa.jsonl", [
+        json.dumps({"id": 7, "question": "who ?", "answers": ["velbo", "vel bo"]}),  # C-3PO's raw format
+        json.dumps({"id": "q2", "question": "where ?", "golden_answers": ["orsa", " ", ""]}),
+        json.dumps({"id": "q3", "question": "when ?", "golden_answers": ["1941"], "answers": ["other"]})])
+    rows = load_qa(path)
+    assert rows[0]["golden_answers"] == ["velbo", "vel bo"] and "answers" not in rows[0]
+    assert rows[1]["golden_answers"] == ["orsa"]  # a blank gold answer would match an empty prediction
+    assert rows[2]["golden_answers"] == ["1941"]  # golden_answers wins when both are given
 
 
 def test_missing_and_empty_files(tmp_path):
@@ -68,11 +107,31 @@ def test_sample_rows_is_seeded_and_without_replacement():
     assert len(sample_rows(rows, 500, seed=0)) == 50
 
 
+def typed_rows(types):
+    return [{"id": str(i), "question": f"q{i} ?", "golden_answers": ["a"], "metadata": {"type": t} if t else {}}
+            for i, t in enumerate(types)]
+
+
 def test_load_split_keeps_the_types_asked_for(tmp_path):
-    from common.data import load_split
-    rows = [{"id": str(i), "question": f"q{i} ?", "golden_answers": ["a"], "metadata": {"type": t}}
-            for i, t in enumerate(["one_hop", "two_hop", "one_hop", "comparison"])]
-    write_jsonl(tmp_path / "test.jsonl", rows)
-    assert [r["id"] for r in load_split(tmp_path, "test", "one_hop")] == ["0", "2"]
-    assert [r["id"] for r in load_split(tmp_path, "test", "two_hop,comparison")] == ["1", "3"]
-    assert len(load_split(tmp_path, "test", "")) == 4 and load_split(tmp_path, "test", "three_hop") == []
+    write_jsonl(tmp_path / "test.jsonl", typed_rows(["one_hop", "two_hop", "one_hop", "comparison", None]))
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # a matching filter warns about nothing
+        assert [r["id"] for r in load_split(tmp_path, "test", "one_hop")] == ["0", "2"]
+        assert [r["id"] for r in load_split(tmp_path, "test", "two_hop, comparison")] == ["1", "3"]
+        assert [r["id"] for r in load_split(tmp_path, "test", ["comparison"])] == ["3"]
+        assert len(load_split(tmp_path, "test", "")) == len(load_split(tmp_path, "test", None)) == 5
+
+
+def test_load_split_refuses_a_filter_that_matches_no_typed_row(tmp_path):
+    write_jsonl(tmp_path / "test.jsonl", typed_rows(["two_hop", None, "comparison", "two_hop"]))
+    with pytest.raises(DataError) as err:
+        load_split(tmp_path, "test", "one_hop,three_hop")
+    assert str(err.value) == (f"{tmp_path / 'test.jsonl'}: no row of type one_hop, three_hop; "
+                              "the types present are comparison, two_hop")
+
+
+def test_load_split_without_any_type_ignores_the_filter_and_says_so(tmp_path):
+    write_jsonl(tmp_path / "train.jsonl", typed_rows([None, None, None]))  # a plain FlashRAG dataset
+    with pytest.warns(UserWarning, match=r"train\.jsonl: no row has a metadata 'type'.*one_hop.*all 3 rows"):
+        rows = load_split(tmp_path, "train", "one_hop")
+    assert [r["id"] for r in rows] == ["0", "1", "2"]

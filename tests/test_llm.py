@@ -29,6 +29,7 @@ from common.llm import (
     generate,
     load_model_and_tokenizer,
     make_llm,
+    unknown_words,
 )
 
 VOCAB = ["<pad>", "<eos>", "<unk>", "system", "user", "assistant", ":", "<search>", "</search>"] + [f"w{i}" for i in range(40)]
@@ -160,13 +161,59 @@ def test_lora_leaves_only_lora_weights_trainable(model_dirs, tiny, as_dict):
     assert wrapped.token_ids == generate(*tiny, prompts, 6, do_sample=False).token_ids
 
 
-def test_toy_lm_names_are_delegated_to_common_toy(monkeypatch):
+def test_toy_lm_names_are_built_for_the_world_given(monkeypatch):
     calls = []
-    fake = types.ModuleType("common.toy")
+    fake = types.ModuleType("common.toy_lm")
     fake.load_toy_lm = lambda name, **kw: calls.append((name, kw)) or ("model", "tokenizer")
-    monkeypatch.setitem(sys.modules, "common.toy", fake)
-    assert load_model_and_tokenizer("toy-lm:layers=2", dtype=torch.float32) == ("model", "tokenizer")
-    assert calls == [("toy-lm:layers=2", dict(dtype=torch.float32, device=None, lora=None))]
+    monkeypatch.setitem(sys.modules, "common.toy_lm", fake)
+    assert load_model_and_tokenizer("toy-lm:layers=2", dtype=torch.float32, world="w1") == ("model", "tokenizer")
+    assert calls == [("toy-lm:layers=2", dict(dtype=torch.float32, device=None, world="w1"))]
+    with pytest.raises(ModelLoadError, match=r"toy world.*--data_dir"):  # never silently the committed world
+        load_model_and_tokenizer("toy-lm")
+    with pytest.raises(ModelLoadError, match="hub id"):  # a name that only starts like the sentinel is not it
+        load_model_and_tokenizer("toy-lm-finetuned", world="w1")
+    assert len(calls) == 1
+
+
+def test_a_toy_lm_needs_a_toy_world_folder(tmp_path):
+    with pytest.raises(ModelLoadError, match=r"cannot build 'toy-lm'.*world\.json"):
+        load_model_and_tokenizer("toy-lm", world=tmp_path)
+
+
+def test_other_names_ignore_the_world(model_dirs):
+    _, tokenizer = load_model_and_tokenizer(model_dirs["tiny"], world="no/such/world")
+    assert tokenizer("w1 w2", add_special_tokens=False)["input_ids"] == ids("w1 w2")
+
+
+def test_unknown_words_are_the_words_read_as_unk(tiny):
+    _, tokenizer = tiny
+    assert unknown_words(tokenizer, "w1 zorvak w2 qq zorvak") == ["zorvak", "qq"]  # once each, in order
+    assert unknown_words(tokenizer, "user : w1 <search> w2 </search>") == []
+    assert unknown_words(tokenizer, "w1 <unk> w2") == []  # the unk token typed out is not an unknown word
+
+    class Slow:  # a tokenizer without offsets (a python tokenizer): white-space words one at a time
+        is_fast, unk_token, unk_token_id = False, "<unk>", tokenizer.unk_token_id
+
+        def __call__(self, text, **kwargs):
+            return tokenizer(text, **kwargs)
+
+    assert unknown_words(Slow(), "w1 zorvak w2") == ["zorvak"]
+
+
+def test_unknown_words_is_empty_without_an_unk_token_or_for_byte_level_bpe():
+    from tokenizers import decoders, trainers
+
+    backend = Tokenizer(models.WordLevel({"<pad>": 0, "a": 1}, unk_token="<pad>"))
+    backend.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
+    no_unk = PreTrainedTokenizerFast(tokenizer_object=backend, pad_token="<pad>")
+    assert no_unk.unk_token_id is None and unknown_words(no_unk, "a zorvak") == []
+    bpe = Tokenizer(models.BPE())
+    bpe.pre_tokenizer, bpe.decoder = pre_tokenizers.ByteLevel(add_prefix_space=False), decoders.ByteLevel()
+    alphabet = pre_tokenizers.ByteLevel.alphabet()
+    trainer = trainers.BpeTrainer(initial_alphabet=alphabet, special_tokens=["<unk>"])
+    bpe.train_from_iterator(["hello world"] * 4, trainer)
+    byte_level = PreTrainedTokenizerFast(tokenizer_object=bpe, unk_token="<unk>")
+    assert byte_level.unk_token_id is not None and unknown_words(byte_level, "zorvak xyzzy \u00e9 \u2603") == []
 
 
 # ---------------------------------------------------------------- generation

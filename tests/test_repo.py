@@ -20,13 +20,15 @@ def test_method_files_stay_under_the_cap(name):
     path = ROOT / name
     if not path.exists():
         pytest.skip(f"{name} not written yet")
-    assert code_lines(path) <= 800, f"{name}: over the 800-line cap; fork or simplify"
+    assert code_lines(path) <= 900, f"{name}: over the 900-line cap (STYLE decision 4); fork or simplify"
 
 
-@pytest.mark.parametrize("name, cap", [("llm.py", 260), ("retrieval.py", 300), ("metrics.py", 60), ("data.py", 70),
-                                       ("runs.py", 60)])
-def test_common_plumbing_stays_small(name, cap):
-    assert code_lines(ROOT / "common" / name) <= cap
+def test_common_plumbing_stays_small():
+    """llm, retrieval, metrics, data and runs together stay near 900 code lines (STYLE decision 4); the toy world is
+    its own concern and counted apart."""
+    sizes = {name: code_lines(ROOT / "common" / name) for name in ("llm.py", "retrieval.py", "metrics.py", "data.py",
+                                                                    "runs.py")}
+    assert sum(sizes.values()) <= 900, sizes
 
 
 @pytest.mark.parametrize("name", METHOD_FILES)

@@ -14,8 +14,10 @@ import numpy as np
 import pytest
 
 from common.data import DataError
-from common.retrieval import (BGE_QUERY_INSTRUCTION, BM25Retriever, DenseRetriever, EncoderLoadError, HFEncoder,
-                              TfidfEncoder, encoder_preset, load_corpus, make_encoder, split_contents)
+from common import retrieval
+from common.retrieval import (BGE_QUERY_INSTRUCTION, BM25_FILES, BM25Retriever, DenseRetriever, EncoderLoadError,
+                              HFEncoder, TfidfEncoder, encoder_preset, load_corpus, load_retriever, main, make_encoder,
+                              open_retriever, split_contents)
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -209,6 +211,128 @@ def test_bm25_known_answers(corpus_path):
     assert bm25.search([], 3) == []
 
 
+def test_open_retriever_bm25_builds_over_the_corpus(corpus_path):
+    bm25 = open_retriever("", corpus_path, "bm25")
+    assert isinstance(bm25, BM25Retriever) and bm25.stemmer is None
+    assert [h[0]["id"] for h in bm25.search(list(QUERIES), 1)] == list(QUERIES.values())
+    assert bm25.search(list(QUERIES), 5) == BM25Retriever.build(load_corpus(corpus_path)).search(list(QUERIES), 5)
+
+
+@pytest.mark.parametrize("from_docs", [False, True])
+def test_bm25_save_load_gives_identical_results(corpus_path, tmp_path, from_docs):
+    built = BM25Retriever.build(load_corpus(corpus_path) if from_docs else corpus_path)
+    built.save(tmp_path / "bm25")
+    files = sorted(p.name for p in (tmp_path / "bm25").iterdir())
+    want_files = {*BM25_FILES, "doc_ids.json", "retriever.json"} | ({"corpus.jsonl"} if from_docs else set())
+    assert files == sorted(want_files)
+    meta = json.loads((tmp_path / "bm25" / "retriever.json").read_text())
+    assert meta == {"kind": "bm25", "stopwords": "en", "stemmer": None, "num_docs": len(PASSAGES),
+                    "corpus": None if from_docs else str(corpus_path.resolve())}
+    if from_docs:
+        corpus_path.unlink()  # the folder's own corpus.jsonl is read
+    want = built.search(list(QUERIES) + ["nothing matches here"], 5)
+    for loaded in (BM25Retriever.load(tmp_path / "bm25"), load_retriever(tmp_path / "bm25"),
+                   open_retriever(str(tmp_path / "bm25"), "no/such/corpus.jsonl", "tfidf")):  # the folder says bm25
+        assert isinstance(loaded, BM25Retriever)
+        assert loaded.search(list(QUERIES) + ["nothing matches here"], 5) == want
+
+
+def test_bm25_folder_refuses_a_mismatched_corpus(corpus_path, tmp_path):
+    BM25Retriever.build(corpus_path).save(tmp_path / "bm25")
+    fewer = write_corpus(tmp_path / "fewer.jsonl", PASSAGES[:5])
+    with pytest.raises(DataError, match=r"bm25: the corpus .*fewer.jsonl does not match doc_ids.json \(5 vs 12"):
+        BM25Retriever.load(tmp_path / "bm25", corpus=fewer)
+    with pytest.raises(DataError, match="does not match doc_ids.json"):  # same ids, another order
+        load_retriever(tmp_path / "bm25", corpus=write_corpus(tmp_path / "reordered.jsonl", PASSAGES[::-1]))
+    moved = write_corpus(tmp_path / "moved.jsonl")
+    assert BM25Retriever.load(tmp_path / "bm25", corpus=moved).search(["okabi"], 1)[0][0]["id"] == "d9"
+    (tmp_path / "bm25" / "vocab.index.json").unlink()
+    with pytest.raises(DataError, match="bm25: missing vocab.index.json"):
+        load_retriever(tmp_path / "bm25")
+
+
+def test_a_folder_of_one_kind_is_not_loaded_as_the_other(dense, corpus_path, tmp_path):
+    dense.save(tmp_path / "dense")
+    BM25Retriever.build(corpus_path).save(tmp_path / "bm25")
+    with pytest.raises(DataError, match=r"retriever.json: field 'kind' is 'dense', not 'bm25'"):
+        BM25Retriever.load(tmp_path / "dense")
+    with pytest.raises(DataError, match=r"retriever.json: field 'kind' is 'bm25', not 'dense'"):
+        DenseRetriever.load(tmp_path / "bm25")
+    meta = json.loads((tmp_path / "dense" / "retriever.json").read_text())
+    assert meta.pop("kind") == "dense"
+    (tmp_path / "dense" / "retriever.json").write_text(json.dumps(meta))  # a folder saved before kinds existed
+    assert load_retriever(tmp_path / "dense").search(list(QUERIES), 3) == dense.search(list(QUERIES), 3)
+
+
+class FakeStemmer:
+    """Stands in for PyStemmer's Stemmer.Stemmer (not a dependency): drops one trailing 's'."""
+
+    def __init__(self, language):
+        assert language == "english"
+
+    def stemWords(self, words):
+        return [w.removesuffix("s") for w in words]
+
+
+def test_bm25_stemming_through_pystemmer(monkeypatch, tmp_path):
+    docs = [{"id": "a", "contents": "a zebra runs"}, {"id": "b", "contents": "cars and trucks"}]
+    assert BM25Retriever.build(docs).search(["zebras"], 2)[0][0]["score"] == 0.0  # no stemming: no match
+    monkeypatch.setitem(sys.modules, "Stemmer", type(sys)("Stemmer"))
+    sys.modules["Stemmer"].Stemmer = FakeStemmer
+    stemmed = BM25Retriever.build(docs, stemmer="english")
+    hits = stemmed.search(["zebras", "truck"], 1)
+    assert [h[0]["id"] for h in hits] == ["a", "b"] and hits[0][0]["score"] > 0
+    stemmed.save(tmp_path / "bm25")
+    assert json.loads((tmp_path / "bm25" / "retriever.json").read_text())["stemmer"] == "english"
+    assert load_retriever(tmp_path / "bm25").search(["zebras", "truck"], 1) == hits  # queries stemmed on load too
+
+
+def test_bm25_stemming_without_pystemmer_is_a_clear_error(monkeypatch):
+    monkeypatch.setitem(sys.modules, "Stemmer", None)  # import Stemmer raises ImportError
+    with pytest.raises(EncoderLoadError, match="needs PyStemmer: pip install PyStemmer"):
+        BM25Retriever.build([{"id": 0, "contents": "x"}], stemmer="english")
+
+
+# ---------------------------------------------------------------- user errors
+
+def test_tfidf_refuses_a_corpus_past_the_size_limit(corpus_path, monkeypatch):
+    cells = len(PASSAGES) * TfidfEncoder().fit([d["contents"] for d in load_corpus(corpus_path)]).dim
+    monkeypatch.setattr(retrieval, "TFIDF_MAX_CELLS", cells)
+    assert open_retriever("", corpus_path, "tfidf").search(["river drumlet"], 1)[0][0]["id"] == "d11"  # at the limit
+    monkeypatch.setattr(retrieval, "TFIDF_MAX_CELLS", cells - 1)
+    with pytest.raises(EncoderLoadError) as error:
+        open_retriever("", corpus_path, "tfidf")
+    message = str(error.value)
+    assert isinstance(error.value, ValueError) and "\n" not in message
+    assert f"TF-IDF over {len(PASSAGES)} passages" in message and "TFIDF_MAX_CELLS" in message
+    assert "--encoder bm25" in message and "intfloat/e5-base-v2 with `python -m common.retrieval build`" in message
+    with pytest.raises(EncoderLoadError, match="--encoder bm25"):
+        main(["build", "--corpus", str(corpus_path), "--encoder", "tfidf", "--out", str(corpus_path.parent / "x")])
+    assert BM25Retriever.build(corpus_path).search(["river drumlet"], 1)[0][0]["id"] == "d11"  # BM25 has no limit
+
+
+def test_toy_world_tfidf_is_far_below_the_limit():
+    docs = load_corpus(REPO / "data" / "toy" / "corpus.jsonl")
+    enc = TfidfEncoder().fit([d["contents"] for d in docs])
+    assert len(docs) * enc.dim * 100 < retrieval.TFIDF_MAX_CELLS
+
+
+@pytest.mark.parametrize("call, error, message", [
+    (lambda p: open_retriever("", None, "bm25"), DataError, "no corpus and no index"),
+    (lambda p: open_retriever("", p / "missing.jsonl", "bm25"), DataError, "missing.jsonl: file not found"),
+    (lambda p: open_retriever("", p / "missing.jsonl", "tfidf"), DataError, "missing.jsonl: file not found"),
+    (lambda p: open_retriever("", p / "corpus.jsonl", "no-such-encoder"), EncoderLoadError,
+     "cannot load encoder 'no-such-encoder': not 'tfidf' or 'bm25'"),
+    (lambda p: open_retriever(str(p / "no_index"), p / "corpus.jsonl"), DataError, "no_index: missing retriever.json"),
+    (lambda p: main(["build", "--corpus", str(p / "corpus.jsonl"), "--encoder", "tfidf", "--stemmer", "english",
+                     "--out", str(p / "x")]), EncoderLoadError, "--stemmer is for --encoder bm25"),
+])
+def test_user_errors_are_value_errors_naming_what_is_wrong(corpus_path, call, error, message):
+    assert issubclass(error, ValueError)
+    with pytest.raises(error, match=message):
+        call(corpus_path.parent)
+
+
 # ---------------------------------------------------------------- transformers encoder
 
 WORDS = ["query", ":", "passage", "the", "cat", "sat", "on", "mat", "dog", "a", "red"]
@@ -324,3 +448,27 @@ def test_open_retriever_builds_once_or_loads_a_saved_index(corpus_path, tmp_path
     built.save(tmp_path / "index")
     loaded = open_retriever(str(tmp_path / "index"), "no/such/corpus.jsonl")  # the index wins; the corpus is not read
     assert [h[0]["id"] for h in loaded.search(list(QUERIES), 1)] == list(QUERIES.values())
+
+
+def test_cli_bm25_build_then_search(corpus_path, tmp_path, capsys):
+    out = tmp_path / "bm25"
+    main(["build", "--corpus", str(corpus_path), "--encoder", "bm25", "--out", str(out)])
+    assert f"indexed {len(PASSAGES)} passages (bm25, stemmer None) into {out}" in capsys.readouterr().out
+    assert json.loads((out / "retriever.json").read_text())["kind"] == "bm25"
+    main(["search", "--index", str(out), "--query", "who directed pirulo", "--query", "okabi jazz band", "-k", "3"])
+    lines = [json.loads(line) for line in capsys.readouterr().out.splitlines()]
+    assert [(line["query"], line["hits"][0]["id"], len(line["hits"])) for line in lines] == [
+        ("who directed pirulo", "d4", 3), ("okabi jazz band", "d9", 3)]
+    assert lines[0]["hits"] == BM25Retriever.build(corpus_path).search(["who directed pirulo"], 3)[0]
+    other = write_corpus(tmp_path / "other.jsonl", PASSAGES[1:])
+    with pytest.raises(DataError, match="does not match doc_ids.json"):
+        main(["search", "--index", str(out), "--corpus", str(other), "--query", "okabi"])
+
+
+def test_cli_user_error_is_one_line_and_exit_code_2(tmp_path):
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(REPO), os.environ.get("PYTHONPATH")]))}
+    command = [sys.executable, "-m", "common.retrieval", "build", "--corpus", str(tmp_path / "none.jsonl"),
+               "--encoder", "bm25", "--out", str(tmp_path / "out")]
+    run = subprocess.run(command, capture_output=True, text=True, env=env, cwd=REPO, check=False)
+    assert run.returncode == 2 and run.stderr == f"error: {tmp_path / 'none.jsonl'}: file not found\n"
+    assert not (tmp_path / "out").exists()

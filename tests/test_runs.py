@@ -1,11 +1,19 @@
 """common/runs.py: atomic checkpoints that survive a crash, metrics lines, the results contract's files."""
 import json
+import os
+import shutil
+import subprocess
+import sys
+from pathlib import Path
 
 import pytest
 import torch
+from safetensors.torch import load_file
 
 from common import runs
-from common.toy import load_toy_lm
+from common.toy_lm import load_toy_lm
+
+ROOT = Path(__file__).resolve().parents[1]
 
 TINY = "toy-lm:layers=1,hidden=32,heads=2,kv_heads=2,intermediate=64"
 
@@ -46,6 +54,149 @@ def test_a_crash_never_loses_the_last_complete_checkpoint(tmp_path, tiny, monkey
     assert runs.load_state(folder) == {"step": 3} and (folder / runs.STATE).is_file()
 
 
+class Crash(Exception):
+    """The process dies here."""
+
+
+def patch_operations(m, *savers, crash_at=0, partial=False):
+    """Count the filesystem operations of save_checkpoint / load_state (nested ones too) in a list of (name, args); the
+    crash_at-th one raises Crash, after doing half its work when `partial` (half a file; a folder half deleted, its
+    state file kept, so that it looks complete)."""
+    calls = []
+
+    def wrap(owner, name):
+        original = getattr(owner, name)
+
+        def op(*args, **kwargs):
+            calls.append((name, args))
+            if len(calls) != crash_at:
+                return original(*args, **kwargs)
+            if partial and name == "rmtree" and Path(args[0]).is_dir():
+                for f in sorted(Path(args[0]).iterdir()):
+                    if f.name != runs.STATE:
+                        f.unlink()
+            elif partial and name == "write_text":
+                original(args[0], args[1][:len(args[1]) // 2])
+            elif partial and name == "save":
+                Path(args[1]).write_bytes(b"PK\x03")
+            elif partial and name == "save_pretrained":
+                original(*args, **kwargs)
+                for f in Path(args[1]).iterdir():
+                    f.write_bytes(f.read_bytes()[:f.stat().st_size // 2])
+            raise Crash(f"{name} #{crash_at}")
+        m.setattr(owner, name, op)
+
+    operations = [(torch, "save"), (shutil, "rmtree"), (os, "rename"), (os, "replace"), (Path, "rename"),
+                  (Path, "replace"), (Path, "write_text"), (Path, "unlink")]
+    for owner, name in operations + [(type(x), "save_pretrained") for x in savers]:
+        wrap(owner, name)
+    return calls
+
+
+def set_weights(model, version):
+    with torch.no_grad():
+        model.model.norm.weight.fill_(float(version))
+    return {"version": version}, {"extra.pt": {"v": torch.tensor(float(version))}, "optimizer.pt": {"step": version}}
+
+
+def assert_checkpoint(folder, version, reference):
+    """folder holds checkpoint `version` whole: its state, weights, other tensors, and the files of a clean save."""
+    assert runs.load_state(folder) == {"version": version}
+    weights, files = load_file(folder / "model.safetensors"), reference["files"]
+    assert weights.keys() == reference["weights"].keys()
+    assert all(torch.equal(weights[k], reference["weights"][k]) for k in weights)
+    assert torch.load(folder / "extra.pt")["v"].item() == version == torch.load(folder / "optimizer.pt")["step"]
+    assert sorted(p.name for p in folder.iterdir()) == files
+
+
+def crash_then_resume(tmp_path, model, tokenizer, monkeypatch, previous, crash_at, partial):
+    """Save checkpoint 2 over checkpoint 1 (over nothing unless `previous`), crashing at operation crash_at; return
+    the folder left behind and the operations a first load_state on it does."""
+    folder = tmp_path / "run" / "ckpt"
+    shutil.rmtree(folder.parent, ignore_errors=True)
+    folder.parent.mkdir()
+    if previous:
+        runs.save_checkpoint(folder, model, tokenizer, *set_weights(model, 1))
+    with monkeypatch.context() as m:
+        patch_operations(m, model, tokenizer, crash_at=crash_at, partial=partial)
+        with pytest.raises(Crash):
+            runs.save_checkpoint(folder, model, tokenizer, *set_weights(model, 2))
+    return folder
+
+
+def test_a_crash_between_any_two_writes_keeps_the_last_checkpoint_put_in_place(tmp_path, tiny, monkeypatch):
+    model, tokenizer = tiny
+    saved_norm = model.model.norm.weight.detach().clone()
+    reference = {}
+    for version in (1, 2, 3):  # the weights each checkpoint must hold
+        runs.save_checkpoint(tmp_path / "reference", model, tokenizer, *set_weights(model, version))
+        reference[version] = {"weights": load_file(tmp_path / "reference" / "model.safetensors"),
+                              "files": sorted(p.name for p in (tmp_path / "reference").iterdir())}
+    cases = repairs = 0
+    for previous in (True, False):
+        with monkeypatch.context() as m:  # a clean save, to count its operations and find the rename that commits
+            folder = tmp_path / f"count-{previous}" / "ckpt"
+            if previous:
+                runs.save_checkpoint(folder, model, tokenizer, *set_weights(model, 1))
+            calls = patch_operations(m, model, tokenizer)
+            runs.save_checkpoint(folder, model, tokenizer, *set_weights(model, 2))
+        names = [name for name, _ in calls]  # Path.rename calls os.rename: the rename that commits is the inner one
+        assert {"save_pretrained", "save", "write_text", "rename", "rmtree"} <= set(names)
+        assert names.count("save") == 2 and names.count("save_pretrained") == 2
+        commit = max(i for i, (name, args) in enumerate(calls, 1) if name == "rename" and Path(args[1]) == folder)
+        for crash_at in range(1, len(calls) + 1):
+            for partial in (False, True):
+                expected = 2 if crash_at > commit else 1 if previous else None
+                folder = crash_then_resume(tmp_path, model, tokenizer, monkeypatch, previous, crash_at, partial)
+                with monkeypatch.context() as m:
+                    repair = patch_operations(m, model, tokenizer)
+                    runs.load_state(folder)
+                for load_crash in range(1, len(repair) + 1):  # the repair by load_state may crash too
+                    folder = crash_then_resume(tmp_path, model, tokenizer, monkeypatch, previous, crash_at, partial)
+                    with monkeypatch.context() as m:
+                        patch_operations(m, model, tokenizer, crash_at=load_crash, partial=partial)
+                        with pytest.raises(Crash):
+                            runs.load_state(folder)
+                    repairs += 1
+                if expected is None:
+                    assert runs.load_state(folder) is None and not (folder / "model.safetensors").exists()
+                else:
+                    assert_checkpoint(folder, expected, reference[expected])
+                runs.save_checkpoint(folder, model, tokenizer, *set_weights(model, 3))  # the run goes on
+                assert_checkpoint(folder, 3, reference[3])
+                assert [p.name for p in folder.parent.iterdir()] == ["ckpt"]  # no .tmp / .old left behind
+                cases += 1
+    assert cases >= 30 and repairs >= 2
+    with torch.no_grad():
+        model.model.norm.weight.copy_(saved_norm)
+
+
+def test_a_save_after_a_crash_between_the_renames_keeps_the_checkpoint_set_aside(tmp_path, tiny, monkeypatch):
+    model, tokenizer = tiny
+    saved_norm = model.model.norm.weight.detach().clone()
+    folder = tmp_path / "ckpt"
+    runs.save_checkpoint(folder, model, tokenizer, *set_weights(model, 1))
+    expected = load_file(folder / "model.safetensors")
+    rename = Path.rename
+
+    def crash_on_commit(self, target):
+        if Path(target) == folder:
+            raise Crash("killed before the new checkpoint is put in place")
+        return rename(self, target)
+
+    monkeypatch.setattr(Path, "rename", crash_on_commit)
+    for version in (2, 3):  # the second save comes with no load_state before it (a run that does not resume)
+        with pytest.raises(Crash):
+            runs.save_checkpoint(folder, model, tokenizer, *set_weights(model, version))
+        assert not folder.exists()
+    monkeypatch.undo()
+    assert runs.load_state(folder) == {"version": 1}
+    weights = load_file(folder / "model.safetensors")
+    assert all(torch.equal(weights[k], expected[k]) for k in expected)
+    with torch.no_grad():
+        model.model.norm.weight.copy_(saved_norm)
+
+
 def test_metrics_and_results_files(tmp_path, capsys):
     runs.append_metrics(tmp_path / "metrics.jsonl", {"iteration": 1, "loss": 0.5})
     runs.append_metrics(tmp_path / "metrics.jsonl", {"iteration": 2, "loss": 0.25})
@@ -58,3 +209,68 @@ def test_metrics_and_results_files(tmp_path, capsys):
         "method": "x", "after": {"em": 0.5}}
     runs.write_results(tmp_path / "nothing", {"method": "y"}, main_process=False)  # other ranks write nothing
     assert capsys.readouterr().out == "" and not (tmp_path / "nothing").exists()
+
+
+def test_a_crash_while_writing_results_keeps_the_previous_results(tmp_path, monkeypatch, capsys):
+    runs.write_results(tmp_path, {"method": "x", "n": 1})
+    (tmp_path / "count").mkdir()
+    with monkeypatch.context() as m:
+        calls = patch_operations(m)
+        runs.write_results(tmp_path / "count", {"method": "x", "n": 2})
+    assert [name for name, _ in calls][-1:] in (["replace"], ["rename"])
+    capsys.readouterr()
+    for crash_at in range(1, len(calls) + 1):
+        for partial in (False, True):
+            with monkeypatch.context() as m:
+                patch_operations(m, crash_at=crash_at, partial=partial)
+                with pytest.raises(Crash):
+                    runs.write_results(tmp_path, {"method": "x", "n": 2})
+            assert json.loads((tmp_path / "results.json").read_text()) == {"method": "x", "n": 1}
+            assert "RESULT" not in capsys.readouterr().out  # the RESULT line comes only once the file is in place
+
+
+def run_program(main_fn, *args):
+    """Run `print(run_main(<main_fn>, sys.argv[1:]))` in a fresh python."""
+    program = ("import sys\nfrom common.data import load_qa\nfrom common.runs import run_main\n"
+               f"print(run_main({main_fn}, sys.argv[1:]))")
+    return subprocess.run([sys.executable, "-c", program, *args], cwd=ROOT, capture_output=True, text=True,
+                          check=False, env={**os.environ, "PYTHONPATH": str(ROOT)})
+
+
+@pytest.mark.parametrize("content, message", [
+    (b'{"id": "q1", "question": "x ?", "golden_answers": ["a"]}\n{"id": "q2", "question": "y ?"', "2: not valid JSON"),
+    (b'{"id": "q1", "question": "caf\xe9 ?", "golden_answers": ["a"]}\n', "1: not valid UTF-8"),
+])
+def test_run_main_reports_a_user_error_as_one_line(tmp_path, content, message):
+    path = tmp_path / "qa.jsonl"
+    path.write_bytes(content)
+    proc = run_program("lambda argv: load_qa(argv[0])", str(path))
+    assert proc.returncode == 2 and proc.stdout == ""
+    assert len(proc.stderr.splitlines()) == 1 and "Traceback" not in proc.stderr
+    assert proc.stderr.startswith(f"error: {path}:{message}")
+
+
+def test_run_main_passes_results_through_and_keeps_the_traceback_of_a_bug(tmp_path):
+    assert runs.run_main(lambda argv: argv + ["ok"], ["a"]) == ["a", "ok"]
+    with pytest.raises(ZeroDivisionError):
+        runs.run_main(lambda argv: 1 / 0)
+    with pytest.raises(KeyError):
+        runs.run_main(lambda argv: {}["missing"])
+    proc = run_program("lambda argv: 1 / 0")
+    assert proc.returncode == 1 and "Traceback" in proc.stderr and "ZeroDivisionError" in proc.stderr
+
+
+def test_run_main_turns_each_user_error_into_one_line(capsys):
+    from common.data import DataError
+    from common.llm import ModelLoadError
+    from common.retrieval import EncoderLoadError
+
+    for error in (DataError("qa.jsonl:3: missing field 'id'"), ModelLoadError("cannot load model 'x':\n  not found\n"),
+                  EncoderLoadError("cannot load encoder 'e5'")):
+        def main(argv, error=error):
+            raise error
+
+        with pytest.raises(SystemExit) as exit_:
+            runs.run_main(main)
+        assert exit_.value.code == 2
+        assert capsys.readouterr().err == "error: " + " ".join(str(error).split()) + "\n"

@@ -13,7 +13,7 @@ import torch
 import smartrag
 from conftest import check_contract
 from common.llm import Generation
-from common.toy import load_toy_lm
+from common.toy_lm import load_toy_lm
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -307,6 +307,34 @@ def test_toy_train_then_eval_the_checkpoint(tmp_path, templates):
                      "--templates", templates], ROOT)
     assert evaluated.returncode == 0, evaluated.stderr[-3000:]
     assert check_contract(tmp_path / "eval", evaluated.stdout)["after"]["em"] == results["after"]["em"]
+    if templates == "compact":
+        check_what_a_user_sees(out, results, tmp_path)
+
+
+def check_what_a_user_sees(out, results, tmp_path):
+    """--eval writes next to the model and never over a training run; a FlashRAG folder without metadata runs with
+    the default flags; --ask warns about words the tokenizer does not know."""
+    trained = (out / "results.json").read_text()
+    evaluated = run(["--eval", "--model", str(out / "ppo"), "--n_eval", "16"], ROOT)  # default output folder
+    assert evaluated.returncode == 0, evaluated.stderr[-3000:]
+    assert check_contract(out / "ppo" / "eval", evaluated.stdout)["after"]["em"] == results["after"]["em"]
+    assert (out / "results.json").read_text() == trained  # the training result is untouched
+    refused = run(["--eval", "--model", str(out / "ppo"), "--output_dir", str(out), "--n_eval", "4"], ROOT)
+    assert refused.returncode != 0 and "training" in refused.stderr and "Traceback" not in refused.stderr
+    assert (out / "results.json").read_text() == trained
+    flashrag = tmp_path / "flashrag"
+    flashrag.mkdir()
+    rows = [json.loads(line) for line in (ROOT / "data/toy/test.jsonl").read_text().splitlines()[:6]]
+    (flashrag / "test.jsonl").write_text("".join(json.dumps({k: r[k] for k in ("id", "question", "golden_answers")})
+                                                 + "\n" for r in rows))
+    plain = run(["--eval", "--model", str(out / "ppo"), "--data_dir", str(flashrag), "--corpus",
+                 str(ROOT / "data/toy/corpus.jsonl"), "--output_dir", str(tmp_path / "flashrag_eval")], ROOT)
+    assert plain.returncode == 0, plain.stderr[-3000:]
+    assert check_contract(tmp_path / "flashrag_eval", plain.stdout)["n_eval"] == 6
+    asked = run(["--ask", "what is the birthplace of qqzzyx ?", "--model", str(out / "ppo")], ROOT)
+    assert asked.returncode == 0, asked.stderr[-3000:]
+    assert "warning: words the model's tokenizer does not know (read as <unk>): qqzzyx" in asked.stdout
+    assert "answer:" in asked.stdout
 
 
 def test_bad_preset_is_a_clear_error():
@@ -362,3 +390,85 @@ def test_ppo_iteration_scores_a_rollout_in_minibatch_chunks_as_at_once(tagged, m
         stats = smartrag.ppo_iteration(Accelerator(cpu=True), wrapped, ref, optimizer, tokenizer, episodes, 0.1, args)
         kls.append(stats["rollout/kl"])
     assert kls[0] != 0.0 and kls[0] == pytest.approx(kls[1], rel=1e-5) and kls[0] == pytest.approx(kls[2], rel=1e-5)
+
+
+# ---------------------------------------------------------------- numerics: fp32 master weights, a critic without LM head
+TINY_LM = "toy-lm:layers=1,hidden=32,heads=2,kv_heads=2,intermediate=64"
+
+
+def test_bf16_mixed_precision_trains_fp32_weights_under_autocast(monkeypatch):
+    from accelerate import Accelerator
+    from accelerate.state import AcceleratorState
+
+    stepped = []
+
+    class SpyAdamW(torch.optim.AdamW):
+        def step(self, *a, **k):
+            stepped.append({p.dtype for g in self.param_groups for p in g["params"]})
+            return super().step(*a, **k)
+
+    monkeypatch.setattr(smartrag.torch.optim, "AdamW", SpyAdamW)
+    AcceleratorState._reset_state(reset_partial_state=True)  # a singleton: other tests made one without bf16
+    accelerator = Accelerator(cpu=True, mixed_precision="bf16")
+    args = smartrag.apply_preset(smartrag.Args(train=True, model=TINY_LM, sft_steps=2, sft_batch_size=4, sft_lr=1e-2))
+    policy, tokenizer, tag_ids = smartrag.load_policy(args, accelerator.device)
+    logits_dtypes = []
+    policy.lm_head.register_forward_hook(lambda module, inputs, output: logits_dtypes.append(output.dtype))
+    before = [p.detach().clone() for p in policy.parameters()]
+    examples = [dict(question=f"who is velbo {i} ?", observations=[], tag="answer", text="velbo", popular=True,
+                     searched=[]) for i in range(4)]
+    trained, _ = smartrag.sft(accelerator, policy, tokenizer, tag_ids, examples, args, None)
+    assert stepped == [{torch.float32}] * 2  # Adam updates fp32 master weights ...
+    assert logits_dtypes and set(logits_dtypes) == {torch.bfloat16}  # ... of a forward pass run in bf16
+    assert all(p.dtype == torch.float32 for p in trained.parameters())
+    assert any(not torch.equal(a, b) for a, b in zip(before, trained.parameters()))
+    AcceleratorState._reset_state(reset_partial_state=True)
+
+
+def test_the_critic_is_the_backbone_without_the_lm_head(tagged):
+    model, _, _ = tagged
+    both = smartrag.PolicyAndValue(model)
+    vocab = model.config.vocab_size
+    assert not any(isinstance(m, torch.nn.Linear) and m.out_features == vocab for m in both.value_backbone.modules())
+    calls = []
+    model.lm_head.register_forward_hook(lambda *_: calls.append(1))
+    ids = torch.tensor([[4, 7, 8, 9]])
+    logits, values = both(ids, torch.ones_like(ids))
+    assert calls == [1] and logits.shape == (1, 4, vocab) and values.shape == (1, 4)  # one LM head pass: the policy's
+    with torch.no_grad():
+        both.value_head.weight.fill_(1.0)
+    hidden = model(input_ids=ids, output_hidden_states=True).hidden_states[-1]  # the same weights as the copy's
+    assert torch.allclose(both(ids, torch.ones_like(ids))[1], hidden.sum(-1), atol=1e-5)
+
+
+# ---------------------------------------------------------------- what a user sees
+def test_ask_without_a_model_is_refused():
+    done = run(["--ask", "what is the birthplace of velbo ?"], ROOT)
+    assert done.returncode != 0 and "--ask needs --model" in done.stderr and "Traceback" not in done.stderr
+
+
+def test_a_malformed_data_file_is_one_line_naming_file_and_line(tmp_path):
+    data = tmp_path / "data"
+    data.mkdir()
+    (data / "test.jsonl").write_text('{"id": "a", "question": "q ?", "golden_answers": ["x"]}\n{"id": "b", "quest\n')
+    done = run(["--eval", "--data_dir", str(data), "--corpus", str(ROOT / "data/toy/corpus.jsonl"), "--model", TINY_LM,
+                "--output_dir", str(tmp_path / "out")], ROOT)
+    assert done.returncode != 0 and "Traceback" not in done.stderr
+    lines = done.stderr.strip().splitlines()
+    assert len(lines) == 1 and "test.jsonl:2" in lines[0], done.stderr[-2000:]
+
+
+def test_trains_on_a_freshly_generated_world(tmp_path):
+    """The tokenizer, the toy reader and the renaming come from --data_dir: a world of another seed trains."""
+    from common.toy import write_world
+
+    world = write_world(tmp_path / "world", seed=3, size=0.5)
+    out = tmp_path / "run"
+    done = run(["--train", "--data_dir", str(world), "--output_dir", str(out), "--n_eval", "40",
+                "--base_pretrain_steps", "100", "--sft_steps", "200", "--sft_batch_size", "32", "--ppo_iterations", "1",
+                "--rollout_batch", "8", "--ppo_batch_size", "16"], ROOT)
+    assert done.returncode == 0, done.stderr[-3000:]
+    results = check_contract(out, done.stdout)
+    assert results["dataset"] == str(world) and results["args"]["base_llm"] == f"toy:{world}"
+    assert results["before_sft"]["em"] <= 0.02 and results["before"]["em"] >= 0.1  # raw start -> after SFT
+    assert json.loads((out / "sft" / "run_state.json").read_text())["data_dir"] == str(world)  # remembers its world

@@ -302,10 +302,10 @@ def test_rename_entities_consistent_typed_and_answer_preserving():
 # ---------------------------------------------------------------- tiny model and tokenizer
 
 def test_tokenizer_single_tokens_and_chat_template():
-    from common.toy_lm import toy_vocabulary
+    from common.toy_lm import load_toy_lm, toy_vocabulary
 
     world = toy.load_world(str(COMMITTED))
-    model, tok = toy.load_toy_lm("toy-lm", extra_tokens=("[Search]", "<think>", "</think>"))
+    model, tok = load_toy_lm("toy-lm", extra_tokens=("[Search]", "<think>", "</think>"), world=COMMITTED)
     words = toy_vocabulary(world)
     assert set(world["types"]) <= set(words) and {"1900", "1999", "question", "answer", ":", "?"} <= set(words)
     ids = tok(" ".join(words), add_special_tokens=False)["input_ids"]
@@ -321,12 +321,13 @@ def test_tokenizer_single_tokens_and_chat_template():
 
 
 def test_tiny_model_builds_fast_and_round_trips(tmp_path):
+    import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    import torch
+    from common.toy_lm import load_toy_lm
 
     start = time.time()
-    model, tok = toy.load_toy_lm("toy-lm", extra_tokens=("[Search]",), seed=0)
+    model, tok = load_toy_lm("toy-lm", extra_tokens=("[Search]",), seed=0, world=COMMITTED)
     assert time.time() - start < 2.0
     assert type(model).__name__ == "Qwen2ForCausalLM" and 0.5e6 < model.num_parameters() < 0.8e6
     model.save_pretrained(tmp_path)
@@ -337,22 +338,115 @@ def test_tiny_model_builds_fast_and_round_trips(tmp_path):
     x = torch.tensor([tok(text)["input_ids"]])
     with torch.no_grad():
         assert torch.equal(model(x).logits, model2(x).logits)
-    again, _ = toy.load_toy_lm("toy-lm", extra_tokens=("[Search]",), seed=0)
-    other, _ = toy.load_toy_lm("toy-lm", extra_tokens=("[Search]",), seed=1)
+    again, _ = load_toy_lm("toy-lm", extra_tokens=("[Search]",), seed=0, world=COMMITTED)
+    other, _ = load_toy_lm("toy-lm", extra_tokens=("[Search]",), seed=1, world=COMMITTED)
     assert torch.equal(again.lm_head.weight, model.lm_head.weight)
     assert not torch.equal(other.lm_head.weight, model.lm_head.weight)
-    big, _ = toy.load_toy_lm("toy-lm:layers=4,hidden=64,heads=2,kv_heads=2,intermediate=256")
+    big, _ = load_toy_lm("toy-lm:layers=4,hidden=64,heads=2,kv_heads=2,intermediate=256", world=COMMITTED)
     assert big.config.num_hidden_layers == 4 and big.config.hidden_size == 64
     with pytest.raises(ValueError, match="bad toy model option"):
-        toy.load_toy_lm("toy-lm:layers=two")
+        load_toy_lm("toy-lm:layers=two", world=COMMITTED)
 
 
 def test_llm_loader_delegates_and_lora():
     from common.llm import load_model_and_tokenizer
 
-    model, tok = load_model_and_tokenizer("toy-lm:layers=1", lora={"r": 4, "target_modules": ["q_proj", "v_proj"]})
+    lora = {"r": 4, "target_modules": ["q_proj", "v_proj"]}
+    model, tok = load_model_and_tokenizer("toy-lm:layers=1", lora=lora, world=COMMITTED)
     assert type(model).__name__ == "PeftModelForCausalLM" and tok.padding_side == "left"
     assert re.search(r"lora_A", " ".join(n for n, _ in model.named_parameters()))
+
+
+TINY_LM = "toy-lm:layers=1,hidden=32,heads=2,kv_heads=2,intermediate=64"
+
+
+def world_texts(world_dir):
+    """Every text of a world a model reads or writes: passages, questions, gold answers and oracle sub-queries."""
+    texts = [c["contents"] for c in read_jsonl(world_dir / "corpus.jsonl")]
+    for split in ("train", "dev", "test"):
+        for row in load_qa(world_dir / f"{split}.jsonl"):
+            texts += [row["question"], *row["golden_answers"], *row["metadata"]["sub_queries"]]
+    return texts
+
+
+def unk_count(tokenizer, texts):
+    """How many tokens of the texts are <unk>."""
+    return sum(ids.count(tokenizer.unk_token_id) for ids in tokenizer(texts, add_special_tokens=False)["input_ids"])
+
+
+@pytest.mark.parametrize("which", ["seed 3, size 0.3", "seed 1"])
+def test_the_tokenizer_of_a_world_knows_every_word_of_it(which, seed1_world, tmp_path):
+    from common.llm import load_model_and_tokenizer
+
+    world_dir = toy.write_world(tmp_path, seed=3, size=0.3) if which.startswith("seed 3") else seed1_world
+    texts = world_texts(world_dir)
+    _, tokenizer = load_model_and_tokenizer(TINY_LM, world=world_dir)
+    assert len(texts) > 1000 and unk_count(tokenizer, texts) == 0
+    _, committed = load_model_and_tokenizer(TINY_LM, world=COMMITTED)  # issue 15: the committed world's vocabulary
+    assert unk_count(committed, texts) > 100
+
+
+def test_a_checkpoint_keeps_the_vocabulary_of_its_world(seed1_world, tmp_path):
+    from common.llm import load_model_and_tokenizer, unknown_words
+
+    model, tokenizer = load_model_and_tokenizer(TINY_LM, world=seed1_world)
+    model.save_pretrained(tmp_path)
+    tokenizer.save_pretrained(tmp_path)
+    _, loaded = load_model_and_tokenizer(tmp_path, world=COMMITTED)  # a folder loads its own tokenizer
+    _, committed = load_model_and_tokenizer(TINY_LM, world=COMMITTED)
+    assert loaded.get_vocab() == tokenizer.get_vocab() != committed.get_vocab()
+    question = load_qa(seed1_world / "test.jsonl")[0]["question"]
+    assert unknown_words(loaded, question) == [] and unknown_words(loaded, question + " Zzyzx") == ["Zzyzx"]
+
+
+def test_the_reader_remembers_the_popular_facts_of_its_own_world(seed1_world):
+    from common.llm import make_llm
+
+    reader, committed = make_llm(f"toy:{seed1_world}"), toy.ToyReader(COMMITTED)
+    world, committed_names = toy.load_world(str(seed1_world)), toy.load_world(str(COMMITTED))["types"]
+    assert set(reader.world["memory"]) == {(n, r) for n in world["popular"] for r in world["entities"][n]["facts"]}
+    row = next(r for r in load_qa(seed1_world / "test.jsonl") if r["metadata"]["popular"]
+               and r["metadata"]["type"] == "one_hop" and r["metadata"]["entities"][0] not in committed_names)
+    assert reader_answer(reader, row["question"]) == row["golden_answers"][0]  # no documents: from memory
+    assert reader_answer(committed, row["question"]) == "unknown"  # data/toy's reader knows nothing of this world
+    other = next(r for r in load_qa(COMMITTED / "test.jsonl") if r["metadata"]["popular"]
+                 and r["metadata"]["entities"][0] not in world["types"])
+    assert reader_answer(committed, other["question"]) == other["golden_answers"][0]
+    assert reader_answer(reader, other["question"]) == "unknown"
+
+
+def test_whatever_reads_a_world_takes_its_folder():
+    import inspect
+
+    for function in (toy.load_world, toy.ToyReader, toy.baselines, toy.world_stats):
+        world_dir = inspect.signature(function).parameters["world_dir"]
+        assert world_dir.default is inspect.Parameter.empty, f"{function.__name__} defaults to a world"
+
+
+def test_model_code_imports_the_toy_world_not_the_reverse():
+    import ast
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    common, edges = Path(toy.__file__).parent, {}
+    for name in ("llm", "toy", "toy_lm", "data", "metrics", "retrieval", "runs"):
+        for statement in ast.parse((common / f"{name}.py").read_text(encoding="utf-8")).body:
+            where = getattr(statement, "name", "")  # the top-level function holding a lazy import, "" at module level
+            for node in ast.walk(statement):
+                modules = [a.name for a in node.names] if isinstance(node, ast.Import) else []
+                if isinstance(node, ast.ImportFrom) and node.module:
+                    modules = [node.module] + [f"common.{a.name}" for a in node.names if node.module == "common"]
+                for target in {m.split(".")[1] for m in modules if m.startswith("common.")} & {"llm", "toy", "toy_lm"}:
+                    edges.setdefault((name, target), set()).add(where)
+    assert edges == {("toy_lm", "toy"): {""},  # the model's vocabulary is its world's
+                     ("llm", "toy_lm"): {"load_model_and_tokenizer"},  # the "toy-lm" name, imported when asked for
+                     ("llm", "toy"): {"make_llm"}}  # the "toy" LLM spec, likewise
+    code = ("import sys, common.toy\n"
+            "assert not {'torch', 'transformers', 'common.llm', 'common.toy_lm'} & set(sys.modules)\n"
+            "import common.toy_lm\nassert 'common.llm' not in sys.modules")
+    out = subprocess.run([sys.executable, "-c", code], cwd=common.parent, capture_output=True, text=True)
+    assert out.returncode == 0, out.stderr[-2000:]
 
 
 def test_cli_writes_a_world(tmp_path, capsys):
