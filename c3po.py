@@ -8,7 +8,7 @@ answer [§4.2, Alg. 1]. Training [§5]: a teacher's successful tree-rollout traj
 PPO where every agent node of a tree rollout (forced top, then K(t) samples, Eq. 1-2) is a sample rewarded with the
 mean final reward of its reachable leaves (Eq. 5), with a value model, a frozen reference and a KL penalty [App. A.1].
 
-    python c3po.py --train                                        # toy world, tiny proxy, CPU: warm-up, SFT, PPO, eval
+    python c3po.py --train --run_name c3po                         # toy world, tiny proxy, CPU: warm-up, SFT, PPO, eval
     python c3po.py --eval --model runs/c3po/ppo                   # evaluate a checkpoint on the toy test split
     python c3po.py --ask "what is the birthplace of the director of zekil ?" --model runs/c3po/ppo
     accelerate launch c3po.py --train --preset paper --data_dir DATA --index INDEX --llm http://HOST/v1 --llm_model NAME
@@ -49,14 +49,17 @@ from typing import Optional
 
 import torch
 import torch.nn.functional as F
+from accelerate import PartialState
+from accelerate.utils import gather_object
+from tqdm import tqdm
 from transformers import HfArgumentParser, set_seed
 
-from common.data import load_split, sample_rows
+from common.data import load_split, sample_rows, write_jsonl
 from common.llm import chat_prompts, generate, load_model_and_tokenizer, make_llm, right_pad, unknown_words
 from common.metrics import cover_em, exact_match, f1_score, sub_exact_match
 from common.retrieval import open_retriever
-from common.runs import (append_metrics, load_state, make_accelerator, refuse_training_results, run_main,
-                         save_checkpoint, write_results)
+from common.runs import (append_metrics, load_state, make_accelerator, refuse_training_results, rng_states, run_main,
+                         save_checkpoint, set_rng_states, start_run, write_results)
 from common.toy import apply_mapping, load_world, rename_entities, renamed_row  # toy renaming (header item 1)
 
 
@@ -67,7 +70,12 @@ class Args:
     train: bool = field(default=False, metadata={"help": "teacher warm-up data, SFT, PPO, evaluation"})
     eval: bool = field(default=False, metadata={"help": "evaluate --model (a checkpoint or the untrained start)"})
     ask: str = field(default="", metadata={"help": "answer one question with --model and print the trajectory"})
-    output_dir: Optional[str] = field(default=None, metadata={"help": "results, metrics and checkpoints (default: runs/c3po; --eval: <model>/eval)"})
+    output_dir: Optional[str] = field(default=None, metadata={
+        "help": "results, metrics and checkpoints (default: runs/<run_name>; --eval: <model>/eval)"})
+    run_name: Optional[str] = field(default=None, metadata={"help": "a training run's name: c3po__<seed>__<time>"})
+    resume: bool = field(default=False, metadata={"help": "continue the run --run_name / --output_dir"})
+    report_to: str = field(default="none", metadata={"help": "tracker beside metrics.jsonl (accelerate)",
+                                                      "choices": ["none", "tensorboard", "wandb"]})
     seed: int = field(default=0, metadata={"help": "seed of models, sampling and data order"})
     # data, retriever, models
     data_dir: Optional[str] = field(default=None, metadata={"help": "folder with train/test jsonl (FlashRAG QA)"})
@@ -155,10 +163,8 @@ def apply_preset(args):
     args.corpus = args.corpus or str(Path(args.data_dir) / "corpus.jsonl")
     if args.llm == "toy":  # the toy reader of the world being trained on, never data/toy by default
         args.llm = f"toy:{args.data_dir}"
-    if args.output_dir is None:  # --eval writes next to the model it evaluates, never over a training run's results
-        model_dir = Path(args.model)
-        args.output_dir = str(model_dir / "eval") if args.eval and model_dir.is_dir() else (
-            "runs/c3po-eval" if args.eval else "runs/c3po")
+    if args.output_dir is None and args.eval:  # --eval writes next to the model, never over a training run's results
+        args.output_dir = str(Path(args.model) / "eval") if Path(args.model).is_dir() else "runs/c3po-eval"
     for name, allowed in (("templates", TEMPLATES), ("judge", ("llm", "cover_em")), ("teacher", ("oracle", "llm")),
                           ("credit_mode", ("tree", "single_trajectory")), ("warmup_select", ("uniform", "cheapest"))):
         if getattr(args, name) not in allowed:
@@ -570,7 +576,9 @@ def successful_paths(tree, keep, rng, select="uniform"):
 def build_warmup(rows, llm, retriever, args, batch=128):
     """SFT examples from teacher tree rollouts (forced top, K(t)), successful trajectories only."""
     rng, examples, solved = random.Random(args.seed), [], 0
-    for s in range(0, len(rows), batch):
+    bar = tqdm(range(0, len(rows), batch), desc="warm-up trees", leave=False,
+               disable=not PartialState().is_local_main_process)
+    for s in bar:
         trees = rollout(rows[s:s + batch], teacher_actor(args, llm, args.seed + s), llm, retriever, args, "tree", s)
         for tree in trees:
             got = successful_paths(tree, args.warmup_keep, rng, args.warmup_select)
@@ -803,6 +811,15 @@ def tree_record(tree):
                 generated_tokens=sum(len(n["action_ids"] or []) for n in nodes if n["kind"] in AGENTS))
 
 
+def prediction_of(tree, record, decoding):
+    """One evaluated question: golds, prediction, the path in short (node kind: text), its outcome and cost."""
+    short = lambda n: " ".join(str(n.get("answer") if n["kind"] == "leaf" else n["text"]).split())[:200]
+    leaf = next(n for n in tree["nodes"] if n["kind"] == "leaf")
+    return {"id": tree["row"].get("id"), "question": tree["row"]["question"], "decoding": decoding,
+            "golden_answers": tree["row"]["golden_answers"], "prediction": leaf["answer"],
+            "trajectory": " | ".join(f"{n['kind']}: {short(n)}" for n in tree["nodes"][1:]), **record}
+
+
 def summarize(records, rows):
     """Means overall and by metadata group, plus the strategy distribution."""
     groups = defaultdict(list)
@@ -817,20 +834,30 @@ def summarize(records, rows):
     return summary.pop("all") | {"groups": summary}
 
 
-def evaluate(model, tokenizer, llm, retriever, rows, args, greedy=True, seed=0, batch=256):
-    """Alg. 1 on the rows (greedy, or sampled at T = 1), batched; accuracy = the judge, latency = wall / question."""
+def evaluate(model, tokenizer, llm, retriever, rows, args, greedy=True, seed=0, batch=256, predictions=None):
+    """Alg. 1 on the rows (greedy, or sampled at T = 1), batched; accuracy = the judge, latency = wall / question.
+    A list `predictions` gets one record per question: golds, prediction, the path in short, its cost."""
     start, records = time.time(), []
-    for s in range(0, len(rows), batch):
+    bar = tqdm(range(0, len(rows), batch), desc="eval", leave=False, disable=not PartialState().is_local_main_process)
+    for s in bar:
         trees = rollout(rows[s:s + batch], proxy_actor(model, tokenizer, args, greedy), llm, retriever, args, "greedy" if greedy else "sample", seed + s)
         records += [tree_record(t) for t in trees]
+        if predictions is not None:
+            decoding = "greedy" if greedy else "sampled"
+            predictions += [prediction_of(t, r, decoding) for t, r in zip(trees, records[-len(trees):])]
     # simplification: latency = batched wall time per question, not one question served at a time (header item 5)
     return summarize(records, rows) | {"latency_s": (time.time() - start) / max(len(rows), 1)}
 
 
-def evaluate_both(model, tokenizer, llm, retriever, rows, args):
-    """Greedy and sampled evaluations, reported separately."""
-    greedy = evaluate(model, tokenizer, llm, retriever, rows, args, greedy=True)
-    return greedy | {"sampled": evaluate(model, tokenizer, llm, retriever, rows, args, greedy=False, seed=args.seed + 10_000)}
+def evaluate_both(model, tokenizer, llm, retriever, rows, args, predictions=None):
+    """Greedy and sampled evaluations, reported separately; one line per question and decoding in `predictions`."""
+    kept = []
+    greedy = evaluate(model, tokenizer, llm, retriever, rows, args, greedy=True, predictions=kept)
+    sampled = evaluate(model, tokenizer, llm, retriever, rows, args, greedy=False, seed=args.seed + 10_000,
+                       predictions=kept)
+    if predictions is not None and PartialState().is_main_process:
+        write_jsonl(predictions, kept)
+    return greedy | {"sampled": sampled}
 
 
 def brief(result):
@@ -874,10 +901,11 @@ def rollout_stats(trees, samples):
 
 
 def train(args):
-    """Teacher warm-up data, SFT, PPO on tree rollouts, evaluation before and after; resumes from sft/ and ppo/."""
-    start, out = time.time(), Path(args.output_dir)
-    accelerator = make_accelerator()
+    """Teacher warm-up data, SFT, PPO on tree rollouts, evaluation before and after; --resume continues sft/, ppo/."""
+    start, out = time.time(), start_run(args, "c3po")  # the run's folder; refuses a checkpoint without --resume
+    accelerator = make_accelerator(args.report_to, out)
     out.mkdir(parents=True, exist_ok=True)
+    accelerator.init_trackers(args.run_name, {k: "None" if v is None else v for k, v in asdict(args).items()})
     set_seed(args.seed)
     train_rows = sample_rows(load_split(args.data_dir, "train", args.question_types), args.n_train, args.seed)
     test_rows = load_split(args.data_dir, "test", args.question_types)[:args.n_eval]
@@ -894,7 +922,8 @@ def train(args):
     else:
         policy, tokenizer = load_proxy(args, accelerator.device)
         with accelerator.autocast():
-            before_sft = evaluate_both(policy, tokenizer, llm, retriever, test_rows, args)
+            before_sft = evaluate_both(policy, tokenizer, llm, retriever, test_rows, args,
+                                       out / "predictions_raw.jsonl")
         accelerator.print(f"raw start | {brief(before_sft)}")
         examples, solved = build_warmup(train_rows, llm, retriever, args)
         accelerator.print(f"warm-up: {len(examples)} examples {dict(Counter(e['agent'] for e in examples))} from "
@@ -904,11 +933,12 @@ def train(args):
         policy, steps["sft"] = sft(accelerator, policy, tokenizer, examples, args, world)
         if accelerator.is_main_process:
             save_checkpoint(sft_dir, policy, tokenizer, {"before_sft": before_sft, "steps": steps["sft"],
-                                                         "data_dir": args.data_dir})
+                                                         "data_dir": args.data_dir, "args": asdict(args)})
     with accelerator.autocast():
-        before = evaluate_both(policy, tokenizer, llm, retriever, test_rows, args)
+        before = evaluate_both(policy, tokenizer, llm, retriever, test_rows, args, out / "predictions_sft.jsonl")
     accelerator.print(f"after SFT | {brief(before)}")
     log({"stage": "sft", "eval": before})
+    accelerator.log({f"eval/{k}": v for k, v in before.items() if isinstance(v, float)}, step=0)
     # ---- PPO: policy and centralized critic trained with separate optimizers, reference frozen [App. A.2, Tab. 7]
     # simplification: policy, critic and reference start from the final SFT model, not the 1-epoch one (header item 3)
     ref = copy.deepcopy(policy).eval().requires_grad_(False)
@@ -916,8 +946,8 @@ def train(args):
     optimizers = [torch.optim.Adam(m.parameters(), lr=lr, betas=(0.9, 0.95)) for m, lr in ((policy, args.policy_lr), (value, args.value_lr))]
     schedulers = [torch.optim.lr_scheduler.LambdaLR(o, lambda s: cosine(s, args.ppo_iterations, 1)) for o in optimizers]
     ppo_dir, first = out / "ppo", 0
-    if (state := load_state(ppo_dir)) is not None:  # resume
-        first = state["iteration"]
+    if (ppo_state := load_state(ppo_dir)) is not None:  # resume
+        first = ppo_state["iteration"]
         saved = torch.load(ppo_dir / "training.pt", map_location="cpu", weights_only=True)
         for o, state in zip([policy, value, *optimizers, *schedulers], [saved["policy"], saved["value"], *saved["optimizers"], *saved["schedulers"]]):
             o.load_state_dict(state)
@@ -925,6 +955,8 @@ def train(args):
         accelerator.print(f"resumed PPO at iteration {first}")
     policy, value, *optimizers = accelerator.prepare(policy, value, *optimizers)
     rng = random.Random(args.seed * 1000 + accelerator.process_index)
+    if ppo_state and len(ppo_state["rng"]) == accelerator.num_processes:  # draw on as the uninterrupted run would
+        set_rng_states(ppo_state["rng"][accelerator.process_index], rng)
     mode = "tree" if args.credit_mode == "tree" else "single"
     for it in range(first, args.ppo_iterations):
         t0 = time.time()
@@ -938,21 +970,26 @@ def train(args):
         stats = rollout_stats(trees, samples) | ppo_update(accelerator, policy, value, ref, optimizers, schedulers, samples, tokenizer, args)
         stats |= {"iteration": it + 1, "charts/seconds": time.time() - t0}
         log(stats)
+        accelerator.log(stats, step=it + 1)
         accelerator.print(" | ".join(f"{k}={v:.4g}" if isinstance(v, float) else f"{k}={v}" for k, v in stats.items()))
         steps["ppo"] = it + 1
         if (it + 1) % args.eval_every == 0 or it + 1 == args.ppo_iterations:
             accelerator.wait_for_everyone()
+            rngs = gather_object([rng_states(rng)])  # every process's random states
             if accelerator.is_main_process:
                 p, v = accelerator.unwrap_model(policy), accelerator.unwrap_model(value)
-                save_checkpoint(ppo_dir, p, tokenizer, {"iteration": it + 1, "data_dir": args.data_dir},
+                state = {"iteration": it + 1, "data_dir": args.data_dir, "args": asdict(args), "rng": rngs}
+                save_checkpoint(ppo_dir, p, tokenizer, state,
                                 {"training.pt": {"policy": p.state_dict(), "value": v.state_dict(),
                                                  "optimizers": [o.state_dict() for o in optimizers],
                                                  "schedulers": [s.state_dict() for s in schedulers]}})
     policy = accelerator.unwrap_model(policy)
     with accelerator.autocast():
-        after = evaluate_both(policy, tokenizer, llm, retriever, test_rows, args)
+        after = evaluate_both(policy, tokenizer, llm, retriever, test_rows, args, out / "predictions_ppo.jsonl")
     accelerator.print(f"after PPO | {brief(after)}")
     log({"stage": "ppo", "eval": after})
+    accelerator.log({f"eval/{k}": v for k, v in after.items() if isinstance(v, float)}, step=steps["ppo"])
+    accelerator.end_training()
     write_results(out, result_record(args, before_sft, before, after, steps, time.time() - start), accelerator.is_main_process)
 
 
@@ -966,7 +1003,8 @@ def run_eval(args):
     rows = load_split(args.data_dir, "test", args.question_types)[:args.n_eval]  # a bad data file fails first
     policy, tokenizer = load_proxy(args, accelerator.device)
     with accelerator.autocast():
-        result = evaluate_both(policy, tokenizer, build_llm(args), open_retriever(args.index, args.corpus, args.encoder), rows, args)
+        llm, retriever = build_llm(args), open_retriever(args.index, args.corpus, args.encoder)
+        result = evaluate_both(policy, tokenizer, llm, retriever, rows, args, out / "predictions_eval.jsonl")
     accelerator.print(f"eval | {brief(result)}")
     write_results(out, result_record(args, None, result, None, {"sft": 0, "ppo": 0}, time.time() - start), accelerator.is_main_process)
 
@@ -987,7 +1025,7 @@ def main(argv=None):
     """Parse the flags, fill the preset, dispatch on the mode."""
     (args,) = HfArgumentParser(Args).parse_args_into_dataclasses(args=argv)
     if args.ask and args.model is None:
-        raise SystemExit("--ask needs --model: a trained checkpoint (e.g. runs/c3po/ppo after --train); "
+        raise SystemExit("--ask needs --model: a trained checkpoint (e.g. runs/<run_name>/ppo after --train); "
                          "the untrained proxy writes no valid action")
     if args.data_dir is None and args.model and (state := load_state(args.model)):
         args.data_dir = state.get("data_dir")  # a checkpoint remembers its world (tokenizer, reader, corpus)

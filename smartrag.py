@@ -9,9 +9,9 @@ PPO optimises the whole multi-step episode against the environment reward EM + F
 with a value model, a frozen reference, a per-token adaptive KL penalty and GAE across the retrieve and answer actions,
 so the search decision and the query tokens get credit from the answer.
 
-    python smartrag.py --train                                   # toy world, tiny model, CPU: SFT, PPO, evaluation
+    python smartrag.py --train --run_name smartrag          # toy world, tiny model, CPU: SFT, PPO, evaluation
     python smartrag.py --eval --model runs/smartrag/ppo          # evaluate a checkpoint on the toy test split
-    python smartrag.py --ask "what is the birthplace of velbo ?" --model runs/smartrag/ppo
+    python smartrag.py --ask "what is the birthplace of sazebox ?" --model runs/smartrag/ppo
     accelerate launch smartrag.py --train --preset paper --data_dir data/smartrag --index indexes/e5_wiki18
 
 Deviations from the paper (each marked `# simplification:` where it lives):
@@ -54,14 +54,17 @@ from typing import Optional
 
 import torch
 import torch.nn.functional as F
+from accelerate import PartialState
+from accelerate.utils import gather_object
+from tqdm import tqdm
 from transformers import HfArgumentParser, set_seed
 
-from common.data import load_split, sample_rows
+from common.data import load_split, sample_rows, write_jsonl
 from common.llm import chat_prompts, generate, left_pad, load_model_and_tokenizer, make_llm, right_pad, unknown_words
 from common.metrics import cover_em, exact_match, f1_score, sub_exact_match
 from common.retrieval import open_retriever
-from common.runs import (append_metrics, load_state, make_accelerator, refuse_training_results, run_main,
-                         save_checkpoint, write_results)
+from common.runs import (append_metrics, load_state, make_accelerator, refuse_training_results, rng_states, run_main,
+                         save_checkpoint, set_rng_states, start_run, write_results)
 from common.toy import apply_mapping, rename_entities, renamed_row
 
 
@@ -72,7 +75,12 @@ class Args:
     train: bool = field(default=False, metadata={"help": "SFT warm-up, then PPO, then evaluation"})
     eval: bool = field(default=False, metadata={"help": "evaluate --model (a checkpoint or the untrained start)"})
     ask: str = field(default="", metadata={"help": "answer one question with --model and print the trajectory"})
-    output_dir: Optional[str] = field(default=None, metadata={"help": "results, metrics and checkpoints (default: runs/smartrag; --eval: <model>/eval)"})
+    output_dir: Optional[str] = field(default=None, metadata={
+        "help": "results, metrics and checkpoints (default: runs/<run_name>; --eval: <model>/eval)"})
+    run_name: Optional[str] = field(default=None, metadata={"help": "a training run's name: smartrag__<seed>__<time>"})
+    resume: bool = field(default=False, metadata={"help": "continue the run --run_name / --output_dir"})
+    report_to: str = field(default="none", metadata={"help": "tracker beside metrics.jsonl (accelerate)",
+                                                      "choices": ["none", "tensorboard", "wandb"]})
     seed: int = field(default=0, metadata={"help": "seed of models, sampling and data order"})
     # data, retriever, model
     data_dir: Optional[str] = field(default=None, metadata={"help": "folder with train/test jsonl (FlashRAG QA)"})
@@ -130,7 +138,7 @@ class Args:
 PRESETS = {  # values for the fields left at None; any flag overrides them
     "toy": dict(data_dir="data/toy", encoder="tfidf", model="toy-lm", lora_r=0, templates="compact", top_k=1, question_types="one_hop", rewriter="oracle",
                 base_llm="toy", base_pretrain_steps=300, sft_steps=1200, sft_lr=2e-3, sft_batch_size=64, augment_p=1.0, rl_augment_p=1.0, ppo_iterations=60,
-                rollout_tokens=0, rollout_batch=128, ppo_epochs=4, ppo_lr=1e-4, ppo_batch_size=256, max_new_tokens=8, num_beams=1,
+                rollout_tokens=0, rollout_batch=128, ppo_epochs=1, ppo_lr=1e-4, ppo_batch_size=256, max_new_tokens=8, num_beams=1,
                 n_eval=None, gradient_checkpointing=False),
     "paper": dict(data_dir="data/smartrag", encoder="intfloat/e5-base-v2", model="meta-llama/Llama-2-7b-chat-hf", lora_r=16, templates="paper",
                   top_k=4, question_types="", rewriter="", base_llm="hf:meta-llama/Llama-2-7b-chat-hf", base_pretrain_steps=0, sft_steps=0, sft_lr=3e-4,
@@ -150,10 +158,8 @@ def apply_preset(args):
     args.corpus = args.corpus or str(Path(args.data_dir) / "corpus.jsonl")
     if args.base_llm == "toy":  # the toy reader of the world being trained on, never data/toy by default
         args.base_llm = f"toy:{args.data_dir}"
-    if args.output_dir is None:  # --eval writes next to the model it evaluates, never over a training run's results
-        model_dir = Path(args.model)
-        args.output_dir = str(model_dir / "eval") if args.eval and model_dir.is_dir() else (
-            "runs/smartrag-eval" if args.eval else "runs/smartrag")
+    if args.output_dir is None and args.eval:  # --eval writes next to the model, never over a training run's results
+        args.output_dir = str(Path(args.model) / "eval") if Path(args.model).is_dir() else "runs/smartrag-eval"
     if args.preset == "paper" and not args.rewriter and args.train:
         raise SystemExit("--preset paper --train needs --rewriter (an LLM spec, e.g. an OpenAI-compatible URL for "
                          "gpt-3.5-turbo-1106 with --rewriter_model) to build the warm-up queries [App. A.2]")
@@ -303,7 +309,8 @@ def load_policy(args, device):
     if args.lora_r and not hasattr(model, "peft_config"):
         from common.llm import add_lora
         model = add_lora(model, dict(r=args.lora_r, lora_alpha=2 * args.lora_r, lora_dropout=0.05,
-                                     target_modules=["q_proj", "k_proj", "v_proj", "o_proj"]))
+                                     target_modules=["q_proj", "k_proj", "v_proj", "o_proj"],
+                                     trainable_token_indices=sorted(tag_ids.values())))  # tags' rows: trained, saved
     for p in model.parameters():  # never Adam on bf16 weights: every trained parameter is fp32
         if p.requires_grad:
             p.data = p.data.float()
@@ -553,32 +560,45 @@ def pretrain_toy_base(accelerator, model, tokenizer, tag_ids, rows, args):
 def evaluate(model, tokenizer, retriever, rows, args, tag_ids, greedy, seed=0, batch=256):
     """EM, F1, return (gamma = 1), retrieval rate and hit, overall and by metadata group (type, popular, answerable)."""
     model.eval()
-    episodes = [e for i in range(0, len(rows), batch)
+    bar = tqdm(range(0, len(rows), batch), desc="greedy eval" if greedy else "sampled eval", leave=False,
+               disable=not PartialState().is_local_main_process)
+    episodes = [e for i in bar
                 for e in rollout(model, tokenizer, retriever, rows[i:i + batch], args, tag_ids, greedy, seed + i)]
     model.train()
     groups = defaultdict(lambda: defaultdict(list))
     for e in episodes:
-        golds, meta = e["row"]["golden_answers"], e["row"].get("metadata", {})
-        retrieved = sum(t["kind"] == "retrieve" for t in e["turns"])
-        record = dict(em=exact_match(e["answer"], golds), f1=f1_score(e["answer"], golds),
-                      acc=sub_exact_match(e["answer"], golds),  # FlashRAG's Sub_ExactMatch; the paper reports EM and F1
-                      reward=discounted_return([t["reward"] for t in e["turns"]], 1.0),
-                      retrieval_rate=float(retrieved > 0), retrievals=retrieved,
-                      invalid=float(any(t["kind"] == "invalid" for t in e["turns"])),
-                      policy_calls=len(e["turns"]), generated_tokens=sum(len(t["action_ids"]) for t in e["turns"]))
-        record |= {"hit": cover_em(e["observations"][0], golds)} if e["observations"] else {}
+        meta = e["row"].get("metadata", {})
         keys = ["all"] + [f"{k}={meta[k]}" for k in ("type", "popular", "answerable") if k in meta]
         for key in keys:
-            for name, value in record.items():
+            for name, value in episode_record(e).items():
                 groups[key][name].append(value)
     summary = {k: {name: sum(v) / len(v) for name, v in g.items()} | {"n": len(g["em"])} for k, g in groups.items()}
     return summary["all"] | {"groups": {k: v for k, v in summary.items() if k != "all"}}, episodes
 
 
-def evaluate_both(model, tokenizer, retriever, rows, args, tag_ids):
-    """Greedy (threshold + beam) and sampled (T = 1, top-k 50) evaluations, reported separately."""
-    greedy, _ = evaluate(model, tokenizer, retriever, rows, args, tag_ids, greedy=True)
-    sampled, _ = evaluate(model, tokenizer, retriever, rows, args, tag_ids, greedy=False, seed=args.seed + 10_000)
+def episode_record(e):
+    """What one evaluated episode scored and cost."""
+    golds, retrieved = e["row"]["golden_answers"], sum(t["kind"] == "retrieve" for t in e["turns"])
+    record = dict(em=exact_match(e["answer"], golds), f1=f1_score(e["answer"], golds),
+                  acc=sub_exact_match(e["answer"], golds),  # FlashRAG's Sub_ExactMatch; the paper reports EM and F1
+                  reward=discounted_return([t["reward"] for t in e["turns"]], 1.0),
+                  retrieval_rate=float(retrieved > 0), retrievals=retrieved,
+                  invalid=float(any(t["kind"] == "invalid" for t in e["turns"])),
+                  policy_calls=len(e["turns"]), generated_tokens=sum(len(t["action_ids"]) for t in e["turns"]))
+    return record | ({"hit": cover_em(e["observations"][0], golds)} if e["observations"] else {})
+
+
+def evaluate_both(model, tokenizer, retriever, rows, args, tag_ids, predictions=None):
+    """Greedy (threshold + beam) and sampled (T = 1, top-k 50) evaluations, reported separately; one line per
+    question and decoding in the jsonl file `predictions` (golds, prediction, trajectory, cost) when given."""
+    greedy, kept = evaluate(model, tokenizer, retriever, rows, args, tag_ids, greedy=True)
+    sampled, drawn = evaluate(model, tokenizer, retriever, rows, args, tag_ids, greedy=False, seed=args.seed + 10_000)
+    if predictions is not None and PartialState().is_main_process:
+        write_jsonl(predictions, [{"id": e["row"].get("id"), "question": e["row"]["question"], "decoding": decoding,
+                                   "golden_answers": e["row"]["golden_answers"], "prediction": e["answer"],
+                                   "trajectory": " | ".join(f"{t['kind']}: {t['text']}" for t in e["turns"]),
+                                   **episode_record(e)} for decoding, eps in (("greedy", kept), ("sampled", drawn))
+                                  for e in eps])
     return greedy | {"sampled": sampled}
 
 
@@ -611,10 +631,11 @@ def result_record(args, before_sft, before, after, steps, wall):
 
 
 def train(args):
-    """SFT warm-up, PPO, evaluation before and after; resumes from output_dir/sft and output_dir/ppo."""
-    start, out = time.time(), Path(args.output_dir)
-    accelerator = make_accelerator()
+    """SFT warm-up, PPO, evaluation before and after; --resume continues from output_dir/sft and output_dir/ppo."""
+    start, out = time.time(), start_run(args, "smartrag")  # the run's folder; refuses a checkpoint without --resume
+    accelerator = make_accelerator(args.report_to, out)
     out.mkdir(parents=True, exist_ok=True)
+    accelerator.init_trackers(args.run_name, {k: "None" if v is None else v for k, v in asdict(args).items()})
     set_seed(args.seed)
     train_rows = sample_rows(load_split(args.data_dir, "train", args.question_types), args.n_train, args.seed)
     test_rows = load_split(args.data_dir, "test", args.question_types)[:args.n_eval]
@@ -633,7 +654,8 @@ def train(args):
         if args.base_pretrain_steps:  # simplification: a toy base model that knows the popular facts (header item 4)
             policy = pretrain_toy_base(accelerator, policy, tokenizer, tag_ids, train_rows, args)
         with accelerator.autocast():
-            before_sft = evaluate_both(policy, tokenizer, retriever, test_rows, args, tag_ids)
+            before_sft = evaluate_both(policy, tokenizer, retriever, test_rows, args, tag_ids,
+                                       out / "predictions_raw.jsonl")
         accelerator.print(f"raw start | {brief(before_sft)}")
         examples, known = build_warmup(train_rows, retriever, args)
         accelerator.print(f"warm-up: {len(examples)} pairs from {len(train_rows)} questions ({args.initial_policy}; "
@@ -641,24 +663,29 @@ def train(args):
         policy, steps["sft"] = sft(accelerator, policy, tokenizer, tag_ids, examples, args, world)
         if accelerator.is_main_process:
             save_checkpoint(sft_dir, policy, tokenizer, {"before_sft": before_sft, "steps": steps["sft"],
-                                                         "data_dir": args.data_dir})
+                                                         "data_dir": args.data_dir, "args": asdict(args)})
     with accelerator.autocast():
-        before = evaluate_both(policy, tokenizer, retriever, test_rows, args, tag_ids)
+        before = evaluate_both(policy, tokenizer, retriever, test_rows, args, tag_ids, out / "predictions_sft.jsonl")
     accelerator.print(f"after SFT | {brief(before)}")
     log({"stage": "sft", "eval": before})
+    accelerator.log({f"eval/{k}": v for k, v in before.items() if isinstance(v, float)}, step=0)
     # ---- PPO [§3.2]: policy + value model trained, reference frozen
     ref = copy.deepcopy(policy).eval().requires_grad_(False)
     model = PolicyAndValue(policy)
     optimizer = torch.optim.AdamW(model.parameters(), lr=args.ppo_lr, weight_decay=1e-6)  # impl: wd 1e-6
     ppo_dir, beta, first = out / "ppo", args.kl_init, 0
-    if (state := load_state(ppo_dir)) is not None:  # resume
-        model.load_state_dict(torch.load(ppo_dir / "policy_and_value.pt", map_location="cpu", weights_only=True))
+    if (ppo_state := load_state(ppo_dir)) is not None:  # resume
+        saved = torch.load(ppo_dir / "policy_and_value.pt", map_location="cpu", weights_only=True)
+        if unexpected := model.load_state_dict(saved, strict=False).unexpected_keys:  # holds the trained weights only
+            raise SystemExit(f"{ppo_dir}: policy_and_value.pt does not fit this model ({unexpected[:3]} ...)")
         optimizer.load_state_dict(torch.load(ppo_dir / "optimizer.pt", map_location="cpu", weights_only=True))
-        beta, first = state["beta"], state["iteration"]
+        beta, first = ppo_state["beta"], ppo_state["iteration"]
         steps["ppo"] = first
         accelerator.print(f"resumed PPO at iteration {first}")
     model, optimizer = accelerator.prepare(model, optimizer)
     rng = random.Random(args.seed * 1000 + accelerator.process_index)
+    if ppo_state and len(ppo_state["rng"]) == accelerator.num_processes:  # draw on as the uninterrupted run would
+        set_rng_states(ppo_state["rng"][accelerator.process_index], rng)
     after = None
     for it in range(first, args.ppo_iterations):
         t0, episodes = time.time(), []
@@ -679,19 +706,26 @@ def train(args):
                   "rollout/retrieval_rate": sum(any(t["kind"] == "retrieve" for t in e["turns"]) for e in episodes) / len(episodes),
                   "charts/seconds": time.time() - t0}
         log(stats)
+        accelerator.log(stats, step=it + 1)
         accelerator.print(" | ".join(f"{k}={v:.4g}" if isinstance(v, float) else f"{k}={v}" for k, v in stats.items()))
         steps["ppo"] = it + 1
         if (it + 1) % args.eval_every == 0 or it + 1 == args.ppo_iterations:
             accelerator.wait_for_everyone()
-            unwrapped = accelerator.unwrap_model(model)
+            unwrapped, rngs = accelerator.unwrap_model(model), gather_object([rng_states(rng)])  # every process's
+            trained = {n for n, p in unwrapped.named_parameters() if p.requires_grad}  # never the frozen LoRA base
             if accelerator.is_main_process:
-                save_checkpoint(ppo_dir, unwrapped.policy, tokenizer, {"beta": beta, "iteration": it + 1, "data_dir": args.data_dir},
-                                {"policy_and_value.pt": unwrapped.state_dict(), "optimizer.pt": optimizer.state_dict()})
+                state = {"beta": beta, "iteration": it + 1, "data_dir": args.data_dir, "args": asdict(args),
+                         "rng": rngs}
+                save_checkpoint(ppo_dir, unwrapped.policy, tokenizer, state, {
+                    "policy_and_value.pt": {k: v for k, v in unwrapped.state_dict().items() if k in trained},
+                    "optimizer.pt": optimizer.state_dict()})
     policy = accelerator.unwrap_model(model).policy
     with accelerator.autocast():
-        after = evaluate_both(policy, tokenizer, retriever, test_rows, args, tag_ids)
+        after = evaluate_both(policy, tokenizer, retriever, test_rows, args, tag_ids, out / "predictions_ppo.jsonl")
     accelerator.print(f"after PPO | {brief(after)}")
     log({"stage": "ppo", "eval": after})
+    accelerator.log({f"eval/{k}": v for k, v in after.items() if isinstance(v, float)}, step=steps["ppo"])
+    accelerator.end_training()
     write_results(out, result_record(args, before_sft, before, after, steps, time.time() - start), accelerator.is_main_process)
 
 
@@ -705,7 +739,8 @@ def run_eval(args):
     rows = load_split(args.data_dir, "test", args.question_types)[:args.n_eval]  # a bad data file fails first
     policy, tokenizer, tag_ids = load_policy(args, accelerator.device)
     with accelerator.autocast():
-        result = evaluate_both(policy, tokenizer, open_retriever(args.index, args.corpus, args.encoder), rows, args, tag_ids)
+        retriever = open_retriever(args.index, args.corpus, args.encoder)
+        result = evaluate_both(policy, tokenizer, retriever, rows, args, tag_ids, out / "predictions_eval.jsonl")
     accelerator.print(f"eval | {brief(result)}")
     write_results(out, result_record(args, None, result, None, {"sft": 0, "ppo": 0}, time.time() - start), accelerator.is_main_process)
 
@@ -728,7 +763,7 @@ def main(argv=None):
     """Parse the flags, fill the preset, dispatch on the mode."""
     (args,) = HfArgumentParser(Args).parse_args_into_dataclasses(args=argv)
     if args.ask and args.model is None:
-        raise SystemExit("--ask needs --model: a trained checkpoint (e.g. runs/smartrag/ppo after --train); "
+        raise SystemExit("--ask needs --model: a trained checkpoint (e.g. runs/<run_name>/ppo after --train); "
                          "the untrained start answers at random")
     if args.data_dir is None and args.model and (state := load_state(args.model)):
         args.data_dir = state.get("data_dir")  # a checkpoint remembers its world (tokenizer, reader, corpus)

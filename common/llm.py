@@ -43,24 +43,31 @@ def load_model_and_tokenizer(name_or_path, dtype=None, device=None, lora=None, t
     name = str(name_or_path)
     if name == "toy-lm" or name.startswith("toy-lm:"):
         if world is None:
-            message = f"{name!r} takes its vocabulary from a toy world: pass world=<its folder> (--data_dir)"
-            raise ModelLoadError(message)
+            raise ModelLoadError(f"{name!r} takes its vocabulary from a toy world: pass world=<folder> (--data_dir)")
         from common.toy_lm import load_toy_lm  # a sentinel name, like a hub id; the only import of the toy model code
 
         try:
             model, tokenizer = load_toy_lm(name, dtype=dtype, device=device, world=world)
-        except FileNotFoundError as e:
+        except (FileNotFoundError, ValueError) as e:  # no world there (common.data.DataError is a ValueError)
             raise ModelLoadError(f"cannot build {name!r}: {e}") from None
+        model.name_or_path = name  # what a LoRA checkpoint records as its base
         return (model if lora is None else add_lora(model, lora)), tokenizer
-    folder = Path(name).expanduser()
-    local = folder.is_dir()
+    local = (folder := Path(name).expanduser()).is_dir()
     if not local and name.startswith(("/", "./", "../", "~", ".\\")):
         raise ModelLoadError(f"model folder {name!r} does not exist")
     source = str(folder) if local else name
     options = dict(local_files_only=local, trust_remote_code=trust_remote_code)
     try:
         tokenizer = tokenizer_class_for(folder if local else None).from_pretrained(source, **options)
-        model = AutoModelForCausalLM.from_pretrained(source, **options, **({"dtype": dtype} if dtype is not None else {}))
+        if local and (folder / "adapter_config.json").is_file():  # LoRA: the base it names, resized, then trainable
+            from peft import PeftConfig, PeftModel  # adapters (added tokens' rows: saved with them, trainable tokens)
+
+            model, _ = load_model_and_tokenizer(PeftConfig.from_pretrained(folder).base_model_name_or_path, dtype,
+                                                trust_remote_code=trust_remote_code, world=world)
+            model.resize_token_embeddings(len(tokenizer), mean_resizing=False)
+            model = PeftModel.from_pretrained(model, folder, is_trainable=True)
+        else:
+            model = AutoModelForCausalLM.from_pretrained(source, **options, **({"dtype": dtype} if dtype else {}))
     except (OSError, ValueError) as e:
         where = "local folder" if local else "hub id (not a local folder; no network, HF_HUB_OFFLINE=1, or a wrong name?)"
         reason = str(e).strip().split("\n")[0] or type(e).__name__
@@ -68,19 +75,15 @@ def load_model_and_tokenizer(name_or_path, dtype=None, device=None, lora=None, t
     tokenizer.padding_side = "left"
     if tokenizer.pad_token is None:
         tokenizer.pad_token = tokenizer.eos_token
-    if device is not None:
-        model = model.to(device)
-    if lora is not None:
-        model = add_lora(model, lora)
-    return model, tokenizer
+    model = model if device is None else model.to(device)
+    return (model if lora is None else add_lora(model, lora)), tokenizer
 
 
 def tokenizer_class_for(folder):
     """PreTrainedTokenizerFast when a local folder's tokenizer_config.json names that generic class, else AutoTokenizer."""
     # transformers 5 loads the tokenizer of any qwen2 checkpoint as Qwen2Tokenizer, which rebuilds a byte-level BPE
     # from the vocabulary and silently breaks e.g. a word-level tokenizer.json; the class the folder names is honoured.
-    config = folder / "tokenizer_config.json" if folder is not None else None
-    if config is None or not config.is_file():
+    if folder is None or not (config := folder / "tokenizer_config.json").is_file():
         return AutoTokenizer
     named = json.loads(config.read_text(encoding="utf-8")).get("tokenizer_class")
     return PreTrainedTokenizerFast if named in ("TokenizersBackend", "PreTrainedTokenizerFast") else AutoTokenizer
@@ -156,36 +159,26 @@ def eos_ids_of(model, tokenizer):
 
 
 @torch.no_grad()
-def generate(
-    model, tokenizer, prompts, max_new_tokens, do_sample=True, temperature=1.0, top_p=1.0, top_k=0, stop=(), seed=None,
-    num_beams=1,
-):
+def generate(model, tokenizer, prompts, max_new_tokens, do_sample=True, temperature=1.0, top_p=1.0, top_k=0, stop=(),
+             seed=None, num_beams=1):
     """Continue prompts (strings or id lists) in one left-padded model.generate call; a stop string ends a text, kept in it."""
     if not prompts:
         return Generation([], [], [], [])
     stop = as_list(stop)
-    if isinstance(prompts[0], str):  # chat_prompts output already holds its special tokens
-        prompt_ids = tokenizer(list(prompts), add_special_tokens=False)["input_ids"]
-    else:
-        prompt_ids = [list(p) for p in prompts]
+    text = isinstance(prompts[0], str)  # chat_prompts output already holds its special tokens
+    prompt_ids = tokenizer(list(prompts), add_special_tokens=False)["input_ids"] if text else list(map(list, prompts))
     input_ids, attention_mask = left_pad(prompt_ids, tokenizer.pad_token_id)
     do_sample = do_sample and num_beams == 1  # beam search is deterministic here
     sampling = dict(temperature=temperature, top_p=top_p, top_k=top_k) if do_sample else {}
     eos_ids = eos_ids_of(model, tokenizer)
     if seed is not None:
         torch.manual_seed(seed)  # seeds every device; under DDP pass a different seed per process
-    output = model.generate(  # position ids follow attention_mask (cumsum - 1), so padding does not shift positions
-        input_ids=input_ids.to(model.device),
-        attention_mask=attention_mask.to(model.device),
-        max_new_tokens=max_new_tokens,
-        do_sample=do_sample,
-        num_beams=num_beams,
-        **sampling,
-        **PLAIN_SAMPLING,
-        eos_token_id=eos_ids,
-        pad_token_id=tokenizer.pad_token_id,
-        stopping_criteria=StoppingCriteriaList([stop_criterion(tokenizer, stop, input_ids.shape[1])] if stop else []),
-    )
+    stopping = StoppingCriteriaList([stop_criterion(tokenizer, stop, input_ids.shape[1])] if stop else [])
+    # position ids follow attention_mask (cumsum - 1), so padding does not shift positions
+    output = model.generate(input_ids=input_ids.to(model.device), attention_mask=attention_mask.to(model.device),
+                            max_new_tokens=max_new_tokens, do_sample=do_sample, num_beams=num_beams, **sampling,
+                            **PLAIN_SAMPLING, eos_token_id=eos_ids, pad_token_id=tokenizer.pad_token_id,
+                            stopping_criteria=stopping)
     rows = [finish_row(ids, tokenizer, stop, eos_ids) for ids in output[:, input_ids.shape[1] :].tolist()]
     texts, token_ids, finished = (list(column) for column in zip(*rows))
     return Generation(texts, token_ids, prompt_ids, finished)

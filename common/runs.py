@@ -1,21 +1,26 @@
-"""What a run leaves on disk, the same for every method file: checkpoints written atomically (a crash never leaves a
-half-written one), metrics.jsonl (one line per update) and results.json with the final `RESULT {...}` line; and
-run_main, which ends a command-line run on a user's mistake with one line instead of a traceback."""
+"""What a run leaves on disk, the same for every method file: its folder runs/<run_name>, checkpoints written
+atomically (a crash never leaves a half-written one) that --resume continues with their arguments and random states,
+metrics.jsonl and results.json with the final `RESULT {...}` line; run_main ends a user's mistake in one line."""
 import json
+import random
 import shutil
 import sys
+import time
+from dataclasses import asdict
 from pathlib import Path
 
+import numpy as np
 import torch
 
 STATE = "run_state.json"
+# arguments that never change what a run computes (the modes excepted): a resumed run may differ in these only
+NOT_COMPARED = ("output_dir", "run_name", "resume", "eval_every", "report_to", "gradient_checkpointing")
 
 
 def save_checkpoint(folder, model, tokenizer, state, tensors=None):
-    """save_pretrained, a json state and torch state dicts (optimizer, value head ...), written into a temporary
-    folder that replaces `folder` only once complete; a process killed at any point leaves the last checkpoint
-    put in place (the new one once its rename is done, the previous one before), which load_state then returns.
-    Not fsynced: this guards against a crashed or killed run, not against a power cut."""
+    """save_pretrained, a json state and torch state dicts (optimizer, value head ...), written into a temporary folder
+    that replaces `folder` only once complete; a process killed at any point leaves the last checkpoint put in place
+    (the new one once renamed, else the previous one), which load_state returns. Not fsynced (no power cuts)."""
     folder = Path(folder)
     tmp, old = folder.with_name(folder.name + ".tmp"), folder.with_name(folder.name + ".old")
     _put_back(folder)  # a save that crashed between its renames set the last checkpoint aside: never delete it
@@ -33,8 +38,8 @@ def save_checkpoint(folder, model, tokenizer, state, tensors=None):
 
 
 def _put_back(folder):
-    """After a crash between the two renames of save_checkpoint, `folder` is missing and `folder`.old holds the last
-    checkpoint: rename it back. Safe when every process of a run calls it at once (one rename wins)."""
+    """After a crash between save_checkpoint's renames (`folder` gone, `folder`.old complete): rename it back."""
+    # safe when every process of a run calls it at once: one rename wins
     old = folder.with_name(folder.name + ".old")
     if (folder / STATE).is_file() or not (old / STATE).is_file():
         return
@@ -48,23 +53,65 @@ def _put_back(folder):
 
 
 def load_state(folder):
-    """The json state of the complete checkpoint in `folder` (None when there is none); a checkpoint left aside by a
-    crash between the two renames of save_checkpoint is put back first."""
+    """The json state of the complete checkpoint in `folder`, or None; one that a crash set aside is put back first."""
     folder = Path(folder)
     _put_back(folder)
     return json.loads((folder / STATE).read_text()) if (folder / STATE).is_file() else None
 
 
-def make_accelerator():
-    """The run's Accelerator: CPU without CUDA; on a GPU, bf16 autocast over fp32 master weights unless accelerate's
-    own flags or config say otherwise (`accelerate launch --mixed_precision no|fp16|bf16`)."""
+def make_accelerator(report_to="none", project_dir=None):
+    """The run's Accelerator with the trackers `report_to`: CPU without CUDA; on a GPU, bf16 autocast over fp32 master
+    weights unless accelerate's flags or config say otherwise (`accelerate launch --mixed_precision no|fp16|bf16`)."""
+    import importlib.util
     import os
 
     from accelerate import Accelerator
 
+    if report_to != "none" and not importlib.util.find_spec(report_to):  # the choices: Args (argparse)
+        raise SystemExit(f"--report_to {report_to} needs the {report_to} package (pip install {report_to})")
     cuda = torch.cuda.is_available()
     precision = os.environ.get("ACCELERATE_MIXED_PRECISION") or ("bf16" if cuda and torch.cuda.is_bf16_supported() else "no")
-    return Accelerator(cpu=not cuda, mixed_precision=precision)
+    return Accelerator(cpu=not cuda, mixed_precision=precision, project_dir=project_dir,
+                       log_with=None if report_to == "none" else report_to)
+
+
+def start_run(args, method, stages=("sft", "ppo")):
+    """The folder of a training run, default runs/<run_name>, run_name <method>__<seed>__<main process's time>; a
+    checkpoint there is continued only with --resume, and only when saved with the same arguments."""
+    from accelerate import PartialState
+    from accelerate.utils import broadcast_object_list
+
+    PartialState(cpu=not torch.cuda.is_available())  # the run's processes as make_accelerator's Accelerator sees them
+    stamp = f"{method}__{args.seed}__" + broadcast_object_list([time.strftime("%Y%m%d-%H%M%S")])[0]
+    args.run_name = args.run_name or (Path(args.output_dir).name if args.output_dir else stamp)
+    out = Path(args.output_dir or Path("runs") / args.run_name)
+    args.output_dir, saved = str(out), {s: state for s in stages if (state := load_state(out / s)) is not None}
+    if bool(saved) != args.resume:
+        raise SystemExit(f"{out} holds a checkpoint ({', '.join(saved)}): pass --resume or another --run_name" if saved
+                         else f"--resume: no checkpoint in {out} (name the run to continue: --run_name/--output_dir)")
+    for stage, before in ((s, state.get("args") or {}) for s, state in saved.items()):
+        if changed := [f"{k}: {before.get(k)!r} -> {v!r}" for k, v in asdict(args).items() if k not in NOT_COMPARED
+                       and before.get(k) != v]:
+            raise SystemExit(f"--resume: {out / stage} was trained with other arguments ({'; '.join(changed)})")
+    return out
+
+
+def rng_states(*own):
+    """This process's random states (python, numpy, torch's CPU one, the run's random.Random objects) as json."""
+    # not CUDA's: every common.llm.generate call reseeds all devices, and GPU runs promise curves, not bits (README)
+    numpy = np.random.get_state()
+    return dict(python=random.getstate(), numpy=[numpy[0], numpy[1].tolist(), *numpy[2:]],
+                torch=torch.get_rng_state().tolist(), own=[r.getstate() for r in own])
+
+
+def set_rng_states(state, *own):
+    """Restore what rng_states returned, so that a resumed run draws what the uninterrupted one would have."""
+    as_tuple = lambda s: (s[0], tuple(s[1]), s[2])  # random.Random's state, once a json round trip made it lists
+    random.setstate(as_tuple(state["python"]))
+    np.random.set_state((state["numpy"][0], np.array(state["numpy"][1], dtype=np.uint32), *state["numpy"][2:]))
+    torch.set_rng_state(torch.tensor(state["torch"], dtype=torch.uint8))
+    for r, s in zip(own, state["own"]):
+        r.setstate(as_tuple(s))
 
 
 def refuse_training_results(out):
@@ -96,14 +143,7 @@ def write_results(out, results, main_process=True):
         print("RESULT " + json.dumps(results), flush=True)
 
 
-USER_ERRORS = (("common.data", "UserError"), ("common.llm", "ModelLoadError"),
-               ("common.retrieval", "EncoderLoadError"))
-
-
-def user_error_classes():
-    """The exception classes that mean a user's mistake, from the modules imported so far (a module never imported
-    cannot have raised its error), so that catching them imports nothing."""
-    return tuple(c for module, name in USER_ERRORS if (c := getattr(sys.modules.get(module), name, None)))
+USER_ERRORS = {"common.data": "UserError", "common.llm": "ModelLoadError", "common.retrieval": "EncoderLoadError"}
 
 
 def run_main(main_fn, argv=None):
@@ -113,7 +153,10 @@ def run_main(main_fn, argv=None):
     try:
         return main_fn(argv)
     except Exception as e:
-        if not isinstance(e, user_error_classes()):
+        # the classes of a user's mistake, from the modules imported so far (one never imported cannot have raised
+        # its error), so that catching them imports nothing
+        errors = tuple(c for m, name in USER_ERRORS.items() if (c := getattr(sys.modules.get(m), name, None)))
+        if not isinstance(e, errors):
             raise
         message = " ".join(line.strip() for line in str(e).splitlines() if line.strip())
         print(f"error: {message or type(e).__name__}", file=sys.stderr, flush=True)

@@ -6,6 +6,7 @@ import copy
 import json
 import math
 import random
+import re
 from pathlib import Path
 
 import pytest
@@ -719,11 +720,25 @@ def test_toy_train_then_resume_then_eval_the_checkpoint(tmp_path, capsys):
     assert [m["iteration"] for m in metrics if "iteration" in m] == [1, 2]
     assert all(m["rollout/samples"] > 0 for m in metrics if "iteration" in m)
     assert (out / "ppo" / "model.safetensors").is_file() and (out / "sft" / "model.safetensors").is_file()
-    again = run(["--train", "--output_dir", str(out), *TINY], capsys)  # resumes: neither SFT nor PPO is redone
+    assert sorted(p.name for p in out.iterdir() if p.is_dir()) == ["ppo", "sft"]  # --report_to none: no tracker logs
+    for stage, result in (("raw", results["before_sft"]), ("sft", results["before"]), ("ppo", results["after"])):
+        lines = [json.loads(line) for line in (out / f"predictions_{stage}.jsonl").read_text().splitlines()]
+        greedy = [r for r in lines if r["decoding"] == "greedy"]
+        assert len(greedy) == len(lines) - len(greedy) == 8  # every question, greedy and sampled
+        assert sum(r["accuracy"] for r in greedy) / 8 == pytest.approx(result["accuracy"])
+        assert sum(r["retrievals"] for r in greedy) / 8 == pytest.approx(result["retrievals"])
+        assert all(r["trajectory"].startswith("router") and "leaf" in r["trajectory"] for r in lines)
+        assert {"id", "question", "golden_answers", "prediction", "llm_calls", "generated_tokens"} <= set(lines[0])
+    with pytest.raises(SystemExit, match="pass --resume or another --run_name"):  # resuming is asked for
+        run(["--train", "--output_dir", str(out), *TINY], capsys)
+    with pytest.raises(SystemExit, match=r"other arguments \(seed: 0 -> 1\)"):  # never another run's checkpoint
+        run(["--train", "--output_dir", str(out), "--resume", "--seed", "1", *TINY], capsys)
+    again = run(["--train", "--output_dir", str(out), "--resume", *TINY], capsys)  # neither SFT nor PPO is redone
     assert "sft step" not in again and "iteration=" not in again
     assert outcome(check_contract(out, again)["after"]) == outcome(results["after"])
     stdout = run(["--eval", "--model", str(out / "ppo"), "--output_dir", str(tmp_path / "eval"), "--n_eval", "8"], capsys)
     assert outcome(check_contract(tmp_path / "eval", stdout)["after"]) == outcome(results["after"])  # greedy and sampled
+    assert (tmp_path / "eval" / "predictions_eval.jsonl").read_text() == (out / "predictions_ppo.jsonl").read_text()
     # --eval writes next to the model by default and never over a training run's results
     trained = (out / "results.json").read_text()
     stdout = run(["--eval", "--model", str(out / "ppo"), "--n_eval", "8"], capsys)
@@ -746,6 +761,61 @@ def test_toy_train_then_resume_then_eval_the_checkpoint(tmp_path, capsys):
     assert check_contract(tmp_path / "flashrag_eval", stdout)["n_eval"] == 4
     stdout = run(["--ask", "what is the birthplace of qqzzyx ?", "--model", str(out / "ppo")], capsys)
     assert "warning: words the proxy's tokenizer does not know (read as <unk>): qqzzyx" in stdout
+    text = (ROOT / "docs" / "c3po.md").read_text(encoding="utf-8") + (ROOT / "c3po.py").read_text(encoding="utf-8")
+    documented = sorted(set(re.findall(r'--ask "([^"]+)"', text)))
+    test_questions = {json.loads(line)["question"] for line in (ROOT / "data/toy/test.jsonl").read_text().splitlines()}
+    assert documented and set(documented) <= test_questions  # the docs ask questions of the toy world
+    for question in documented:  # and their commands run (docs/c3po.md gives what the default run answers)
+        stdout = run(["--ask", question, "--model", str(out / "ppo")], capsys)
+        assert "leaf" in stdout and "warning" not in stdout
+
+
+def test_an_interrupted_run_resumes_with_the_losses_of_an_uninterrupted_one(tmp_path, capsys, monkeypatch):
+    """Weights, optimizers, schedulers and the random states (python, numpy, torch, the run's rng) come back."""
+    flags = [*TINY, "--ppo_iterations", "3", "--n_eval", "2", "--rl_augment_p", "0.5"]  # renaming draws from the rng
+    run(["--train", "--output_dir", str(tmp_path / "whole"), *flags], capsys)
+    save = c3po.save_checkpoint
+
+    def killed_after_the_first_update(folder, *a, **k):
+        save(folder, *a, **k)
+        if Path(folder).name == "ppo":
+            raise KeyboardInterrupt
+
+    monkeypatch.setattr(c3po, "save_checkpoint", killed_after_the_first_update)
+    with pytest.raises(KeyboardInterrupt):
+        run(["--train", "--output_dir", str(tmp_path / "cut"), *flags], capsys)
+    monkeypatch.setattr(c3po, "save_checkpoint", save)
+    resumed = run(["--train", "--output_dir", str(tmp_path / "cut"), "--resume", *flags], capsys)
+    assert "resumed PPO at iteration 1" in resumed
+    lines = lambda run_dir: map(json.loads, (run_dir / "metrics.jsonl").read_text().splitlines())
+    updates = lambda run_dir: {m["iteration"]: {k: v for k, v in m.items() if k != "charts/seconds"}
+                               for m in lines(run_dir) if "iteration" in m}
+    whole, cut = updates(tmp_path / "whole"), updates(tmp_path / "cut")
+    assert list(whole) == list(cut) == [1, 2, 3] and whole == cut  # the same floats, bit for bit
+    assert whole[2]["losses/policy"] != whole[3]["losses/policy"]
+
+
+def test_report_to_a_tracker_that_is_not_installed_is_one_line(tmp_path, monkeypatch):
+    import importlib.util
+
+    find_spec = importlib.util.find_spec
+    monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None if name == "wandb" else find_spec(name, *a))
+    with pytest.raises(SystemExit, match=r"--report_to wandb needs the wandb package \(pip install wandb\)"):
+        c3po.main(["--train", "--output_dir", str(tmp_path / "run"), "--report_to", "wandb", *TINY])
+    with pytest.raises(SystemExit):  # argparse: not one of the choices
+        c3po.main(["--train", "--output_dir", str(tmp_path / "run"), "--report_to", "mlflow", *TINY])
+
+
+def test_report_to_tensorboard_logs_the_updates_beside_metrics_jsonl(tmp_path, capsys):
+    pytest.importorskip("tensorboard")
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    run(["--train", "--output_dir", str(tmp_path / "run"), "--report_to", "tensorboard", *TINY], capsys)
+    events = EventAccumulator(str(tmp_path / "run" / "run")).Reload()  # <output_dir>/<run_name>
+    logged = [json.loads(line) for line in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
+    policy = [(e.step, e.value) for e in events.Scalars("losses/policy")]
+    assert policy == [(m["iteration"], pytest.approx(m["losses/policy"])) for m in logged if "iteration" in m]
+    assert [e.step for e in events.Scalars("eval/accuracy")] == [0, 2]  # after SFT, after PPO
 
 
 def test_paper_templates_run_a_few_steps(tmp_path, capsys):

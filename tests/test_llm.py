@@ -164,9 +164,11 @@ def test_lora_leaves_only_lora_weights_trainable(model_dirs, tiny, as_dict):
 def test_toy_lm_names_are_built_for_the_world_given(monkeypatch):
     calls = []
     fake = types.ModuleType("common.toy_lm")
-    fake.load_toy_lm = lambda name, **kw: calls.append((name, kw)) or ("model", "tokenizer")
+    model = types.SimpleNamespace()
+    fake.load_toy_lm = lambda name, **kw: calls.append((name, kw)) or (model, "tokenizer")
     monkeypatch.setitem(sys.modules, "common.toy_lm", fake)
-    assert load_model_and_tokenizer("toy-lm:layers=2", dtype=torch.float32, world="w1") == ("model", "tokenizer")
+    assert load_model_and_tokenizer("toy-lm:layers=2", dtype=torch.float32, world="w1") == (model, "tokenizer")
+    assert model.name_or_path == "toy-lm:layers=2"  # what a LoRA checkpoint records as its base
     assert calls == [("toy-lm:layers=2", dict(dtype=torch.float32, device=None, world="w1"))]
     with pytest.raises(ModelLoadError, match=r"toy world.*--data_dir"):  # never silently the committed world
         load_model_and_tokenizer("toy-lm")

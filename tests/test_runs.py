@@ -274,3 +274,54 @@ def test_run_main_turns_each_user_error_into_one_line(capsys):
             runs.run_main(main)
         assert exit_.value.code == 2
         assert capsys.readouterr().err == "error: " + " ".join(str(error).split()) + "\n"
+
+
+def test_a_run_gets_a_name_and_its_own_folder_and_resumes_only_when_asked(tmp_path, tiny, monkeypatch):
+    from dataclasses import dataclass
+
+    @dataclass
+    class Args:
+        output_dir: str | None = None
+        run_name: str | None = None
+        resume: bool = False
+        seed: int = 0
+        lr: float = 0.1
+        eval_every: int = 5
+
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setattr(runs.time, "strftime", lambda fmt: "20260102-030405")
+    args = Args(seed=1)
+    assert runs.start_run(args, "m") == Path("runs/m__1__20260102-030405")  # <method>__<seed>__<timestamp>
+    assert args.run_name == "m__1__20260102-030405" and args.output_dir == "runs/m__1__20260102-030405"
+    named = Args(run_name="mine")
+    assert runs.start_run(named, "m") == Path("runs/mine") and named.output_dir == "runs/mine"
+    assert runs.start_run(Args(output_dir=str(tmp_path / "x")), "m") == tmp_path / "x"  # --output_dir overrides
+    model, tokenizer = tiny
+    runs.save_checkpoint(tmp_path / "runs/mine/ppo", model, tokenizer, {"args": vars(Args(run_name="mine"))})
+    with pytest.raises(SystemExit, match=r"runs/mine holds a checkpoint \(ppo\): pass --resume"):
+        runs.start_run(Args(run_name="mine"), "m")
+    with pytest.raises(SystemExit, match=r"other arguments \(seed: 0 -> 1; lr: 0.1 -> 0.2\)"):
+        runs.start_run(Args(run_name="mine", resume=True, seed=1, lr=0.2), "m")
+    resumed = Args(run_name="mine", resume=True, eval_every=1)  # checkpoint frequency does not change the result
+    assert runs.start_run(resumed, "m") == Path("runs/mine")
+    with pytest.raises(SystemExit, match=r"no checkpoint in runs/other \(name the run to continue: --run_name"):
+        runs.start_run(Args(run_name="other", resume=True), "m")
+    runs.save_checkpoint(tmp_path / "old/sft", model, tokenizer, {"steps": 3})  # saved before runs kept their args
+    with pytest.raises(SystemExit, match="other arguments"):
+        runs.start_run(Args(output_dir="old", resume=True), "m")
+
+
+def test_random_states_round_trip_through_json():
+    import random
+
+    import numpy as np
+
+    own = random.Random(7)
+    own.random()
+    random.seed(1), np.random.seed(2), torch.manual_seed(3)
+    state = json.loads(json.dumps(runs.rng_states(own)))  # a checkpoint's run_state.json
+    drawn = [random.random(), np.random.rand(), torch.rand(1).item(), own.random()]
+    random.seed(9), np.random.seed(9), torch.manual_seed(9)
+    own = random.Random(9)
+    runs.set_rng_states(state, own)
+    assert [random.random(), np.random.rand(), torch.rand(1).item(), own.random()] == drawn

@@ -300,7 +300,9 @@ def test_toy_train_then_eval_the_checkpoint(tmp_path, templates):
     betas = [m["charts/kl_coef"] for m in metrics if "iteration" in m]  # compact: fixed beta; paper: adaptive (impl)
     assert (betas == [0.05, 0.05]) if templates == "compact" else (betas[0] != 0.05 and betas[1] != betas[0])
     assert (out / "ppo" / "model.safetensors").is_file() and (out / "sft" / "model.safetensors").is_file()
-    again = run(["--train", "--output_dir", str(out), *tiny], ROOT)  # resumes: SFT and PPO are not redone
+    refused = run(["--train", "--output_dir", str(out), *tiny], ROOT)  # resuming is asked for
+    assert refused.returncode != 0 and "pass --resume" in refused.stderr and "Traceback" not in refused.stderr
+    again = run(["--train", "--output_dir", str(out), "--resume", *tiny], ROOT)  # SFT and PPO are not redone
     assert again.returncode == 0 and "sft step" not in again.stdout and "iteration=" not in again.stdout
     assert "base pretraining" not in again.stdout
     evaluated = run(["--eval", "--model", str(out / "ppo"), "--output_dir", str(tmp_path / "eval"), "--n_eval", "16",
@@ -335,6 +337,20 @@ def check_what_a_user_sees(out, results, tmp_path):
     assert asked.returncode == 0, asked.stderr[-3000:]
     assert "warning: words the model's tokenizer does not know (read as <unk>): qqzzyx" in asked.stdout
     assert "answer:" in asked.stdout
+    test_questions = {json.loads(line)["question"] for line in (ROOT / "data/toy/test.jsonl").read_text().splitlines()}
+    documented = documented_questions("smartrag")
+    assert documented and set(documented) <= test_questions  # the docs ask questions of the toy world
+    for question in documented:  # and their commands run (docs/smartrag.md gives what the default run answers)
+        asked = run(["--ask", question, "--model", str(out / "ppo")], ROOT)
+        assert asked.returncode == 0 and "answer:" in asked.stdout and "warning" not in asked.stdout, asked.stderr
+
+
+def documented_questions(method):
+    """The questions of the `--ask "..."` commands in the method's docs page and file header."""
+    import re
+
+    text = (ROOT / "docs" / f"{method}.md").read_text(encoding="utf-8") + (ROOT / f"{method}.py").read_text()
+    return sorted(set(re.findall(r'--ask "([^"]+)"', text)))
 
 
 def test_bad_preset_is_a_clear_error():
@@ -472,3 +488,87 @@ def test_trains_on_a_freshly_generated_world(tmp_path):
     assert results["dataset"] == str(world) and results["args"]["base_llm"] == f"toy:{world}"
     assert results["before_sft"]["em"] <= 0.02 and results["before"]["em"] >= 0.1  # raw start -> after SFT
     assert json.loads((out / "sft" / "run_state.json").read_text())["data_dir"] == str(world)  # remembers its world
+
+
+# ---------------------------------------------------------------- LoRA checkpoints and resuming a run
+LORA_FLAGS = ["--model", TINY_LM, "--lora_r", "2", "--n_train", "32", "--n_eval", "4", "--base_pretrain_steps", "0",
+              "--sft_steps", "4", "--sft_batch_size", "8", "--ppo_iterations", "2", "--rollout_batch", "8",
+              "--ppo_batch_size", "8", "--eval_every", "1", "--kl_init", "0.05"]
+
+
+def test_a_lora_checkpoint_reloads_trainable_with_its_tag_tokens(tmp_path):
+    from common.runs import save_checkpoint
+
+    args = smartrag.apply_preset(smartrag.Args(train=True, model=TINY_LM, lora_r=2))
+    policy, tokenizer, tag_ids = smartrag.load_policy(args, torch.device("cpu"))
+    trainable = lambda m: {n for n, p in m.named_parameters() if p.requires_grad}
+    assert any("trainable_tokens" in n for n in trainable(policy))  # the added tags' rows are trained ...
+    with torch.no_grad():
+        for p in policy.parameters():
+            if p.requires_grad:
+                p.add_(0.1 * torch.randn(p.shape, generator=torch.Generator().manual_seed(p.numel())))
+    save_checkpoint(tmp_path / "sft", policy, tokenizer, {})
+    assert (tmp_path / "sft" / "adapter_model.safetensors").is_file()  # ... and saved with the adapters
+    args.model = str(tmp_path / "sft")
+    again, tokenizer_again, tag_ids_again = smartrag.load_policy(args, torch.device("cpu"))
+    assert tag_ids_again == tag_ids and len(tokenizer_again) == len(tokenizer)
+    assert trainable(again) == trainable(policy)  # trainable, not 0 parameters
+    ids = torch.tensor([[4, 5, tag_ids["answer"], tag_ids["retrieve"], 6]])
+    assert torch.equal(policy.eval()(input_ids=ids).logits, again.eval()(input_ids=ids).logits)
+
+
+def test_an_interrupted_lora_run_resumes_with_the_losses_of_an_uninterrupted_one(tmp_path, monkeypatch, capsys):
+    """Trained weights, optimizer, KL coefficient and random states come back; no frozen base weight is stored."""
+    smartrag.main(["--train", "--output_dir", str(tmp_path / "whole"), *LORA_FLAGS])
+    save = smartrag.save_checkpoint
+
+    def killed_after_the_first_update(folder, *a, **k):
+        save(folder, *a, **k)
+        if Path(folder).name == "ppo":
+            raise KeyboardInterrupt
+
+    monkeypatch.setattr(smartrag, "save_checkpoint", killed_after_the_first_update)
+    with pytest.raises(KeyboardInterrupt):
+        smartrag.main(["--train", "--output_dir", str(tmp_path / "cut"), *LORA_FLAGS])
+    monkeypatch.setattr(smartrag, "save_checkpoint", save)
+    capsys.readouterr()
+    smartrag.main(["--train", "--output_dir", str(tmp_path / "cut"), "--resume", *LORA_FLAGS])
+    assert "resumed PPO at iteration 1" in capsys.readouterr().out
+    lines = lambda run_dir: map(json.loads, (run_dir / "metrics.jsonl").read_text().splitlines())
+    updates = lambda run_dir: {m["iteration"]: {k: v for k, v in m.items() if k != "charts/seconds"}
+                               for m in lines(run_dir) if "iteration" in m}
+    whole, cut = updates(tmp_path / "whole"), updates(tmp_path / "cut")
+    assert list(whole) == list(cut) == [1, 2] and whole == cut  # the same floats, bit for bit
+    assert whole[1]["losses/policy"] != whole[2]["losses/policy"]
+    results = json.loads((tmp_path / "whole" / "results.json").read_text())
+    predicted = [json.loads(line) for line in (tmp_path / "whole" / "predictions_ppo.jsonl").read_text().splitlines()]
+    greedy = [r for r in predicted if r["decoding"] == "greedy"]
+    assert len(greedy) == len(predicted) - len(greedy) == 4  # every question, greedy and sampled
+    for name in ("em", "f1", "reward", "retrievals", "generated_tokens"):
+        assert sum(r[name] for r in greedy) / 4 == pytest.approx(results["after"][name])
+    assert all(r["trajectory"].split(":")[0] in ("answer", "retrieve", "invalid") for r in predicted)
+    stored = torch.load(tmp_path / "whole" / "ppo" / "policy_and_value.pt", weights_only=True)
+    assert stored and all("lora_" in k or "trainable_tokens" in k or k == "value_head.weight" for k in stored)
+
+
+def test_two_processes_train_untied_embeddings_and_save_each_ones_random_states(tmp_path):
+    """DDP on CPU (gloo) with an untied LM head: the critic has no LM head, so no parameter goes without gradient;
+    the run's folder name comes from rank 0; each process's random states are saved for --resume."""
+    env = {**os.environ, "HF_HUB_OFFLINE": "1", "TOKENIZERS_PARALLELISM": "false", "OMP_NUM_THREADS": "1",
+           "PYTHONPATH": os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")]))}
+    launch = [sys.executable, "-m", "accelerate.commands.launch", "--multi_gpu", "--num_processes", "2",
+              "--num_machines", "1", "--mixed_precision", "no", "--dynamo_backend", "no", str(ROOT / "smartrag.py"),
+              "--train", "--run_name", "ddp", "--data_dir", str(ROOT / "data/toy"), "--model", TINY_LM + ",tie=0",
+              "--n_train", "16", "--n_eval", "4",
+              "--base_pretrain_steps", "0", "--sft_steps", "2", "--sft_batch_size", "8", "--ppo_iterations", "2",
+              "--rollout_batch", "4", "--ppo_batch_size", "8", "--eval_every", "1"]
+    done = subprocess.run(launch, check=False, cwd=tmp_path, capture_output=True, text=True, env=env)
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert sorted(p.name for p in (tmp_path / "runs").iterdir()) == ["ddp"]  # one folder for both processes
+    results = check_contract(tmp_path / "runs" / "ddp", done.stdout)
+    assert results["train_steps"] == {"sft": 2, "ppo": 2} and results["args"]["run_name"] == "ddp"
+    assert done.stdout.count("RESULT ") == 1  # the main process writes
+    state = json.loads((tmp_path / "runs" / "ddp" / "ppo" / "run_state.json").read_text())
+    assert len(state["rng"]) == 2 and state["rng"][0]["own"] != state["rng"][1]["own"]  # rank-seeded row sampling
+    again = subprocess.run(launch + ["--resume"], check=False, cwd=tmp_path, capture_output=True, text=True, env=env)
+    assert again.returncode == 0 and again.stdout.count("resumed PPO at iteration 2") == 1, again.stderr[-3000:]
