@@ -1,4 +1,5 @@
 """QA datasets in the FlashRAG jsonl format, with validation that names the file and line."""
+
 import json
 import random
 import warnings
@@ -24,8 +25,9 @@ def iter_jsonl(path, required=()):
             try:
                 line = raw.decode("utf-8-sig" if lineno == 1 else "utf-8")
             except UnicodeDecodeError as e:
-                raise DataError(f"{path}:{lineno}: not valid UTF-8 (byte 0x{raw[e.start]:02x} at column {e.start + 1})"
-                                ) from None
+                raise DataError(
+                    f"{path}:{lineno}: not valid UTF-8 (byte 0x{raw[e.start]:02x} at column {e.start + 1})"
+                ) from None
             if not line.strip():
                 continue
             try:
@@ -99,8 +101,11 @@ def load_split(data_dir, split, types=""):
         return rows
     present = sorted({str(r["metadata"]["type"]) for r in rows if r["metadata"].get("type") is not None})
     if not present:
-        warnings.warn(f"{path}: no row has a metadata 'type', so the type filter {','.join(wanted)} is ignored "
-                      f"(all {len(rows)} rows used)", stacklevel=2)
+        warnings.warn(
+            f"{path}: no row has a metadata 'type', so the type filter {','.join(wanted)} is ignored "
+            f"(all {len(rows)} rows used)",
+            stacklevel=2,
+        )
         return rows
     kept = [r for r in rows if r["metadata"].get("type") in wanted]
     if not kept:

@@ -2,11 +2,13 @@
 
 `generate` is what rollouts use: one left-padded `model.generate` call per batch, returning the texts and the generated
 token ids (PPO's `loss_mask` covers exactly those ids). `make_llm(spec)` gives a frozen LLM with one method,
-`.chat(messages_lists, **sampling) -> list[str]`, behind three backends chosen by the spec string:
+`.chat(messages_lists, **sampling) -> list[str]`, behind two backends chosen by the spec string:
 "hf:<name or folder>" a local transformers model, "http(s)://<host>/v1" any OpenAI-compatible chat endpoint
-(vLLM, SGLang, ...; stdlib urllib, retries, a thread pool), "toy:<world dir>" the toy reader of that world ("toy":
-the committed data/toy). `unknown_words` lists the words of a text that a tokenizer can only read as its unk token.
+(vLLM, SGLang, ...; stdlib urllib, retries, a thread pool). `unknown_words` lists the words of a text that a
+tokenizer can only read as its unk token. This module knows nothing of the toy world: common.models adds its
+`toy-lm` models and `toy:<world>` reader, and method files load through there.
 """
+
 import http.client
 import json
 import os
@@ -20,8 +22,7 @@ from pathlib import Path
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer, PreTrainedTokenizerFast, StoppingCriteriaList
 
-REPO_ROOT = Path(__file__).resolve().parent.parent
-LLM_SPECS = '"hf:<model name or folder>", "http(s)://<host>/v1" (an OpenAI-compatible endpoint), "toy", "toy:<world dir>"'
+LLM_SPECS = '"hf:<model name or folder>", "http(s)://<host>/v1" (an OpenAI-compatible endpoint)'
 # A checkpoint's generation_config.json may carry its own processors (Qwen2.5-Instruct: repetition_penalty=1.05).
 # They are switched off so that samples follow exactly the distribution asked for (PPO recomputes its log-probs).
 PLAIN_SAMPLING = dict(repetition_penalty=1.0, no_repeat_ngram_size=0, typical_p=1.0, min_p=None)
@@ -36,22 +37,13 @@ class LLMRequestError(RuntimeError):
     """A request to an LLM endpoint failed (after the retries, where retrying made sense)."""
 
 
-def load_model_and_tokenizer(name_or_path, dtype=None, device=None, lora=None, trust_remote_code=False, world=None):
+def load_model_and_tokenizer(
+    name_or_path, dtype=None, device=None, lora=None, trust_remote_code=False, load_base=None
+):
     """(model, tokenizer) from a hub id or a local folder; the tokenizer pads on the left; `lora` wraps it with peft.
-    "toy-lm[:options]" builds a tiny model whose vocabulary is the toy world in folder `world` (required there, the
-    --data_dir trained on; other names ignore it). A folder saved from a toy-lm loads its own saved tokenizer."""
+    A LoRA folder loads the base model it names with `load_base` (default: this function; common.models passes its
+    own, which also knows the toy world's base models) and its adapters, trainable."""
     name = str(name_or_path)
-    if name == "toy-lm" or name.startswith("toy-lm:"):
-        if world is None:
-            raise ModelLoadError(f"{name!r} takes its vocabulary from a toy world: pass world=<folder> (--data_dir)")
-        from common.toy_lm import load_toy_lm  # a sentinel name, like a hub id; the only import of the toy model code
-
-        try:
-            model, tokenizer = load_toy_lm(name, dtype=dtype, device=device, world=world)
-        except (FileNotFoundError, ValueError) as e:  # no world there (common.data.DataError is a ValueError)
-            raise ModelLoadError(f"cannot build {name!r}: {e}") from None
-        model.name_or_path = name  # what a LoRA checkpoint records as its base
-        return (model if lora is None else add_lora(model, lora)), tokenizer
     local = (folder := Path(name).expanduser()).is_dir()
     if not local and name.startswith(("/", "./", "../", "~", ".\\")):
         raise ModelLoadError(f"model folder {name!r} does not exist")
@@ -62,14 +54,16 @@ def load_model_and_tokenizer(name_or_path, dtype=None, device=None, lora=None, t
         if local and (folder / "adapter_config.json").is_file():  # LoRA: the base it names, resized, then trainable
             from peft import PeftConfig, PeftModel  # adapters (added tokens' rows: saved with them, trainable tokens)
 
-            model, _ = load_model_and_tokenizer(PeftConfig.from_pretrained(folder).base_model_name_or_path, dtype,
-                                                trust_remote_code=trust_remote_code, world=world)
+            base = PeftConfig.from_pretrained(folder).base_model_name_or_path
+            model, _ = (load_base or load_model_and_tokenizer)(base, dtype, trust_remote_code=trust_remote_code)
             model.resize_token_embeddings(len(tokenizer), mean_resizing=False)
             model = PeftModel.from_pretrained(model, folder, is_trainable=True)
         else:
             model = AutoModelForCausalLM.from_pretrained(source, **options, **({"dtype": dtype} if dtype else {}))
     except (OSError, ValueError) as e:
-        where = "local folder" if local else "hub id (not a local folder; no network, HF_HUB_OFFLINE=1, or a wrong name?)"
+        where = (
+            "local folder" if local else "hub id (not a local folder; no network, HF_HUB_OFFLINE=1, or a wrong name?)"
+        )
         reason = str(e).strip().split("\n")[0] or type(e).__name__
         raise ModelLoadError(f"cannot load model {name!r} as a {where}: {reason}") from None
     tokenizer.padding_side = "left"
@@ -80,7 +74,7 @@ def load_model_and_tokenizer(name_or_path, dtype=None, device=None, lora=None, t
 
 
 def tokenizer_class_for(folder):
-    """PreTrainedTokenizerFast when a local folder's tokenizer_config.json names that generic class, else AutoTokenizer."""
+    """PreTrainedTokenizerFast when a local folder's tokenizer_config.json names that class, else AutoTokenizer."""
     # transformers 5 loads the tokenizer of any qwen2 checkpoint as Qwen2Tokenizer, which rebuilds a byte-level BPE
     # from the vocabulary and silently breaks e.g. a word-level tokenizer.json; the class the folder names is honoured.
     if folder is None or not (config := folder / "tokenizer_config.json").is_file():
@@ -111,6 +105,14 @@ def add_lora(model, lora):
     return get_peft_model(model, config)
 
 
+def backbone_of(model):
+    """The transformer body of a causal LM (LoRA layers included), without its LM head: a critic's trunk."""
+    model = (
+        model.get_base_model() if hasattr(model, "get_base_model") else model
+    )  # peft: the wrapped transformers model
+    return model.base_model
+
+
 @dataclass
 class Generation:
     """The outputs of one batched generation, one entry per prompt."""
@@ -123,8 +125,11 @@ class Generation:
 
 
 def chat_prompts(tokenizer, messages_batch):
-    """Prompt strings of lists of {"role", "content"} messages, through the chat template with the generation prompt."""
-    return [tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True) for messages in messages_batch]
+    """Prompt strings of {"role", "content"} message lists, through the chat template with the generation prompt."""
+    return [
+        tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+        for messages in messages_batch
+    ]
 
 
 def chat_generate(model, tokenizer, messages_batch, **gen_kwargs):
@@ -159,9 +164,20 @@ def eos_ids_of(model, tokenizer):
 
 
 @torch.no_grad()
-def generate(model, tokenizer, prompts, max_new_tokens, do_sample=True, temperature=1.0, top_p=1.0, top_k=0, stop=(),
-             seed=None, num_beams=1):
-    """Continue prompts (strings or id lists) in one left-padded model.generate call; a stop string ends a text, kept in it."""
+def generate(
+    model,
+    tokenizer,
+    prompts,
+    max_new_tokens,
+    do_sample=True,
+    temperature=1.0,
+    top_p=1.0,
+    top_k=0,
+    stop=(),
+    seed=None,
+    num_beams=1,
+):
+    """Continue prompts (strings or id lists) in one left-padded model.generate call; a stop string ends a text."""
     if not prompts:
         return Generation([], [], [], [])
     stop = as_list(stop)
@@ -175,10 +191,18 @@ def generate(model, tokenizer, prompts, max_new_tokens, do_sample=True, temperat
         torch.manual_seed(seed)  # seeds every device; under DDP pass a different seed per process
     stopping = StoppingCriteriaList([stop_criterion(tokenizer, stop, input_ids.shape[1])] if stop else [])
     # position ids follow attention_mask (cumsum - 1), so padding does not shift positions
-    output = model.generate(input_ids=input_ids.to(model.device), attention_mask=attention_mask.to(model.device),
-                            max_new_tokens=max_new_tokens, do_sample=do_sample, num_beams=num_beams, **sampling,
-                            **PLAIN_SAMPLING, eos_token_id=eos_ids, pad_token_id=tokenizer.pad_token_id,
-                            stopping_criteria=stopping)
+    output = model.generate(
+        input_ids=input_ids.to(model.device),
+        attention_mask=attention_mask.to(model.device),
+        max_new_tokens=max_new_tokens,
+        do_sample=do_sample,
+        num_beams=num_beams,
+        **sampling,
+        **PLAIN_SAMPLING,
+        eos_token_id=eos_ids,
+        pad_token_id=tokenizer.pad_token_id,
+        stopping_criteria=stopping,
+    )
     rows = [finish_row(ids, tokenizer, stop, eos_ids) for ids in output[:, input_ids.shape[1] :].tolist()]
     texts, token_ids, finished = (list(column) for column in zip(*rows))
     return Generation(texts, token_ids, prompt_ids, finished)
@@ -226,10 +250,6 @@ def cut_at_stop(ids, decode, stop):
 def make_llm(spec, **kw):
     """A frozen LLM with .chat(messages_lists, **sampling) -> list[str], chosen by a spec string (see LLM_SPECS)."""
     spec = str(spec)
-    if spec == "toy" or spec.startswith("toy:"):
-        from common.toy import ToyReader
-
-        return ToyReader(spec[len("toy:") :] or REPO_ROOT / "data" / "toy", **kw)
     if spec.startswith("hf:") and spec[len("hf:") :]:
         return HFChatLLM(spec[len("hf:") :], **kw)
     if spec.startswith(("http://", "https://")):
@@ -250,7 +270,9 @@ class HFChatLLM:
         replies = []
         for start in range(0, len(messages_lists), self.batch_size):
             batch = messages_lists[start : start + self.batch_size]
-            sampling = dict(do_sample=temperature > 0, temperature=temperature or 1.0, top_p=top_p, stop=stop, seed=seed)
+            sampling = dict(
+                do_sample=temperature > 0, temperature=temperature or 1.0, top_p=top_p, stop=stop, seed=seed
+            )
             replies += chat_generate(self.model, self.tokenizer, batch, max_new_tokens=max_tokens, **sampling).texts
         return replies
 
@@ -258,7 +280,9 @@ class HFChatLLM:
 class EndpointLLM:
     """An OpenAI-compatible chat endpoint; the API key comes from the environment variable `api_key_env`."""
 
-    def __init__(self, url, model=None, api_key_env="OPENAI_API_KEY", timeout=120.0, max_retries=5, backoff=1.0, workers=16):
+    def __init__(
+        self, url, model=None, api_key_env="OPENAI_API_KEY", timeout=120.0, max_retries=5, backoff=1.0, workers=16
+    ):
         if not model:
             raise ValueError(f"{url}: an endpoint LLM needs model=<the served model name>")
         self.url = url.rstrip("/") + "/chat/completions"
@@ -274,7 +298,7 @@ class EndpointLLM:
             return list(pool.map(lambda messages: self.complete({**body, "messages": messages}), messages_lists))
 
     def complete(self, body):
-        """The reply to one chat completion request, retrying 408/429/5xx and connection errors with exponential backoff."""
+        """The reply to one chat completion request, retrying 408/429/5xx and connection errors with backoff."""
         key = os.environ.get(self.api_key_env)
         headers = {"Content-Type": "application/json", **({"Authorization": f"Bearer {key}"} if key else {})}
         request = urllib.request.Request(self.url, data=json.dumps(body).encode(), headers=headers)

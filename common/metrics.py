@@ -16,9 +16,10 @@
 Gold answers are a list of strings or one string; an empty list scores 0. FlashRAG's regex mode for the
 curatedtrec data set (gold answers as patterns) is not reproduced.
 """
+
 import re
 import string
-from collections import Counter
+from collections import Counter, defaultdict
 
 _ARTICLES = re.compile(r"\b(a|an|the)\b")
 _PUNCT = set(string.punctuation)  # ASCII only, as in FlashRAG
@@ -73,3 +74,38 @@ def doc_recall(retrieved_ids, gold_ids):
     """Fraction of the gold (supporting) document ids found among the retrieved ids; 1.0 when there are none."""
     gold = set(gold_ids)
     return len(gold & set(retrieved_ids)) / len(gold) if gold else 1.0
+
+
+def answer_scores(prediction, golds):
+    """EM, F1 and acc (FlashRAG's Sub_ExactMatch: a gold alias inside the prediction) of one prediction."""
+    return {
+        "em": exact_match(prediction, golds),
+        "f1": f1_score(prediction, golds),
+        "acc": sub_exact_match(prediction, golds),
+    }
+
+
+def summarize(records, rows, distributions=None):
+    """Means of the records' numeric fields (one record per question, a field absent from some records averaged over
+    those that have it) overall and by metadata group ("type=...", "popular=...", "answerable=..."), each with its
+    count n, as {**overall, "groups": {group: {...}}}. `distributions` maps categorical fields to the key of their
+    shares (e.g. {"strategy": "strategies"})."""
+    distributions, groups = distributions or {}, defaultdict(list)
+    for record, row in zip(records, rows):
+        meta = row.get("metadata") or {}
+        for key in ["all"] + [f"{k}={meta[k]}" for k in ("type", "popular", "answerable") if k in meta]:
+            groups[key].append(record)
+
+    def summary(group):
+        out = {}
+        for name in dict.fromkeys(k for r in group for k in r):
+            values = [r[name] for r in group if name in r]
+            if name in distributions:
+                counts = Counter(values)
+                out[distributions[name]] = {v: counts[v] / len(values) for v in sorted(counts)}
+            else:
+                out[name] = sum(values) / len(values)
+        return out | {"n": len(group)}
+
+    out = {key: summary(group) for key, group in groups.items()}
+    return out.pop("all") | {"groups": out}

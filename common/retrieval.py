@@ -18,6 +18,7 @@ TF-IDF vectors are dense (passages x vocabulary, float32), so TF-IDF refuses cor
 bm25s builder does (English stopwords), but does not stem unless asked, since PyStemmer is not a dependency:
 `pip install PyStemmer` and build with `--stemmer english` (BM25Retriever.build(corpus, stemmer="english")).
 """
+
 import argparse
 import json
 import math
@@ -37,8 +38,13 @@ ENCODER_PRESETS = {  # matched against the lowercased model name, first hit wins
     "contriever": dict(pooling="mean", query_prefix="", passage_prefix=""),
     "e5": dict(pooling="mean", query_prefix="query: ", passage_prefix="passage: "),
 }
-BM25_FILES = ("params.index.json", "vocab.index.json", "data.csc.index.npy", "indices.csc.index.npy",
-              "indptr.csc.index.npy")  # what bm25s.BM25.save writes (k1, b, method; vocabulary; sparse scores)
+BM25_FILES = (
+    "params.index.json",
+    "vocab.index.json",
+    "data.csc.index.npy",
+    "indices.csc.index.npy",
+    "indptr.csc.index.npy",
+)  # what bm25s.BM25.save writes (k1, b, method; vocabulary; sparse scores)
 # Most cells (passages x vocabulary words) of a TF-IDF index: 0.4 GB of float32, and a build holds about two
 # copies: 4,900 100-word passages x 20,081 words built with a peak RSS of 851 MiB. The toy world is 401 x 526;
 # wiki-18 passages (about 16,000 words in 1,000) would reach the limit at about 3,000 passages.
@@ -51,6 +57,7 @@ class EncoderLoadError(ValueError):
 
 
 # ---------------------------------------------------------------- corpus
+
 
 def split_contents(contents):
     """'"Title"\\ntext' -> ("Title", "text"); contents without a newline -> ("", contents)."""
@@ -89,6 +96,7 @@ def make_hit(doc, score):
 
 
 # ---------------------------------------------------------------- encoders
+
 
 def tokenize_words(text):
     """Lowercase words: runs of letters and digits (anything else separates)."""
@@ -149,11 +157,25 @@ def pool(last_hidden_state, attention_mask, pooling):
 class HFEncoder:
     """A transformers encoder (AutoModel) with pooling, query/passage prefixes and L2-normalised outputs."""
 
-    def __init__(self, name_or_path, pooling="mean", query_prefix="", passage_prefix="", max_length=512,
-                 batch_size=64, device=None):
+    def __init__(
+        self,
+        name_or_path,
+        pooling="mean",
+        query_prefix="",
+        passage_prefix="",
+        max_length=512,
+        batch_size=64,
+        device=None,
+    ):
         import torch
         from transformers import AutoModel, AutoTokenizer
-        self.name_or_path, self.pooling, self.max_length, self.batch_size = name_or_path, pooling, max_length, batch_size
+
+        self.name_or_path, self.pooling, self.max_length, self.batch_size = (
+            name_or_path,
+            pooling,
+            max_length,
+            batch_size,
+        )
         self.query_prefix, self.passage_prefix = query_prefix, passage_prefix
         self.device = device or ("cuda" if torch.cuda.is_available() else "cpu")
         local = Path(name_or_path).is_dir()
@@ -162,21 +184,29 @@ class HFEncoder:
             self.model = AutoModel.from_pretrained(name_or_path, local_files_only=local).to(self.device).eval()
         except (OSError, ValueError) as e:
             offline = os.environ.get("HF_HUB_OFFLINE", "")
-            raise EncoderLoadError(f"cannot load encoder {name_or_path!r}: not 'tfidf' or 'bm25', not a local "
-                                   f"folder and not loadable from the hub (offline: HF_HUB_OFFLINE={offline!r}); "
-                                   f"download it first or pass a local folder. ({str(e).splitlines()[0]})") from None
+            raise EncoderLoadError(
+                f"cannot load encoder {name_or_path!r}: not 'tfidf' or 'bm25', not a local "
+                f"folder and not loadable from the hub (offline: HF_HUB_OFFLINE={offline!r}); "
+                f"download it first or pass a local folder. ({str(e).splitlines()[0]})"
+            ) from None
         self.dim = self.model.config.hidden_size
 
     def encode(self, texts, is_query=False):
         """(len(texts), dim) float32 rows of norm 1, in batches (a progress bar for long passage lists)."""
         import torch
+
         prefix = self.query_prefix if is_query else self.passage_prefix
         texts = [prefix + t for t in texts]
         starts = range(0, len(texts), self.batch_size)
         chunks = [np.zeros((0, self.dim), dtype=np.float32)]
         for start in tqdm(starts, desc="encode", leave=False, disable=is_query or len(starts) < 2):
-            batch = self.tokenizer(texts[start:start + self.batch_size], padding=True, truncation=True,
-                                   max_length=self.max_length, return_tensors="pt").to(self.device)
+            batch = self.tokenizer(
+                texts[start : start + self.batch_size],
+                padding=True,
+                truncation=True,
+                max_length=self.max_length,
+                return_tensors="pt",
+            ).to(self.device)
             with torch.inference_mode():
                 states = self.model(**batch).last_hidden_state
                 vectors = torch.nn.functional.normalize(pool(states, batch["attention_mask"], self.pooling), dim=-1)
@@ -185,8 +215,14 @@ class HFEncoder:
 
     def spec(self):
         """What load needs to rebuild this encoder (device and batch size are chosen at load time)."""
-        return {"name": "hf", "name_or_path": str(self.name_or_path), "pooling": self.pooling,
-                "query_prefix": self.query_prefix, "passage_prefix": self.passage_prefix, "max_length": self.max_length}
+        return {
+            "name": "hf",
+            "name_or_path": str(self.name_or_path),
+            "pooling": self.pooling,
+            "query_prefix": self.query_prefix,
+            "passage_prefix": self.passage_prefix,
+            "max_length": self.max_length,
+        }
 
 
 def encoder_preset(name):
@@ -199,7 +235,7 @@ def encoder_preset(name):
 
 
 def make_encoder(name, **kwargs):
-    """"tfidf" -> TfidfEncoder (unfitted); else HFEncoder with the name's preset, overridden by kwargs."""
+    """ "tfidf" -> TfidfEncoder (unfitted); else HFEncoder with the name's preset, overridden by kwargs."""
     if name == "tfidf":
         return TfidfEncoder(**kwargs)
     return HFEncoder(name, **{**encoder_preset(name), **kwargs})
@@ -214,6 +250,7 @@ def encoder_from_spec(spec, **kwargs):
 
 
 # ---------------------------------------------------------------- retriever folders
+
 
 def resolve_corpus(corpus):
     """A corpus given as a jsonl path or as docs -> (its absolute path, or None for docs; the docs)."""
@@ -249,8 +286,9 @@ def read_folder(folder, kind, files, corpus=None):
     folder, meta_path = Path(folder), Path(folder) / "retriever.json"
     meta = json.loads(meta_path.read_text()) if meta_path.is_file() else {}
     if meta and meta.get("kind", "dense") != kind:  # folders saved before BM25 folders existed have no kind: dense
-        raise DataError(f"{meta_path}: field 'kind' is {meta.get('kind')!r}, not {kind!r} (load_retriever "
-                        "opens either kind)")
+        raise DataError(
+            f"{meta_path}: field 'kind' is {meta.get('kind')!r}, not {kind!r} (load_retriever opens either kind)"
+        )
     for name in ("retriever.json", "doc_ids.json", *files):
         if not (folder / name).is_file():
             raise DataError(f"{folder}: missing {name} (not a folder written by `python -m common.retrieval build`)")
@@ -261,8 +299,10 @@ def read_folder(folder, kind, files, corpus=None):
     else:
         corpus_path, docs = resolve_corpus(corpus)
     if [d["id"] for d in docs] != doc_ids:
-        raise DataError(f"{folder}: the corpus {corpus_path or '(given)'} does not match doc_ids.json "
-                        f"({len(docs)} vs {len(doc_ids)} passages, or a different order)")
+        raise DataError(
+            f"{folder}: the corpus {corpus_path or '(given)'} does not match doc_ids.json "
+            f"({len(docs)} vs {len(doc_ids)} passages, or a different order)"
+        )
     return meta, docs, corpus_path
 
 
@@ -289,9 +329,11 @@ def open_retriever(index, corpus, encoder="tfidf"):
 
 # ---------------------------------------------------------------- dense retrieval
 
+
 def new_index(dim, index_factory, encoder, texts, train_size, seed=0):
     """An empty inner-product faiss index from a factory string, trained on a sample of texts if it needs it."""
     import faiss
+
     index = faiss.index_factory(dim, index_factory, faiss.METRIC_INNER_PRODUCT)
     if not index.is_trained:
         rng = np.random.default_rng(seed)
@@ -320,11 +362,12 @@ class DenseRetriever:
                 raise EncoderLoadError(
                     f"TF-IDF over {len(texts)} passages x {encoder.dim} words is a dense {gb:.1f} GB matrix "
                     f"(more than TFIDF_MAX_CELLS = {TFIDF_MAX_CELLS:.0e} cells): use --encoder bm25, or a dense "
-                    "encoder such as intfloat/e5-base-v2 with `python -m common.retrieval build`")
+                    "encoder such as intfloat/e5-base-v2 with `python -m common.retrieval build`"
+                )
         index = new_index(encoder.dim, index_factory, encoder, texts, train_size)
         starts = range(0, len(texts), chunk_size)
         for start in tqdm(starts, desc="index", disable=len(starts) < 2):
-            index.add(encoder.encode(texts[start:start + chunk_size]))
+            index.add(encoder.encode(texts[start : start + chunk_size]))
         return cls(index, docs, encoder, corpus_path, index_factory)
 
     def search(self, queries, k):
@@ -334,20 +377,25 @@ class DenseRetriever:
         if not queries:
             return []
         scores, ids = self.index.search(self.encoder.encode(list(queries), is_query=True), min(k, self.index.ntotal))
-        return [[make_hit(self.corpus[i], s) for i, s in zip(row_ids, row_scores) if i >= 0]
-                for row_ids, row_scores in zip(ids, scores)]
+        return [
+            [make_hit(self.corpus[i], s) for i, s in zip(row_ids, row_scores) if i >= 0]
+            for row_ids, row_scores in zip(ids, scores)
+        ]
 
     def save(self, folder):
         """Write index.faiss, doc_ids.json, retriever.json (and corpus.jsonl if built from a list), atomically."""
         import faiss
+
         meta = {"kind": "dense", "encoder": self.encoder.spec(), "index_factory": self.index_factory}
-        write_folder(folder, self, meta, 
-                     lambda f: atomic_write(f / "index.faiss", lambda p: faiss.write_index(self.index, p)))
+        write_folder(
+            folder, self, meta, lambda f: atomic_write(f / "index.faiss", lambda p: faiss.write_index(self.index, p))
+        )
 
     @classmethod
     def load(cls, folder, corpus=None, encoder=None, **encoder_kwargs):
         """Load a saved retriever; corpus (docs or path) defaults to the recorded one, encoder to the saved spec."""
         import faiss
+
         meta, docs, corpus_path = read_folder(folder, "dense", ["index.faiss"], corpus)
         index = faiss.read_index(str(Path(folder) / "index.faiss"))
         encoder = encoder or encoder_from_spec(meta["encoder"], **encoder_kwargs)
@@ -356,6 +404,7 @@ class DenseRetriever:
 
 # ---------------------------------------------------------------- BM25
 
+
 def make_stemmer(language):
     """A PyStemmer stemmer for bm25s, e.g. "english" (None: no stemming); PyStemmer is optional, not a dependency."""
     if language is None:
@@ -363,8 +412,9 @@ def make_stemmer(language):
     try:
         import Stemmer
     except ImportError:
-        raise EncoderLoadError(f"BM25 stemming ({language!r}) needs PyStemmer: pip install PyStemmer, or leave "
-                               "stemming off") from None
+        raise EncoderLoadError(
+            f"BM25 stemming ({language!r}) needs PyStemmer: pip install PyStemmer, or leave stemming off"
+        ) from None
     return Stemmer.Stemmer(language)
 
 
@@ -379,6 +429,7 @@ class BM25Retriever:
     def build(cls, corpus, stopwords="en", stemmer=None, k1=1.5, b=0.75):
         """Index a corpus (list of docs or jsonl path) with BM25; stemmer: a PyStemmer language such as "english"."""
         import bm25s
+
         corpus_path, docs = resolve_corpus(corpus)
         retriever = cls(bm25s.BM25(k1=k1, b=b), docs, stopwords, stemmer, corpus_path)
         retriever.model.index(retriever.tokenize([d["contents"] for d in docs]), show_progress=False)
@@ -387,8 +438,10 @@ class BM25Retriever:
     def tokenize(self, texts, return_ids=True):
         """bm25s tokens of texts: lowercased words of 2+ characters, stopwords removed, stemmed if asked."""
         import bm25s
-        return bm25s.tokenize(list(texts), stopwords=self.stopwords, stemmer=self.stem, return_ids=return_ids,
-                              show_progress=False)
+
+        return bm25s.tokenize(
+            list(texts), stopwords=self.stopwords, stemmer=self.stem, return_ids=return_ids, show_progress=False
+        )
 
     def save(self, folder):
         """Write bm25s's own files, doc_ids.json, retriever.json (and corpus.jsonl if built from a list)."""
@@ -399,6 +452,7 @@ class BM25Retriever:
     def load(cls, folder, corpus=None):
         """Load a saved BM25 folder; corpus (docs or path) defaults to the recorded one."""
         import bm25s
+
         meta, docs, corpus_path = read_folder(folder, "bm25", BM25_FILES, corpus)
         model = bm25s.BM25.load(str(folder), show_progress=False)
         return cls(model, docs, meta["stopwords"], meta["stemmer"], corpus_path)
@@ -411,11 +465,14 @@ class BM25Retriever:
             return []
         tokens = self.tokenize(queries, return_ids=False)
         ids, scores = self.model.retrieve(tokens, k=min(k, len(self.corpus)), show_progress=False)
-        return [[make_hit(self.corpus[i], s) for i, s in zip(row_ids, row_scores)]
-                for row_ids, row_scores in zip(ids, scores)]
+        return [
+            [make_hit(self.corpus[i], s) for i, s in zip(row_ids, row_scores)]
+            for row_ids, row_scores in zip(ids, scores)
+        ]
 
 
 # ---------------------------------------------------------------- CLI
+
 
 def parse_args(argv=None):
     """Command line: `build` an index folder, or `search` one."""
@@ -423,10 +480,15 @@ def parse_args(argv=None):
     sub = parser.add_subparsers(dest="command", required=True)
     build = sub.add_parser("build", help="encode a corpus jsonl and save a retriever folder")
     build.add_argument("--corpus", required=True, help="FlashRAG corpus jsonl ({'id', 'contents'} per line)")
-    build.add_argument("--encoder", required=True,
-                       help="'tfidf', 'bm25', a hub id or a local folder (e5/bge/contriever presets)")
-    build.add_argument("--stemmer", default=None, help="BM25 only: stem with PyStemmer, e.g. english (not installed "
-                       "with this project: pip install PyStemmer); default: no stemming")
+    build.add_argument(
+        "--encoder", required=True, help="'tfidf', 'bm25', a hub id or a local folder (e5/bge/contriever presets)"
+    )
+    build.add_argument(
+        "--stemmer",
+        default=None,
+        help="BM25 only: stem with PyStemmer, e.g. english (not installed "
+        "with this project: pip install PyStemmer); default: no stemming",
+    )
     build.add_argument("--out", required=True, help="folder to write the retriever to")
     build.add_argument("--index_factory", default="Flat", help="faiss factory string, e.g. Flat, IVF4096,Flat, HNSW32")
     build.add_argument("--train_size", type=int, default=100_000, help="passages sampled to train an IVF/PQ index")
@@ -451,10 +513,14 @@ def main(argv=None):
     elif args.command == "build":
         if args.stemmer:
             raise EncoderLoadError(f"--stemmer is for --encoder bm25, not {args.encoder!r}")
-        hf_kwargs = {} if args.encoder == "tfidf" else dict(batch_size=args.batch_size, max_length=args.max_length,
-                                                            device=args.device)
-        retriever = DenseRetriever.build(args.corpus, make_encoder(args.encoder, **hf_kwargs), args.index_factory,
-                                         train_size=args.train_size)
+        hf_kwargs = (
+            {}
+            if args.encoder == "tfidf"
+            else dict(batch_size=args.batch_size, max_length=args.max_length, device=args.device)
+        )
+        retriever = DenseRetriever.build(
+            args.corpus, make_encoder(args.encoder, **hf_kwargs), args.index_factory, train_size=args.train_size
+        )
         retriever.save(args.out)
         print(f"indexed {retriever.index.ntotal} passages ({args.encoder}, {args.index_factory}) into {args.out}")
     else:
@@ -465,4 +531,5 @@ def main(argv=None):
 
 if __name__ == "__main__":
     from common.runs import run_main  # a user's mistake (missing corpus, unknown encoder ...): one line, exit 2
+
     run_main(main)

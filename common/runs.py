@@ -1,6 +1,7 @@
 """What a run leaves on disk, the same for every method file: its folder runs/<run_name>, checkpoints written
 atomically (a crash never leaves a half-written one) that --resume continues with their arguments and random states,
 metrics.jsonl and results.json with the final `RESULT {...}` line; run_main ends a user's mistake in one line."""
+
 import json
 import random
 import shutil
@@ -11,6 +12,7 @@ from pathlib import Path
 
 import numpy as np
 import torch
+import torch.nn.functional as F
 
 STATE = "run_state.json"
 # arguments that never change what a run computes (the modes excepted): a resumed run may differ in these only
@@ -70,9 +72,15 @@ def make_accelerator(report_to="none", project_dir=None):
     if report_to != "none" and not importlib.util.find_spec(report_to):  # the choices: Args (argparse)
         raise SystemExit(f"--report_to {report_to} needs the {report_to} package (pip install {report_to})")
     cuda = torch.cuda.is_available()
-    precision = os.environ.get("ACCELERATE_MIXED_PRECISION") or ("bf16" if cuda and torch.cuda.is_bf16_supported() else "no")
-    return Accelerator(cpu=not cuda, mixed_precision=precision, project_dir=project_dir,
-                       log_with=None if report_to == "none" else report_to)
+    precision = os.environ.get("ACCELERATE_MIXED_PRECISION") or (
+        "bf16" if cuda and torch.cuda.is_bf16_supported() else "no"
+    )
+    return Accelerator(
+        cpu=not cuda,
+        mixed_precision=precision,
+        project_dir=project_dir,
+        log_with=None if report_to == "none" else report_to,
+    )
 
 
 def start_run(args, method, stages=("sft", "ppo")):
@@ -87,21 +95,136 @@ def start_run(args, method, stages=("sft", "ppo")):
     out = Path(args.output_dir or Path("runs") / args.run_name)
     args.output_dir, saved = str(out), {s: state for s in stages if (state := load_state(out / s)) is not None}
     if bool(saved) != args.resume:
-        raise SystemExit(f"{out} holds a checkpoint ({', '.join(saved)}): pass --resume or another --run_name" if saved
-                         else f"--resume: no checkpoint in {out} (name the run to continue: --run_name/--output_dir)")
+        raise SystemExit(
+            f"{out} holds a checkpoint ({', '.join(saved)}): pass --resume or another --run_name"
+            if saved
+            else f"--resume: no checkpoint in {out} (name the run to continue: --run_name/--output_dir)"
+        )
     for stage, before in ((s, state.get("args") or {}) for s, state in saved.items()):
-        if changed := [f"{k}: {before.get(k)!r} -> {v!r}" for k, v in asdict(args).items() if k not in NOT_COMPARED
-                       and before.get(k) != v]:
+        if changed := [
+            f"{k}: {before.get(k)!r} -> {v!r}"
+            for k, v in asdict(args).items()
+            if k not in NOT_COMPARED and before.get(k) != v
+        ]:
             raise SystemExit(f"--resume: {out / stage} was trained with other arguments ({'; '.join(changed)})")
     return out
+
+
+def parse_args(args_class, argv=None, untrained="the untrained start answers at random"):
+    """The command line as an `args_class` dataclass (HfArgumentParser): one mode of --train, --eval, --ask; --ask
+    needs --model; a checkpoint given as --model without --data_dir brings its world (the data_dir it trained on)."""
+    from transformers import HfArgumentParser
+
+    (args,) = HfArgumentParser(args_class).parse_args_into_dataclasses(args=argv)
+    if not (args.train or args.eval or args.ask):
+        raise SystemExit('choose a mode: --train, --eval or --ask "question" (see --help)')
+    if args.ask and args.model is None:
+        raise SystemExit(f"--ask needs --model: a trained checkpoint (e.g. runs/<run_name>/ppo); {untrained}")
+    if args.data_dir is None and args.model and (state := load_state(args.model)):
+        args.data_dir = state.get("data_dir")  # a checkpoint remembers its world (tokenizer, reader, corpus)
+    return args
+
+
+def start(args, method):
+    """A training run's accelerator and folder: start_run, make_accelerator, the trackers, the global seed."""
+    from transformers import set_seed
+
+    out = start_run(args, method)
+    accelerator = make_accelerator(args.report_to, out)
+    out.mkdir(parents=True, exist_ok=True)
+    accelerator.init_trackers(args.run_name, {k: "None" if v is None else v for k, v in asdict(args).items()})
+    set_seed(args.seed)
+    return accelerator, out
+
+
+def start_eval(args):
+    """An evaluation's accelerator and folder (never a training run's: refuse_training_results), seeded."""
+    from transformers import set_seed
+
+    out = Path(args.output_dir)
+    refuse_training_results(out)
+    accelerator = make_accelerator()
+    out.mkdir(parents=True, exist_ok=True)
+    set_seed(args.seed)
+    return accelerator, out
+
+
+def log_update(accelerator, out, stats, step):
+    """One training update: a metrics.jsonl line, the trackers, and a ` | `-separated console line."""
+    append_metrics(Path(out) / "metrics.jsonl", stats, accelerator.is_main_process)
+    accelerator.log(stats, step=step)
+    accelerator.print(" | ".join(f"{k}={v:.4g}" if isinstance(v, float) else f"{k}={v}" for k, v in stats.items()))
+
+
+def log_eval(accelerator, out, stage, result, step):
+    """An evaluation: a metrics.jsonl line {"stage", "eval"} and its float scalars to the trackers."""
+    append_metrics(Path(out) / "metrics.jsonl", {"stage": stage, "eval": result}, accelerator.is_main_process)
+    accelerator.log({f"eval/{k}": v for k, v in result.items() if isinstance(v, float)}, step=step)
+
+
+def save_training(accelerator, folder, model, tokenizer, state, objects, *rngs):
+    """A resumable checkpoint (call it on every process): the model (save_pretrained), `state` plus every process's
+    random states (python, numpy, torch and `rngs`), and in training.pt the state dicts of `objects` (name -> an object
+    with state_dict(), a list of them, or a state dict itself: value model, optimizers, schedulers, weights)."""
+    from accelerate.utils import gather_object
+
+    accelerator.wait_for_everyone()
+    states = gather_object([rng_states(*rngs)])
+    if accelerator.is_main_process:
+        as_dict = lambda o: o if isinstance(o, dict) else o.state_dict()
+        tensors = {k: [as_dict(x) for x in o] if isinstance(o, list) else as_dict(o) for k, o in objects.items()}
+        save_checkpoint(folder, model, tokenizer, state | {"rng": states}, {"training.pt": tensors})
+
+
+def load_training(accelerator, folder, objects, *rngs):
+    """The state of the checkpoint save_training wrote in `folder` (None if there is none), with the state dicts of
+    `objects` loaded (a module may hold more weights than were saved: its frozen ones) and this process's random states
+    restored (when the process count is the same)."""
+    state = load_state(folder)
+    if state is None:
+        return None
+    saved = torch.load(Path(folder) / "training.pt", map_location="cpu", weights_only=True)
+    for name, obj in objects.items():
+        for o, s in zip(obj, saved[name]) if isinstance(obj, list) else [(obj, saved[name])]:
+            if not isinstance(o, torch.nn.Module):
+                o.load_state_dict(s)
+            elif unexpected := o.load_state_dict(s, strict=False).unexpected_keys:
+                raise SystemExit(f"{folder}: training.pt does not fit this model ({unexpected[:3]} ...)")
+    if len(state["rng"]) == accelerator.num_processes:  # draw on as the uninterrupted run would
+        set_rng_states(state["rng"][accelerator.process_index], *rngs)
+    return state
+
+
+def sft_step(accelerator, model, optimizer, scheduler, ids, labels, attention, micro_batch_size, max_grad_norm=1.0):
+    """One optimizer step of next-token cross-entropy on the labelled tokens (labels != -100: the targets; prompts and
+    padding are -100), summed over the batch and divided by their count, in micro-batches of `micro_batch_size` rows
+    cut to their longest row (gradient accumulation: the same gradient as one pass). Returns the batch's loss."""
+    ids, labels, attention = (t.to(accelerator.device) for t in (ids, labels, attention))  # (B, T) each
+    n_tokens, total = (labels[:, 1:] != -100).sum().clamp(min=1), 0.0
+    optimizer.zero_grad()
+    for m in range(0, len(ids), micro_batch_size):
+        rows, width = slice(m, m + micro_batch_size), int(attention[m : m + micro_batch_size].sum(1).max())
+        logits = model(input_ids=ids[rows, :width], attention_mask=attention[rows, :width]).logits  # (b, t, V)
+        targets = labels[rows, 1:width].flatten()  # token t + 1 is predicted at position t
+        loss = F.cross_entropy(logits[:, :-1].flatten(0, 1).float(), targets, ignore_index=-100, reduction="sum")
+        accelerator.backward(loss / n_tokens)
+        total += (loss / n_tokens).item()
+    accelerator.clip_grad_norm_(model.parameters(), max_grad_norm)
+    optimizer.step()
+    scheduler.step()
+    return total
 
 
 def rng_states(*own):
     """This process's random states (python, numpy, torch's CPU one, the run's random.Random objects) as json."""
     # not CUDA's: every common.llm.generate call reseeds all devices, and GPU runs promise curves, not bits (README)
     numpy = np.random.get_state()
-    return dict(python=random.getstate(), numpy=[numpy[0], numpy[1].tolist(), *numpy[2:]],
-                torch=torch.get_rng_state().tolist(), own=[r.getstate() for r in own])
+    return dict(
+        python=random.getstate(),
+        numpy=[numpy[0], numpy[1].tolist(), *numpy[2:]],
+        torch=torch.get_rng_state().tolist(),
+        own=[r.getstate() for r in own],
+    )
 
 
 def set_rng_states(state, *own):
@@ -123,8 +246,10 @@ def refuse_training_results(out):
         except (json.JSONDecodeError, UnicodeDecodeError, AttributeError):
             mode = "unknown"
         if mode != "eval":
-            raise SystemExit(f"{path} holds the results of a training run: --eval writes next to the model "
-                             f"(<model>/eval) or to its own --output_dir, never over them")
+            raise SystemExit(
+                f"{path} holds the results of a training run: --eval writes next to the model "
+                f"(<model>/eval) or to its own --output_dir, never over them"
+            )
 
 
 def append_metrics(path, record, main_process=True):
@@ -132,6 +257,17 @@ def append_metrics(path, record, main_process=True):
     if main_process:
         with open(path, "a") as f:
             f.write(json.dumps(record) + "\n")
+
+
+def result_record(method, args, before_sft, before, after, steps, wall, llm_calls="llm_calls"):
+    """The project's result contract (results.json): the evaluations before and after the RL or preference stage
+    (`before_sft`: the raw start), the final one's per-question costs, wall time, steps and the arguments."""
+    final = after or before
+    return {"method": method, "mode": "train" if args.train else "eval", "preset": args.preset, "seed": args.seed,
+            "model": args.model, "dataset": args.data_dir, "n_eval": final["n"], "before_sft": before_sft,
+            "before": before, "after": final, "retrievals_per_question": final["retrievals"],
+            "llm_calls_per_question": final[llm_calls], "generated_tokens_per_question": final["generated_tokens"],
+            "wall_s": round(wall, 1), "train_steps": steps, "args": asdict(args)}  # fmt: skip
 
 
 def write_results(out, results, main_process=True):

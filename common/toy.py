@@ -41,6 +41,7 @@ Toy reader protocol (ToyReader.chat; the environment's physics, deterministic, s
      director of zorvak ." (known bridges are filled in), and a last "step n : answer the question .".
 The reader never sees gold answers or question metadata.
 """
+
 import argparse
 import functools
 import json
@@ -56,17 +57,40 @@ TYPES = ("person", "film", "city", "country", "company")
 BASE_COUNTS = {"person": 120, "film": 80, "city": 60, "country": 15, "company": 40}
 POPULAR_SHARE, HIDDEN_SHARE, DECOY_SHARE, DESCRIPTOR_P = 0.3, 0.1, 0.35, 0.5
 YEARS = {"birth_year": (1900, 1979), "release_year": (1930, 1999)}
-SPLIT_SIZES = {"test": {"one_hop": 150, "two_hop": 110, "three_hop": 70, "comparison": 35, "yes_no": 35},
-               "dev": {"one_hop": 60, "two_hop": 45, "three_hop": 30, "comparison": 15, "yes_no": 15}}
+SPLIT_SIZES = {
+    "test": {"one_hop": 150, "two_hop": 110, "three_hop": 70, "comparison": 35, "yes_no": 35},
+    "dev": {"one_hop": 60, "two_hop": 45, "three_hop": 30, "comparison": 15, "yes_no": 15},
+}
 # relation -> (head type, tail type, passage sentence, triple phrase, noun phrase, oracle query word)
 RELATIONS = {
     "born_in": ("person", "city", "{h} was born in {t} .", "born in", "the birthplace of {h}", "born"),
     "birth_year": ("person", "year", "{h} was born in {t} .", "birth year", "the birth year of {h}", "born"),
-    "directed_by": ("film", "person", "{h} is a film directed by {t} .", "directed by", "the director of {h}", "directed"),
-    "release_year": ("film", "year", "{h} was released in {t} .", "release year", "the release year of {h}", "released"),
+    "directed_by": (
+        "film",
+        "person",
+        "{h} is a film directed by {t} .",
+        "directed by",
+        "the director of {h}",
+        "directed",
+    ),
+    "release_year": (
+        "film",
+        "year",
+        "{h} was released in {t} .",
+        "release year",
+        "the release year of {h}",
+        "released",
+    ),
     "country": ("city", "country", "{h} is a city in {t} .", "country", "the country of {h}", "city"),
     "capital": ("country", "city", "the capital of {h} is {t} .", "capital", "the capital of {h}", "capital"),
-    "founded_by": ("company", "person", "{h} is a company founded by {t} .", "founded by", "the founder of {h}", "founded"),
+    "founded_by": (
+        "company",
+        "person",
+        "{h} is a company founded by {t} .",
+        "founded by",
+        "the founder of {h}",
+        "founded",
+    ),
     "located_in": ("company", "city", "{h} is based in {t} .", "based in", "the home city of {h}", "based"),
 }
 TYPE_RELATIONS = {t: [r for r, spec in RELATIONS.items() if spec[0] == t] for t in TYPES}
@@ -124,6 +148,7 @@ FORMAT_WORDS_SET = frozenset(FORMAT_WORDS)
 
 # ---------------------------------------------------------------- generation: entities and facts
 
+
 def make_names(rng, n, taken):
     """n new syllable names (2-3 syllables, one optional coda), each two letters or more from every taken name."""
     names = []
@@ -147,9 +172,12 @@ def near_name(rng, name, taken):
     rng.shuffle(spots)
     for i in spots:
         for v in rng.sample(VOWELS, len(VOWELS)):
-            candidate = name[:i] + v + name[i + 1:]
-            if candidate != name and candidate not in taken and all(
-                    hamming(candidate, other) > 1 for other in taken if other != name):
+            candidate = name[:i] + v + name[i + 1 :]
+            if (
+                candidate != name
+                and candidate not in taken
+                and all(hamming(candidate, other) > 1 for other in taken if other != name)
+            ):
                 taken.add(candidate)
                 return candidate
     return None
@@ -176,8 +204,9 @@ def make_entities(rng, size):
         by_type[etype] = make_names(rng, max(4, round(BASE_COUNTS[etype] * size)), taken)
     cities = by_type["city"]
     countries = by_type["country"]
-    country_of = {c: countries[i % len(countries)] if i < len(countries) else rng.choice(countries)
-                  for i, c in enumerate(cities)}
+    country_of = {
+        c: countries[i % len(countries)] if i < len(countries) else rng.choice(countries) for i, c in enumerate(cities)
+    }
     capital = {k: next(c for c in cities if country_of[c] == k) for k in countries}
     for etype in TYPES:
         names = by_type[etype]
@@ -190,8 +219,13 @@ def make_entities(rng, size):
                 facts["country"] = country_of[name]
             if etype == "country":
                 facts["capital"] = capital[name]
-            entities[name] = {"type": etype, "popular": name in popular, "hidden": name in hidden,
-                              "decoy_of": None, "facts": facts}
+            entities[name] = {
+                "type": etype,
+                "popular": name in popular,
+                "hidden": name in hidden,
+                "decoy_of": None,
+                "facts": facts,
+            }
     for name in sorted(entities):
         if rng.random() < DECOY_SHARE:
             decoy = near_name(rng, name, taken)
@@ -229,6 +263,7 @@ def make_corpus(rng, entities):
 
 # ---------------------------------------------------------------- generation: questions and splits
 
+
 def chain_question(entities, doc_of, rels, start):
     """A chain question row (no id, no descriptor) from a start entity, or None if the chain does not type-check."""
     if entities[start]["type"] != RELATIONS[rels[0]][0]:
@@ -237,8 +272,9 @@ def chain_question(entities, doc_of, rels, start):
     for rel in rels:
         chain.append(entities[chain[-1]]["facts"][rel])
     heads = chain[:-1]
-    return make_row(entities, doc_of, CHAINS[tuple(rels)].format(start), chain[-1], HOP_TYPES[len(rels)],
-                    list(rels), heads, chain)
+    return make_row(
+        entities, doc_of, CHAINS[tuple(rels)].format(start), chain[-1], HOP_TYPES[len(rels)], list(rels), heads, chain
+    )
 
 
 def comparison_question(entities, doc_of, kind, rel, a, b):
@@ -247,21 +283,26 @@ def comparison_question(entities, doc_of, kind, rel, a, b):
     if ya == yb:
         return None
     answer = ("yes" if ya < yb else "no") if kind == "yes_no" else (a if ya < yb else b)
-    return make_row(entities, doc_of, COMPARISONS[(kind, rel)].format(a, b), answer, kind, [rel, rel], [a, b],
-                    [a, b, answer])
+    return make_row(
+        entities, doc_of, COMPARISONS[(kind, rel)].format(a, b), answer, kind, [rel, rel], [a, b], [a, b, answer]
+    )
 
 
 def make_row(entities, doc_of, question, answer, qtype, rels, heads, chain):
     """A FlashRAG QA row with the metadata every method may use (oracle sub-queries, bridges, popularity...)."""
     popular_hops = [entities[h]["popular"] for h in heads]
     meta = {
-        "type": qtype, "hops": len(rels), "relations": rels, "entities": chain,
+        "type": qtype,
+        "hops": len(rels),
+        "relations": rels,
+        "entities": chain,
         "bridge_entities": chain[1:-1] if qtype.endswith("hop") else [],
         "sub_queries": [f"{h} {RELATIONS[r][5]}" for h, r in zip(heads, rels)],
         "sub_answers": [entities[h]["facts"][r] for h, r in zip(heads, rels)],
         "supporting_doc_ids": [doc_of[h] for h in heads if h in doc_of],
         "distractor_doc_ids": sorted({doc_of[d] for d, e in entities.items() if e["decoy_of"] in heads}, key=int),
-        "popular": all(popular_hops), "popular_hops": popular_hops,
+        "popular": all(popular_hops),
+        "popular_hops": popular_hops,
         "answerable": all(p or h in doc_of for p, h in zip(popular_hops, heads)),
         "descriptor": None,
     }
@@ -321,15 +362,25 @@ def add_descriptor(rng, entities, row, forbidden):
     if m["type"] not in HOP_TYPES.values() or rng.random() >= DESCRIPTOR_P:
         return row
     first = m["entities"][0]
-    options = sorted((other, rel) for other, e in entities.items() for rel, tail in e["facts"].items()
-                     if tail == first and not e["decoy_of"] and not e["hidden"] and (other, rel) not in forbidden
-                     and other not in m["entities"])
+    options = sorted(
+        (other, rel)
+        for other, e in entities.items()
+        for rel, tail in e["facts"].items()
+        if tail == first
+        and not e["decoy_of"]
+        and not e["hidden"]
+        and (other, rel) not in forbidden
+        and other not in m["entities"]
+    )
     if not options:
         return row
     other, rel = rng.choice(options)
     described = f"{first} ( {RELATIONS[rel][4].format(h=other)} )"
-    return {**row, "question": row["question"].replace(f" {first} ", f" {described} ", 1),
-            "metadata": {**m, "descriptor": other}}
+    return {
+        **row,
+        "question": row["question"].replace(f" {first} ", f" {described} ", 1),
+        "metadata": {**m, "descriptor": other},
+    }
 
 
 def generate_world(seed=0, size=1.0):
@@ -364,6 +415,7 @@ def write_world(out, seed=0, size=1.0):
 
 # ---------------------------------------------------------------- the world as the reader and augmentation see it
 
+
 @functools.lru_cache(maxsize=8)
 def load_world(world_dir):
     """world.json with indexes: types, popular set, memory of popular facts, near names, renaming pools."""
@@ -371,8 +423,10 @@ def load_world(world_dir):
     if not path.is_file():
         from common.data import DataError  # a user's mistake: one line, no traceback (common.runs.run_main)
 
-        raise DataError(f"{path}: no toy world here (the toy reader and toy-lm need one): pass the world folder, e.g. "
-                        f"--llm toy:data/toy, or write one with python -m common.toy --out {world_dir}")
+        raise DataError(
+            f"{path}: no toy world here (the toy reader and toy-lm need one): pass the world folder, e.g. "
+            f"--llm toy:data/toy, or write one with python -m common.toy --out {world_dir}"
+        )
     world = json.loads(path.read_text(encoding="utf-8"))
     ents = world["entities"]
     world["types"] = {n: e["type"] for n, e in ents.items()}
@@ -382,12 +436,19 @@ def load_world(world_dir):
     for n in ents:
         by_len[(len(n), ents[n]["type"])].append(n)
     world["near"] = {n: [o for o in by_len[(len(n), e["type"])] if hamming(n, o) == 1] for n, e in ents.items()}
-    world["pools"] = {t: sorted(n for n, e in ents.items() if e["type"] == t and not e["popular"] and not e["decoy_of"])
-                      for t in TYPES}
+    world["pools"] = {
+        t: sorted(n for n, e in ents.items() if e["type"] == t and not e["popular"] and not e["decoy_of"])
+        for t in TYPES
+    }
     world["popular_pools"] = {t: sorted(n for n in world["popular"] if ents[n]["type"] == t) for t in TYPES}
     lo, hi = min(y[0] for y in world["years"].values()), max(y[1] for y in world["years"].values())
     world["year_range"] = (lo, hi)
     return world
+
+
+def world_or_none(data_dir):
+    """The toy world in data_dir, or None for a folder without world.json (real data: no renaming)."""
+    return load_world(data_dir) if (Path(data_dir) / "world.json").is_file() else None
 
 
 def rename_entities(texts, world, rng, popular="keep", rename_years=True, searched=()):
@@ -471,6 +532,37 @@ def renamed_row(row, world, rng):
     return dict(row, question=question, golden_answers=golds, rename=(forward, inverse))
 
 
+def rename_rows(rows, world, rng, p):
+    """Each row renamed for one RL episode with probability p (renamed_row; popular questions stay as they are);
+    rows unchanged without a world."""
+    return [renamed_row(r, world, rng) if world and rng.random() < p else r for r in rows]
+
+
+class RenamingEnv:
+    """A frozen retriever and LLM as a renamed question sees them (the RL side of the renaming augmentation): for a
+    row with row["rename"] = (forward, inverse) (renamed_row), queries and prompts go back to the real names and the
+    documents and replies come forward into the row's names; any other row passes through unchanged, so the same
+    object serves real data. search(queries, k, rows) and chat(messages_lists, rows, **sampling): one row per item."""
+
+    def __init__(self, retriever, llm=None):
+        self.retriever, self.llm = retriever, llm
+
+    def search(self, queries, k, rows):
+        back = [apply_mapping([q], r["rename"][1])[0] if r.get("rename") else q for q, r in zip(queries, rows)]
+        hits = self.retriever.search(back, k)
+        forward = lambda hit, m: {key: apply_mapping([v], m)[0] if key in ("title", "text", "contents") else v
+                                  for key, v in hit.items()}  # fmt: skip
+        return [
+            [forward(h, r["rename"][0]) for h in found] if r.get("rename") else found for found, r in zip(hits, rows)
+        ]
+
+    def chat(self, messages_lists, rows, **sampling):
+        back = lambda messages, m: [dict(x, content=apply_mapping([x["content"]], m)[0]) for x in messages]
+        sent = [back(msgs, r["rename"][1]) if r.get("rename") else msgs for msgs, r in zip(messages_lists, rows)]
+        replies = self.llm.chat(sent, **sampling) if sent else []
+        return [apply_mapping([t], r["rename"][0])[0] if r.get("rename") else t for t, r in zip(replies, rows)]
+
+
 def apply_mapping(texts, mapping):
     """Replace whole words of texts by their image under mapping (a dict of single words; texts unchanged when it is
     empty). One fixed pattern and a dict lookup, so a map of every name in the world costs no more than a small one."""
@@ -479,13 +571,43 @@ def apply_mapping(texts, mapping):
     return [WORD.sub(lambda m: mapping.get(m.group(0), m.group(0)), text) for text in texts]
 
 
+# ---------------------------------------------------------------- oracle teachers (the papers' teacher LLMs)
+
+
+def oracle_c3po(row, agent, ctx, prefix, rng, noise):
+    """C-3PO's warm-up teacher in the toy world: an output of `agent` (router, filter, dm) that knows the hops from the
+    row's metadata. With probability `noise` the filter keeps every document (decoys mislead the reader) and the
+    Decision Maker stops early. ctx holds the agent's state: docs (retrieved), acc (accumulated), used (queries
+    issued), forced (the Decision Maker may only stop); prefix: a forced beginning of the output."""
+    meta = row["metadata"]
+    heads = meta["entities"][:2] if meta["type"] in ("comparison", "yes_no") else meta["entities"][:-1]
+    wrong = rng.random() < noise
+    if agent == "router":  # the forced root asks only for the query; a free router picks the strategy too
+        if prefix:
+            return f" {meta['sub_queries'][0]}"
+        single = f"[Retrieval] {meta['sub_queries'][0]}"
+        return "[No Retrieval]" if meta["popular"] else single if meta["hops"] == 1 else "[Planning]"
+    if agent == "filter":
+        docs = ctx["docs"]
+        ids = list(range(1, len(docs) + 1)) if wrong else [i for i, d in enumerate(docs, 1) if d["title"] in heads]
+        listed = ", ".join(map(str, ids))
+        return f"Thought: {'keep ' + listed if ids else 'none relevant'} .\nAction: [{listed}]"
+    titles, used = {d["title"] for d in ctx["acc"]}, ctx["used"]
+    todo = [i for i, h in enumerate(heads)
+            if not meta["popular_hops"][i] and h not in titles and not used.get(meta["sub_queries"][i])]  # fmt: skip
+    if ctx["forced"] or not todo or wrong:
+        return "Thought: done .\nAction: [LLM]"
+    return f"Thought: need step {todo[0] + 1} .\nAction: [Retrieval] {meta['sub_queries'][todo[0]]}"
+
+
 # ---------------------------------------------------------------- the toy reader
 
 FACT_PATTERNS = []  # (compiled regex with head/tail groups, candidate relations), built from RELATIONS
 for _sentence in dict.fromkeys(spec[2] for spec in RELATIONS.values()):
     _regex = re.escape(_sentence[:-2]).replace(r"\{h\}", r"\b([a-z]+)").replace(r"\{t\}", r"([a-z0-9]+)\b")
-    FACT_PATTERNS.append((re.compile(_regex.replace(r"\ ", r"\s+")),
-                          [r for r, spec in RELATIONS.items() if spec[2] == _sentence]))
+    FACT_PATTERNS.append(
+        (re.compile(_regex.replace(r"\ ", r"\s+")), [r for r, spec in RELATIONS.items() if spec[2] == _sentence])
+    )
 TRIPLE_PATTERN = re.compile(r"<\s*([a-z]+)\s*;\s*([a-z ]+?)\s*;\s*([a-z0-9]+)\s*>")
 PHRASE_RELATIONS = {spec[3]: rel for rel, spec in RELATIONS.items()}
 
@@ -545,8 +667,12 @@ class ToyReader:
         found = []
         for pattern, rels in FACT_PATTERNS:
             for m in pattern.finditer(text):
-                found += [(m.start(), h, r, t) for h, r, t in [(m.group(1), None, m.group(2))]
-                          for r in [self.relation_of(rels, h, t)] if r]
+                found += [
+                    (m.start(), h, r, t)
+                    for h, r, t in [(m.group(1), None, m.group(2))]
+                    for r in [self.relation_of(rels, h, t)]
+                    if r
+                ]
         for m in TRIPLE_PATTERN.finditer(text):
             rel = PHRASE_RELATIONS.get(" ".join(m.group(2).split()))
             if rel and self.relation_of([rel], m.group(1), m.group(3)):
@@ -642,6 +768,7 @@ class ToyReader:
 
 # ---------------------------------------------------------------- baselines
 
+
 def reader_prompt(question, docs):
     """The prompt the baselines give the toy reader: documents then the question."""
     lines = ["answer the question using the documents ."] + [f"document : {d['contents']}" for d in docs]
@@ -658,8 +785,13 @@ def evaluate_reader(reader, rows, docs_per_row):
     for row, pred in zip(rows, preds):
         em = exact_match(pred, row["golden_answers"])
         m = row["metadata"]
-        for key in ("all", m["type"], "answerable" if m["answerable"] else "unanswerable",
-                    "popular" if m["popular"] else "not_popular", "multi_hop" if m["hops"] > 1 else "single_hop"):
+        for key in (
+            "all",
+            m["type"],
+            "answerable" if m["answerable"] else "unanswerable",
+            "popular" if m["popular"] else "not_popular",
+            "multi_hop" if m["hops"] > 1 else "single_hop",
+        ):
             groups[key].append(em)
     return {k: sum(v) / len(v) for k, v in groups.items()}
 
@@ -692,7 +824,9 @@ def baselines(world_dir, split="test"):
     }
     table = {name: evaluate_reader(reader, rows, docs) for name, docs in settings.items()}
     doc_of = {d["title"]: d["id"] for d in corpus}
-    first_gold = [[doc_of[r["metadata"]["entities"][0]]] if r["metadata"]["entities"][0] in doc_of else [] for r in rows]
+    first_gold = [
+        [doc_of[r["metadata"]["entities"][0]]] if r["metadata"]["entities"][0] in doc_of else [] for r in rows
+    ]
     hits = {
         "raw question top-1 hits the first-hop document": rate(first_gold, [h[:1] for h in raw]),
         "oracle first sub-query top-1 hits the first-hop document": rate(first_gold, [o[:1] for o in oracle]),
@@ -732,16 +866,22 @@ def world_stats(world_dir):
 
     world_dir = Path(world_dir)
     ents = load_world(str(world_dir))["entities"]
-    stats = {"entities": dict(Counter(e["type"] for e in ents.values() if not e["decoy_of"])),
-             "popular": sum(e["popular"] for e in ents.values()), "hidden": sum(e["hidden"] for e in ents.values()),
-             "decoys": sum(bool(e["decoy_of"]) for e in ents.values()),
-             "corpus": len(read_jsonl(world_dir / "corpus.jsonl")),
-             "bytes": sum(p.stat().st_size for p in world_dir.iterdir() if p.is_file())}
+    stats = {
+        "entities": dict(Counter(e["type"] for e in ents.values() if not e["decoy_of"])),
+        "popular": sum(e["popular"] for e in ents.values()),
+        "hidden": sum(e["hidden"] for e in ents.values()),
+        "decoys": sum(bool(e["decoy_of"]) for e in ents.values()),
+        "corpus": len(read_jsonl(world_dir / "corpus.jsonl")),
+        "bytes": sum(p.stat().st_size for p in world_dir.iterdir() if p.is_file()),
+    }
     for split in ("train", "dev", "test"):
         rows = read_jsonl(world_dir / f"{split}.jsonl")
-        stats[split] = dict(Counter(r["metadata"]["type"] for r in rows), total=len(rows),
-                            unanswerable=sum(not r["metadata"]["answerable"] for r in rows),
-                            popular=sum(r["metadata"]["popular"] for r in rows))
+        stats[split] = dict(
+            Counter(r["metadata"]["type"] for r in rows),
+            total=len(rows),
+            unanswerable=sum(not r["metadata"]["answerable"] for r in rows),
+            popular=sum(r["metadata"]["popular"] for r in rows),
+        )
     return stats
 
 

@@ -13,6 +13,7 @@ special, so decoding keeps them. Special tokens: <pad> <eos> <unk> <system> <use
 "<user> {content} <eos> ... <assistant>" (each message is "<role> content <eos>"; a reply ends with <eos>).
 This module imports the toy world (common.toy), never common.llm: llm.py reaches it lazily for the "toy-lm" name.
 """
+
 import re
 from pathlib import Path
 
@@ -20,11 +21,13 @@ import torch
 from tokenizers import AddedToken, Tokenizer, models, normalizers, pre_tokenizers
 from transformers import PreTrainedTokenizerFast, Qwen2Config, Qwen2ForCausalLM
 
-from common.toy import (CHAINS, COMPARISONS, DEFAULT_WORLD, FORMAT_WORDS, HATNOTE, RELATIONS, load_world)
+from common.toy import CHAINS, COMPARISONS, DEFAULT_WORLD, FORMAT_WORDS, HATNOTE, RELATIONS, load_world
 
 SPECIALS = ["<pad>", "<eos>", "<unk>", "<system>", "<user>", "<assistant>"]
-CHAT_TEMPLATE = ("{% for m in messages %}<{{ m['role'] }}> {{ m['content'] }} <eos> {% endfor %}"
-                 "{% if add_generation_prompt %}<assistant>{% endif %}")
+CHAT_TEMPLATE = (
+    "{% for m in messages %}<{{ m['role'] }}> {{ m['content'] }} <eos> {% endfor %}"
+    "{% if add_generation_prompt %}<assistant>{% endif %}"
+)
 DEFAULT_SPEC = dict(layers=2, hidden=128, heads=4, kv_heads=4, intermediate=512, max_positions=1024, tie=1)
 
 
@@ -48,9 +51,15 @@ def build_tokenizer(world, extra_tokens=()):
     tok.add_special_tokens([AddedToken(s, normalized=False, special=True) for s in SPECIALS])
     tok.add_tokens([AddedToken(t, normalized=False, special=False) for t in extra_tokens if t not in vocab])
     tokenizer = PreTrainedTokenizerFast(
-        tokenizer_object=tok, pad_token="<pad>", eos_token="<eos>", unk_token="<unk>",
-        additional_special_tokens=SPECIALS[3:], padding_side="left", chat_template=CHAT_TEMPLATE,
-        clean_up_tokenization_spaces=False)
+        tokenizer_object=tok,
+        pad_token="<pad>",
+        eos_token="<eos>",
+        unk_token="<unk>",
+        additional_special_tokens=SPECIALS[3:],
+        padding_side="left",
+        chat_template=CHAT_TEMPLATE,
+        clean_up_tokenization_spaces=False,
+    )
     # impl: AutoTokenizer (transformers 5) forces Qwen2Tokenizer (byte-level BPE) on a folder whose config.json says
     # qwen2, unless tokenizer_config.json has an auto_map; without trust_remote_code this auto_map only makes
     # AutoTokenizer honour "tokenizer_class" (the generic tokenizers backend), so the word-level tokenizer loads back.
@@ -81,11 +90,18 @@ def load_toy_lm(spec="toy-lm", dtype=None, device=None, extra_tokens=(), seed=0,
     tokenizer = build_tokenizer(world, extra_tokens)
     tokenizer.model_max_length = options["max_positions"]
     config = Qwen2Config(
-        vocab_size=len(tokenizer), hidden_size=options["hidden"], num_hidden_layers=options["layers"],
-        num_attention_heads=options["heads"], num_key_value_heads=options["kv_heads"],
-        intermediate_size=options["intermediate"], max_position_embeddings=options["max_positions"],
-        tie_word_embeddings=bool(options["tie"]), bos_token_id=None, eos_token_id=tokenizer.eos_token_id,
-        pad_token_id=tokenizer.pad_token_id)
+        vocab_size=len(tokenizer),
+        hidden_size=options["hidden"],
+        num_hidden_layers=options["layers"],
+        num_attention_heads=options["heads"],
+        num_key_value_heads=options["kv_heads"],
+        intermediate_size=options["intermediate"],
+        max_position_embeddings=options["max_positions"],
+        tie_word_embeddings=bool(options["tie"]),
+        bos_token_id=None,
+        eos_token_id=tokenizer.eos_token_id,
+        pad_token_id=tokenizer.pad_token_id,
+    )
     torch.manual_seed(seed)
     model = Qwen2ForCausalLM(config)
     model.generation_config.eos_token_id = tokenizer.eos_token_id
