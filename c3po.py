@@ -541,6 +541,7 @@ def rollout(rows, act, env, args, mode, seed=0):
     testing = mode in ("greedy", "sample")
     max_depth, tpl = (args.max_depth_eval if testing else args.max_depth), TEMPLATES[args.templates]
     k_of = lambda depth: branching(depth, args.branch_k, args.branch_until) if mode == "tree" else 1  # [Eq. 2]
+    # [Eq. 4] one tree per question: its nodes hold the trajectories {(s_t, a_t, s_t+1)} of all its paths
     trees = [dict(row=r, nodes=[dict(kind="root", parent=None, depth=0)], retrievals=0, llm_calls=0, proxy_calls=0)
              for r in rows]  # fmt: skip
 
@@ -890,7 +891,8 @@ def ppo_update(accelerator, policy, value, ref, optimizers, schedulers, samples,
                 w = None if weights is None else weights[r, t]
                 pg, ratio = clipped_surrogate(logp, old[r, t], advantages[r, t], msk, args.clip, w)  # [Eq. 9]
                 vf = value_loss(value(x, att)[:, :-1].float(), old_values[r, t], returns[r, t], msk, args.value_clip)
-                # [Eq. 11] L_CLIP + c_v L_V, all agents' nodes in one minibatch [Eq. 6, 8]; separate networks
+                # [Eq. 11] L_CLIP + c_v L_V; all agents' nodes share the minibatch, the sum of Eq. 6 and 8, which
+                # maximises the expected credit of Eq. 7; policy and critic are separate networks
                 accelerator.backward((pg + args.vf_coef * vf) * (msk.sum() / n_tokens))
                 log_ratio = (logp - old[r, t]).detach()
                 clipfrac = (((ratio - 1).abs() > args.clip).float() * msk).sum() / msk.sum()

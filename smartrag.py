@@ -22,7 +22,7 @@ Deviations from the paper (each marked `# simplification: ... (header N)` where 
 5. Toy world: SFT retrieval pairs and not-popular PPO episodes are entity-renamed (--augment_p, --rl_augment_p).
 6. Toy world: the raw toy-lm knows nothing, so the toy base first learns the popular facts (--base_pretrain_steps).
 7. Toy world: the knowledge probe is the toy reader, whose parametric memory is exactly the `popular` flag.
-8. Toy preset: one-hop questions, the compact template, greedy decoding after the threshold and smaller PPO (PRESETS).
+8. Toy preset: one-hop questions, compact template, greedy decoding after the threshold, smaller PPO (PRESETS).
 9. gamma discounts per token (impl, RL4LMs) where Eq. 6 discounts per step: the retrieval cost seen from the answer
    grows with the query length (about 0.27 for 4 tokens, 0.84 for 50 at gamma 0.99).
 10. SFT uses AdamW betas (0.9, 0.98), a linear warm-up of min(50, steps/10) steps, linear decay to 0.1 x lr and
@@ -30,6 +30,7 @@ Deviations from the paper (each marked `# simplification: ... (header N)` where 
 11. The value model is a copy of the SFT policy's backbone with a zero-initialised, bias-free scalar head.
 12. An empty search query searches with the question (the paper does not say what an empty query does).
 13. Metrics: EM and F1 as the paper reports them (FlashRAG's definitions); `acc` (sub-EM) is logged beside them.
+14. Toy preset: the plain warm-up pi_0 and a fixed KL coefficient 0.1 (impl: adaptive from 0.001) (PRESETS).
 """
 
 import copy
@@ -91,9 +92,7 @@ class Args:
     alpha: float = arg(0.2, "retrieval cost alpha [Eq. 5; App. A.3: 0.2]")
     invalid_reward: float = arg(-1.0, "reward of an action without a tag, which ends the episode (impl: -1)")
     # warm-up SFT [§3.1]
-    initial_policy: str = arg(
-        "filtered", "plain pi_0 (pairs 2-4 for all) or filtered pi_0*", choices=["plain", "filtered"]
-    )
+    initial_policy: str | None = arg(None, "plain pi_0 (pairs 2-4) or filtered pi_0*", choices=["plain", "filtered"])
     rewriter: str | None = arg(None, "warm-up queries: oracle (toy metadata) or an LLM spec [App. A.2: gpt-3.5]")
     rewriter_model: str = arg("", "model name when --rewriter is an endpoint URL")
     base_llm: str | None = arg(None, "LLM spec that plays the base model's knowledge probe")
@@ -117,9 +116,9 @@ class Args:
     clip: float = arg(0.2, "PPO clip epsilon (impl: 0.2)")
     vf_coef: float = arg(0.5, "value loss coefficient (impl: 0.5)")
     max_grad_norm: float = arg(0.5, "gradient clipping (impl: 0.5)")
-    kl_init: float = arg(0.001, "initial KL coefficient beta (impl: 0.001)")
+    kl_init: float | None = arg(None, "initial KL coefficient beta (impl: 0.001)")
     kl_target: float = arg(0.2, "target KL of the adaptive controller (impl: 0.2)")
-    kl_adaptive: bool = arg(True, "adapt beta to kl_target after each rollout (impl); False: a fixed beta")
+    kl_adaptive: bool | None = arg(None, "adapt beta to kl_target after each rollout (impl); False: a fixed beta")
     sample_top_k: int = arg(50, "top-k sampling in rollouts [App. A.3: 50]")
     max_new_tokens: int | None = arg(None, "tokens per action (impl: 50)")
     # inference [§4.1, App. A.3]
@@ -140,17 +139,20 @@ PRESETS = {  # field: (toy, paper), for the fields left at None; any flag overri
     "rewriter": ("oracle", ""),  # simplification: header 4; paper: --rewriter <an LLM spec for gpt-3.5>
     "base_llm": ("toy", "hf:meta-llama/Llama-2-7b-chat-hf"),  # simplification: header 7
     "base_pretrain_steps": (300, 0),  # simplification: header 6
+    "initial_policy": ("plain", "filtered"),  # [§3.1]; simplification: header 14
     "sft_steps": (1200, 0),  # [§4: 1 epoch]
     "sft_lr": (2e-3, 3e-4),  # [§4]
     "sft_batch_size": (64, 8),  # [§4]
     "augment_p": (1.0, 0.0),  # simplification: header 5
     "rl_augment_p": (1.0, 0.0),
-    "ppo_iterations": (60, 50),
+    "ppo_iterations": (100, 50),
     "rollout_tokens": (0, 5120),  # [§4]
     "rollout_batch": (128, 64),
-    "ppo_epochs": (1, 1),  # [§4]
+    "ppo_epochs": (2, 1),  # [§4]
     "ppo_lr": (1e-4, 2e-6),  # [§4]
-    "ppo_batch_size": (256, 32),  # [§4]
+    "ppo_batch_size": (64, 32),  # [§4]
+    "kl_init": (0.1, 0.001),  # impl: 0.001, adaptive
+    "kl_adaptive": (False, True),  # simplification: a fixed beta in the toy preset (header 14)
     "max_new_tokens": (8, 50),  # impl
     "num_beams": (1, 4),  # impl
 }

@@ -4,6 +4,7 @@
 
 Figures go to docs/benchmarks.md with the machine they were measured on. Nothing touches the network.
 """
+
 import argparse
 import os
 import sys
@@ -35,8 +36,13 @@ def timed(fn, repeat=3):
 def synthetic_corpus(docs, n):
     """n passages made by recombining the toy passages' sentences (a larger corpus of the same kind)."""
     sentences = [s.strip() + " ." for d in docs for s in d["text"].split(" .") if s.strip()]
-    return [{"id": str(i), "contents": f'"p{i}"\n' + " ".join(sentences[(i * 7 + j * 13) % len(sentences)] for j in range(3))}
-            for i in range(n)]
+    return [
+        {
+            "id": str(i),
+            "contents": f'"p{i}"\n' + " ".join(sentences[(i * 7 + j * 13) % len(sentences)] for j in range(3)),
+        }
+        for i in range(n)
+    ]
 
 
 def main():
@@ -52,18 +58,31 @@ def main():
     for name, corpus in [(f"toy corpus ({len(docs)} passages)", docs), (f"synthetic ({len(big)} passages)", big)]:
         build_s, dense = timed(lambda: DenseRetriever.build(corpus, make_encoder("tfidf")), 1)
         search_s, _ = timed(lambda: dense.search(questions, 5))
-        rows.append((f"TF-IDF + faiss Flat, {name}", f"build {build_s:.2f} s", f"{len(questions)} queries top-5: {search_s:.3f} s"))
+        rows.append(
+            (
+                f"TF-IDF + faiss Flat, {name}",
+                f"build {build_s:.2f} s",
+                f"{len(questions)} queries top-5: {search_s:.3f} s",
+            )
+        )
         build_s, bm25 = timed(lambda: BM25Retriever.build(corpus), 1)
         search_s, _ = timed(lambda: bm25.search(questions, 5))
-        rows.append((f"BM25 (bm25s), {name}", f"build {build_s:.2f} s", f"{len(questions)} queries top-5: {search_s:.3f} s"))
+        rows.append(
+            (f"BM25 (bm25s), {name}", f"build {build_s:.2f} s", f"{len(questions)} queries top-5: {search_s:.3f} s")
+        )
     model, tokenizer = load_toy_lm("toy-lm")
     model.eval()
-    prompts = [f"question : {q} output :" for q in questions[:args.prompts]]
+    prompts = [f"question : {q} output :" for q in questions[: args.prompts]]
     batched_s, batched = timed(lambda: generate(model, tokenizer, prompts, 8, do_sample=False))
     single_s, single = timed(lambda: [generate(model, tokenizer, [p], 8, do_sample=False) for p in prompts], 1)
     assert batched.token_ids == [g.token_ids[0] for g in single], "batched greedy differs from one-by-one"
-    rows.append((f"greedy generation, toy-lm, {len(prompts)} prompts x 8 tokens",
-                 f"one batched call {batched_s:.3f} s", f"one by one {single_s:.3f} s ({single_s / batched_s:.1f}x slower)"))
+    rows.append(
+        (
+            f"greedy generation, toy-lm, {len(prompts)} prompts x 8 tokens",
+            f"one batched call {batched_s:.3f} s",
+            f"one by one {single_s:.3f} s ({single_s / batched_s:.1f}x slower)",
+        )
+    )
     print(f"torch {torch.__version__}, {torch.get_num_threads()} threads, {os.cpu_count()} cores")
     print("| what | time | time |\n|---|---|---|")
     for row in rows:

@@ -7,6 +7,7 @@ micro-batches, each padded only to its own longest sequence (the same gradient, 
 Every setting starts from the same raw `toy-lm` and takes the same batches (the SFT order comes from --seed), so the
 figures differ only in how the batch is cut; the loss printed last shows that they train the same.
 """
+
 import argparse
 import os
 import sys
@@ -32,11 +33,13 @@ def main():
     (args,) = HfArgumentParser(c3po.Args).parse_args_into_dataclasses(args=["--train", "--seed", str(cli.seed)])
     c3po.apply_preset(args)
     rows = c3po.sample_rows(c3po.load_split(args.data_dir, "train", args.question_types), args.n_train, args.seed)
-    retriever, llm = c3po.open_retriever(args.index, args.corpus, args.encoder), c3po.build_llm(args)
-    examples, _ = c3po.build_warmup(rows, llm, retriever, args)
-    world = c3po.load_world(args.data_dir)
-    print(f"torch {torch.__version__}, {torch.get_num_threads()} threads; {len(examples)} warm-up examples, "
-          f"batches of {args.sft_batch_size}, {cli.steps} steps per setting")
+    env = c3po.environment(args)
+    examples, _ = c3po.build_warmup(rows, env.llm, env, args)
+    world = c3po.world_or_none(args.data_dir)
+    print(
+        f"torch {torch.__version__}, {torch.get_num_threads()} threads; {len(examples)} warm-up examples, "
+        f"batches of {args.sft_batch_size}, {cli.steps} steps per setting"
+    )
     for micro in cli.micro:
         torch.manual_seed(args.seed)
         model, tokenizer = c3po.load_proxy(args, torch.device("cpu"))

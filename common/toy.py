@@ -448,7 +448,7 @@ def load_world(world_dir):
 
 def world_or_none(data_dir):
     """The toy world in data_dir, or None for a folder without world.json (real data: no renaming)."""
-    return load_world(data_dir) if (Path(data_dir) / "world.json").is_file() else None
+    return load_world(str(data_dir)) if (Path(data_dir) / "world.json").is_file() else None
 
 
 def rename_entities(texts, world, rng, popular="keep", rename_years=True, searched=()):

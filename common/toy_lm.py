@@ -11,7 +11,7 @@ Tokenizer: lowercase, split on white space and punctuation, one token per word (
 token, anything else is <unk>); `extra_tokens` are matched verbatim before that (case kept, never split) and are not
 special, so decoding keeps them. Special tokens: <pad> <eos> <unk> <system> <user> <assistant>. Chat template:
 "<user> {content} <eos> ... <assistant>" (each message is "<role> content <eos>"; a reply ends with <eos>).
-This module imports the toy world (common.toy), never common.llm: llm.py reaches it lazily for the "toy-lm" name.
+This module imports the toy world (common.toy); common.models reaches it lazily for the "toy-lm" name.
 """
 
 import re
@@ -84,7 +84,7 @@ def parse_spec(spec):
 def load_toy_lm(spec="toy-lm", dtype=None, device=None, extra_tokens=(), seed=0, world=DEFAULT_WORLD):
     """(model, tokenizer): a randomly initialised (seeded) Qwen2ForCausalLM with tied embeddings and the tokenizer of
     `world` (a world folder or a loaded world). The committed world by default, for tests and benchmarks only: a
-    method reaches this through common.llm.load_model_and_tokenizer, which needs the world (LoRA is added there)."""
+    method reaches this through common.models.load_model_and_tokenizer, which needs the world (LoRA is added there)."""
     options = parse_spec(spec)
     world = load_world(str(world)) if isinstance(world, (str, Path)) else world
     tokenizer = build_tokenizer(world, extra_tokens)

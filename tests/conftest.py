@@ -1,4 +1,5 @@
 """Test setup: no network, ever. The hub flags must be set before transformers is imported."""
+
 import json
 import os
 import sys
@@ -15,9 +16,22 @@ def check_contract(out_dir, stdout):
     """The result contract every --train / --eval run honours: results.json with the required keys, and the same json
     as the last printed line `RESULT {...}`. Returns the results."""
     results = json.loads((Path(out_dir) / "results.json").read_text())
-    for key in ("method", "preset", "seed", "model", "dataset", "n_eval", "before", "after", "retrievals_per_question",
-                "llm_calls_per_question", "generated_tokens_per_question", "wall_s", "train_steps"):
+    for key in (
+        "method",
+        "preset",
+        "seed",
+        "model",
+        "dataset",
+        "n_eval",
+        "before",
+        "after",
+        "retrievals_per_question",
+        "llm_calls_per_question",
+        "generated_tokens_per_question",
+        "wall_s",
+        "train_steps",
+    ):
         assert key in results, key
     last = stdout.strip().splitlines()[-1]
-    assert last.startswith("RESULT ") and json.loads(last[len("RESULT "):]) == results
+    assert last.startswith("RESULT ") and json.loads(last[len("RESULT ") :]) == results
     return results

@@ -1,5 +1,6 @@
 """The GPU bench of the paper presets' shapes (bench/paper_shapes.py) runs the method files' own code: run its tiny
 shape on CPU so that a change of a method file's signatures cannot leave it broken, and on a GPU when there is one."""
+
 import json
 import os
 import subprocess
@@ -10,14 +11,32 @@ import pytest
 import torch
 
 ROOT = Path(__file__).resolve().parents[1]
-SMALL = {"smartrag": ["--batch", "2", "--passage_tokens", "12"],
-         "c3po": ["--nodes", "2", "--samples", "3", "--new_tokens", "4", "--passage_tokens", "12"]}
+SMALL = {
+    "smartrag": ["--batch", "2", "--passage_tokens", "12"],
+    "c3po": ["--nodes", "2", "--samples", "3", "--new_tokens", "4", "--passage_tokens", "12"],
+}
 
 
 def bench(method, device_env):
     env = dict(os.environ, HF_HUB_OFFLINE="1", **device_env)
-    out = subprocess.run([sys.executable, "bench/paper_shapes.py", "--method", method, "--shape", "tiny", "--steps", "1",
-                          *SMALL[method]], cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
+    out = subprocess.run(
+        [
+            sys.executable,
+            "bench/paper_shapes.py",
+            "--method",
+            method,
+            "--shape",
+            "tiny",
+            "--steps",
+            "1",
+            *SMALL[method],
+        ],
+        cwd=ROOT,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
     assert out.returncode == 0, out.stderr[-3000:]
     lines = [json.loads(line) for line in out.stdout.splitlines() if line.startswith("{")]
     return lines[0], lines[-1]  # the timed step, the summary

@@ -2,18 +2,20 @@
 clipping, advantage whitening), the three agents' parsers (malformed outputs included), SFT and PPO loss masks, the
 value model, the batched tree rollout with a scripted proxy, the toy and LLM teachers, the LLM judge, and an
 end-to-end toy run followed by --eval of its checkpoint."""
+
 import copy
 import json
-import math
 import random
 import re
 from pathlib import Path
 
 import pytest
 import torch
+from conftest import check_contract
 
 import c3po
-from conftest import check_contract
+from common import runs
+from common.toy import RenamingEnv
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -24,8 +26,10 @@ def test_branching_factor_schedule():
     assert [c3po.branching(t, k=3, until=2) for t in (1, 2, 3)] == [3, 3, 1]
 
 
-@pytest.mark.parametrize("n_docs, depth, forced", [(0, 11, True), (0, 9, False), (11, 5, True), (10, 5, False),
-                                                   (0, 10, False), (0, 13, True)])
+@pytest.mark.parametrize(
+    "n_docs, depth, forced",
+    [(0, 11, True), (0, 9, False), (11, 5, True), (10, 5, False), (0, 10, False), (0, 13, True)],
+)
 def test_decision_maker_is_forced_by_depth_or_documents(n_docs, depth, forced):
     assert c3po.dm_forced(n_docs, depth, max_documents=10, max_depth=13) is forced
 
@@ -33,22 +37,58 @@ def test_decision_maker_is_forced_by_depth_or_documents(n_docs, depth, forced):
 # ---------------------------------------------------------------- Monte Carlo credit [Eq. 5], spec §8.3
 def spec_tree():
     """The spec's hand-built tree (§8.3): names -> index, nodes in parent-first order."""
-    spec = [("root", None, "root"), ("RR1", "root", "router"), ("L1", "RR1", 0.0), ("RR2", "root", "router"),
-            ("F1", "RR2", "filter"), ("L2", "F1", 1.0), ("F2", "RR2", "filter"), ("L3", "F2", 0.0),
-            ("RR3", "root", "router"), ("P", "RR3", "roadmap"), ("DM1", "P", "dm"), ("L4", "DM1", 0.0),
-            ("DM2", "P", "dm"), ("F3", "DM2", "filter"), ("DM3", "F3", "dm"), ("L5", "DM3", 1.0),
-            ("F4", "DM2", "filter"), ("DM4", "F4", "dm"), ("F5", "DM4", "filter"), ("DM5", "F5", "dm"), ("L6", "DM5", 0.0)]
+    spec = [
+        ("root", None, "root"),
+        ("RR1", "root", "router"),
+        ("L1", "RR1", 0.0),
+        ("RR2", "root", "router"),
+        ("F1", "RR2", "filter"),
+        ("L2", "F1", 1.0),
+        ("F2", "RR2", "filter"),
+        ("L3", "F2", 0.0),
+        ("RR3", "root", "router"),
+        ("P", "RR3", "roadmap"),
+        ("DM1", "P", "dm"),
+        ("L4", "DM1", 0.0),
+        ("DM2", "P", "dm"),
+        ("F3", "DM2", "filter"),
+        ("DM3", "F3", "dm"),
+        ("L5", "DM3", 1.0),
+        ("F4", "DM2", "filter"),
+        ("DM4", "F4", "dm"),
+        ("F5", "DM4", "filter"),
+        ("DM5", "F5", "dm"),
+        ("L6", "DM5", 0.0),
+    ]
     index = {name: i for i, (name, _, _) in enumerate(spec)}
-    nodes = [dict(kind="leaf", reward=k, parent=index[p]) if isinstance(k, float) else
-             dict(kind=k, parent=None if p is None else index[p]) for _, p, k in spec]
+    nodes = [
+        dict(kind="leaf", reward=k, parent=index[p])
+        if isinstance(k, float)
+        else dict(kind=k, parent=None if p is None else index[p])
+        for _, p, k in spec
+    ]
     return nodes, index
 
 
 def test_credit_is_the_mean_over_reachable_leaves():
     nodes, at = spec_tree()
     credit = c3po.leaf_credits(nodes)
-    expected = {"RR1": 0.0, "RR2": 0.5, "F1": 1.0, "F2": 0.0, "RR3": 1 / 3, "DM1": 0.0, "DM2": 0.5, "F3": 1.0,
-                "DM3": 1.0, "F4": 0.0, "DM4": 0.0, "F5": 0.0, "DM5": 0.0, "root": 1 / 3}
+    expected = {
+        "RR1": 0.0,
+        "RR2": 0.5,
+        "F1": 1.0,
+        "F2": 0.0,
+        "RR3": 1 / 3,
+        "DM1": 0.0,
+        "DM2": 0.5,
+        "F3": 1.0,
+        "DM3": 1.0,
+        "F4": 0.0,
+        "DM4": 0.0,
+        "F5": 0.0,
+        "DM5": 0.0,
+        "root": 1 / 3,
+    }
     for name, value in expected.items():
         assert credit[at[name]] == pytest.approx(value), name
     # the mean of the children's means is NOT Eq. 5: RR3's children DM1 (0) and DM2 (0.5) average to 0.25
@@ -62,18 +102,28 @@ def test_single_trajectory_gives_every_node_the_trajectory_reward():
     path = ["root", "RR3", "P", "DM2", "F4", "DM4", "F5", "DM5", "L6"]  # spec §8.3 contrast: DM2's credit would be 0
     keep = {at[n] for n in path}
     remap = {old: new for new, old in enumerate(sorted(keep))}
-    single = [dict(n, parent=None if n["parent"] is None else remap[n["parent"]]) for i, n in enumerate(nodes) if i in keep]
+    single = [
+        dict(n, parent=None if n["parent"] is None else remap[n["parent"]]) for i, n in enumerate(nodes) if i in keep
+    ]
     assert c3po.leaf_credits(single) == [0.0] * len(single)
 
 
 # ---------------------------------------------------------------- parsers, spec §8.5 (and the toy tokenizer's spacing)
-@pytest.mark.parametrize("text, parsed", [
-    ("[Retrieval] who wrote Hamlet", ("Retrieval", "who wrote Hamlet")),
-    ("[Retrieval]", None), ("[Retrieval]   ", None),
-    ("[No Retrieval]", ("No Retrieval", "")), ("[Planning]", ("Planning", "")),
-    ("Retrieval: x", None), ("[Search] x", None), ("", None),
-    ("[ retrieval ] zekil directed", ("Retrieval", "zekil directed")), ("[ no retrieval ]", ("No Retrieval", "")),
-])
+@pytest.mark.parametrize(
+    "text, parsed",
+    [
+        ("[Retrieval] who wrote Hamlet", ("Retrieval", "who wrote Hamlet")),
+        ("[Retrieval]", None),
+        ("[Retrieval]   ", None),
+        ("[No Retrieval]", ("No Retrieval", "")),
+        ("[Planning]", ("Planning", "")),
+        ("Retrieval: x", None),
+        ("[Search] x", None),
+        ("", None),
+        ("[ retrieval ] zekil directed", ("Retrieval", "zekil directed")),
+        ("[ no retrieval ]", ("No Retrieval", "")),
+    ],
+)
 def test_parse_router(text, parsed):
     assert c3po.parse_router(text) == parsed
 
@@ -83,47 +133,135 @@ def test_router_query_is_truncated_to_100_words():
     assert action == "Retrieval" and query.split() == [f"w{i}" for i in range(100)]
 
 
-@pytest.mark.parametrize("text, strict, parsed", [
-    ("Thought: d1 ok\nAction: [1, 3]", True, ("d1 ok", [1, 3])),
-    ("Thought: x\nAction: [3, 3, 1]", True, ("x", [3, 1])),
-    ("Thought: x\nAction: []", True, ("x", [])),
-    ("Thought: x\nAction: [7]", True, None),
-    ("Thought: x\nAction: [7]", False, ("x", [])),
-    ("Thought: x\nAction: [2, 7]", False, ("x", [2])),
-    ("Action: [1]", True, None),
-    ("Thought: x\nAction: [a]", True, None),
-    ("Thought: x\nAction: 1, 2", True, None),
-    ("thought : keep 1 , 3 . action : [ 1 , 3 ]", True, ("keep 1 , 3 .", [1, 3])),
-])
+@pytest.mark.parametrize(
+    "text, strict, parsed",
+    [
+        ("Thought: d1 ok\nAction: [1, 3]", True, ("d1 ok", [1, 3])),
+        ("Thought: x\nAction: [3, 3, 1]", True, ("x", [3, 1])),
+        ("Thought: x\nAction: []", True, ("x", [])),
+        ("Thought: x\nAction: [7]", True, None),
+        ("Thought: x\nAction: [7]", False, ("x", [])),
+        ("Thought: x\nAction: [2, 7]", False, ("x", [2])),
+        ("Action: [1]", True, None),
+        ("Thought: x\nAction: [a]", True, None),
+        ("Thought: x\nAction: 1, 2", True, None),
+        ("thought : keep 1 , 3 . action : [ 1 , 3 ]", True, ("keep 1 , 3 .", [1, 3])),
+    ],
+)
 def test_parse_filter(text, strict, parsed):
     assert c3po.parse_filter(text, n_docs=5, strict=strict) == parsed
 
 
-@pytest.mark.parametrize("text, parsed", [
-    ("Thought: need director\nAction: [Retrieval] director of X", ("need director", "Retrieval", "director of X")),
-    ("Thought: enough\nAction: [LLM]", ("enough", "LLM", "")),
-    ("Thought: t\nAction: [Retrieval]", None),
-    ("Action: [LLM]", None),
-    ("Thought: t\nAction: [Planning]", None),
-    ("Thought: t\nAction: LLM", None),
-    ("thought : need step 2 . action : [ retrieval ] velbo born", ("need step 2 .", "Retrieval", "velbo born")),
-])
+@pytest.mark.parametrize(
+    "text, parsed",
+    [
+        ("Thought: need director\nAction: [Retrieval] director of X", ("need director", "Retrieval", "director of X")),
+        ("Thought: enough\nAction: [LLM]", ("enough", "LLM", "")),
+        ("Thought: t\nAction: [Retrieval]", None),
+        ("Action: [LLM]", None),
+        ("Thought: t\nAction: [Planning]", None),
+        ("Thought: t\nAction: LLM", None),
+        ("thought : need step 2 . action : [ retrieval ] velbo born", ("need step 2 .", "Retrieval", "velbo born")),
+    ],
+)
 def test_parse_decision_maker(text, parsed):
     assert c3po.parse_dm(text) == parsed
 
 
 def test_templates_and_documents():
     docs = [{"title": "Hamlet", "text": "A play."}, {"title": "Macbeth", "text": "Another."}]
-    assert c3po.format_documents(docs) == "Document 1 (Title: Hamlet): A play.\n\nDocument 2 (Title: Macbeth): Another."
+    assert (
+        c3po.format_documents(docs) == "Document 1 (Title: Hamlet): A play.\n\nDocument 2 (Title: Macbeth): Another."
+    )
     paper = c3po.TEMPLATES["paper"]
     assert paper["router"].endswith("Question: {question}") and "[Retrieval] `YOUR QUERY HERE`" in paper["router"]
-    assert "Current step's objectives: {objective}" in paper["filter_plan"] and "{objective}" not in paper["filter_direct"]
-    assert "Plan: {roadmap}" in paper["dm"] and "Action: [LLM]" in paper["dm_llm"] and "[Retrieval]" not in paper["dm_llm"]
+    assert (
+        "Current step's objectives: {objective}" in paper["filter_plan"]
+        and "{objective}" not in paper["filter_direct"]
+    )
+    assert (
+        "Plan: {roadmap}" in paper["dm"]
+        and "Action: [LLM]" in paper["dm_llm"]
+        and "[Retrieval]" not in paper["dm_llm"]
+    )
     assert paper["roadmap"].startswith("You are an expert assistant tasked with analyzing the following question")
     for name in ("answer", "answer_no_docs"):  # the roadmap is never passed to the answer [Alg. 1 L18]
         assert "{roadmap}" not in paper[name] and "{roadmap}" not in c3po.TEMPLATES["compact"][name]
     assert set(paper) == set(c3po.TEMPLATES["compact"])
     assert c3po.placeholder("q1") == {"title": "q1", "text": "None relevant information about q1"}
+
+
+def test_llm_prompt_is_the_roadmap_or_the_answer_prompt():
+    tpl, docs = c3po.TEMPLATES["compact"], [{"title": "zekil", "text": "zekil is a film directed by mipon ."}]
+    assert c3po.llm_prompt(tpl, "q ?", ("roadmap",)) == "write a plan . question : q ?"
+    assert c3po.llm_prompt(tpl, "q ?", ("answer", [])) == "answer the question . question : q ?"
+    assert c3po.llm_prompt(tpl, "q ?", ("answer", docs)) == (
+        "answer the question using the documents . documents : Document 1 (Title: zekil): zekil is a film directed by "
+        "mipon . question : q ?"
+    )
+
+
+CTX = dict(acc=[], used={}, roadmap="", objective="", docs=[], query="", strategy="", forced=False)
+DOCS = [{"title": "zekil", "text": "a"}, {"title": "zekel", "text": "b"}, {"title": "mipon", "text": "c"}]
+
+
+@pytest.mark.parametrize(
+    "text, event, strategy",
+    [("[No Retrieval]", ("answer", []), "No Retrieval"), ("[Retrieval] zekil directed", ("search", "zekil directed"),
+     "Retrieval"), ("[Planning]", ("roadmap",), "Planning"), ("Retrieval: x", ("invalid",), "")],
+)  # fmt: skip
+def test_transition_of_the_router(text, event, strategy):
+    got, ctx = c3po.transition("router", text, CTX, True, 100)
+    assert got == event and ctx["strategy"] == strategy
+
+
+def test_transition_of_the_filter_answers_under_retrieval_and_accumulates_under_planning():
+    ctx = dict(CTX, docs=DOCS, query="zekil directed", strategy="Retrieval")
+    assert c3po.transition("filter", "Thought: t\nAction: [3, 1]", ctx, True, 100)[0] == ("answer", [DOCS[2], DOCS[0]])
+    assert c3po.transition("filter", "Thought: t\nAction: []", ctx, True, 100)[0] == (
+        "answer", [c3po.placeholder("zekil directed")])  # fmt: skip
+    assert c3po.transition("filter", "Thought: t\nAction: [4]", ctx, True, 100)[0] == ("invalid",)  # training
+    assert c3po.transition("filter", "Thought: t\nAction: [4]", ctx, False, 100)[0] == (
+        "answer", [c3po.placeholder("zekil directed")])  # fmt: skip  # at test the id is dropped
+    planning = dict(ctx, strategy="Planning", acc=[DOCS[0]], used={"mipon born": 1})
+    event, after = c3po.transition("filter", "Thought: t\nAction: [1, 3]", planning, True, 100)
+    assert event == ("decide",) and after["acc"] == [DOCS[0], DOCS[2]]  # no document twice
+    assert after["used"] == {"mipon born": 1, "zekil directed": 1}
+    assert planning["acc"] == [DOCS[0]] and planning["used"] == {"mipon born": 1}  # the parent's state is unchanged
+    event, empty = c3po.transition("filter", "Thought: t\nAction: []", planning, True, 100)
+    assert empty["acc"] == [DOCS[0], c3po.placeholder("zekil directed")]
+    event, later = c3po.transition("filter", "Thought: t\nAction: [2]", empty, True, 100)  # the same query again
+    assert later["acc"] == [DOCS[0], DOCS[1]] and later["used"]["zekil directed"] == 2  # the placeholder goes
+
+
+def test_transition_of_the_decision_maker():
+    ctx = dict(CTX, acc=[DOCS[0]], strategy="Planning", objective="old")
+    event, after = c3po.transition("dm", "Thought: find the director\nAction: [Retrieval] a b c d", ctx, True, 2)
+    assert event == ("search", "a b") and after["objective"] == "find the director"  # the filter's next objective
+    assert c3po.transition("dm", "Thought: enough\nAction: [LLM]", ctx, True, 100)[0] == ("answer", [DOCS[0]])
+    assert c3po.transition("dm", "Action: [LLM]", ctx, True, 100)[0] == ("invalid",)
+    forced = dict(ctx, forced=True)  # a forced stop answers whatever was written
+    assert c3po.transition("dm", "gibberish", forced, True, 100)[0] == ("answer", [DOCS[0]])
+
+
+def test_the_toy_oracle_writes_what_the_agents_parse():
+    from common.toy import oracle_c3po
+
+    meta = dict(type="two_hop", hops=2, entities=["zekil", "mipon", "tuvia"], popular=False,
+                popular_hops=[False, False], sub_queries=["zekil directed", "mipon born"])  # fmt: skip
+    row, rng = {"question": "q ?", "golden_answers": ["tuvia"], "metadata": meta}, random.Random(0)
+    for noise in (0.0, 1.0):
+        ctx = dict(CTX, docs=DOCS, query="zekil directed", strategy="Planning")
+        assert c3po.transition("router", oracle_c3po(row, "router", ctx, "", rng, noise), ctx, True, 100)[0] == (
+            "roadmap",)  # fmt: skip
+        query = "[Retrieval]" + oracle_c3po(row, "router", ctx, "[Retrieval]", rng, noise)
+        assert c3po.transition("router", query, ctx, True, 100)[0] == ("search", "zekil directed")
+        event, ctx = c3po.transition("filter", oracle_c3po(row, "filter", ctx, "", rng, noise), ctx, True, 100)
+        assert event == ("decide",) and ctx["acc"] == ([DOCS[0], DOCS[2]] if noise == 0 else DOCS)
+        event, _ = c3po.transition(
+            "dm", oracle_c3po(row, "dm", dict(ctx, acc=[DOCS[0]]), "", rng, noise), ctx, True, 100
+        )
+        assert event == (("search", "mipon born") if noise == 0 else ("answer", ctx["acc"]))
 
 
 # ---------------------------------------------------------------- GAE, KL in the reward, PPO clipping, spec §8.7
@@ -138,10 +276,14 @@ def test_kl_penalty_enters_the_token_rewards():
     rewards = c3po.token_rewards(1.0, [0.1, -0.2, 0.05], [0.0, 0.0, 0.0], 0.005)
     assert rewards == pytest.approx([-0.0005, 0.001, 0.99975])
     adv, ret = c3po.gae(rewards, [0.2, 0.4, 0.5], 1.0, 0.95)
-    assert adv == pytest.approx([0.746474375, 0.5757625, 0.49975]) and ret == pytest.approx([0.946474375, 0.9757625, 0.99975])
+    assert adv == pytest.approx([0.746474375, 0.5757625, 0.49975]) and ret == pytest.approx(
+        [0.946474375, 0.9757625, 0.99975]
+    )
 
 
-@pytest.mark.parametrize("ratio, advantage, loss", [(1.3, 0.5, -0.6), (0.7, -1.0, 0.8), (1.0, 0.7, -0.7), (1.0, -0.3, 0.3)])
+@pytest.mark.parametrize(
+    "ratio, advantage, loss", [(1.3, 0.5, -0.6), (0.7, -1.0, 0.8), (1.0, 0.7, -0.7), (1.0, -0.3, 0.3)]
+)
 def test_clipped_surrogate(ratio, advantage, loss):
     one = torch.ones(1, 1)
     pg, r = c3po.clipped_surrogate(torch.log(one * ratio), 0 * one, advantage * one, one, 0.2)
@@ -153,8 +295,9 @@ def test_no_gradient_beyond_the_clip_and_masked_tokens_ignored():
     pg, _ = c3po.clipped_surrogate(new, torch.zeros(1, 2), torch.tensor([[0.5, 0.5]]), torch.tensor([[1.0, 1.0]]), 0.2)
     pg.backward()
     assert new.grad[0, 0].item() == 0.0 and new.grad[0, 1].item() == pytest.approx(-0.5 * 1.1 / 2)
-    pg, _ = c3po.clipped_surrogate(torch.tensor([[0.0, 5.0]]), torch.zeros(1, 2), torch.tensor([[1.0, 99.0]]),
-                                   torch.tensor([[1.0, 0.0]]), 0.2)
+    pg, _ = c3po.clipped_surrogate(
+        torch.tensor([[0.0, 5.0]]), torch.zeros(1, 2), torch.tensor([[1.0, 99.0]]), torch.tensor([[1.0, 0.0]]), 0.2
+    )
     assert pg.item() == pytest.approx(-1.0)
 
 
@@ -168,11 +311,14 @@ def test_forced_tokens_can_be_down_weighted_in_the_surrogate():
 
 
 def test_node_samples_count_the_forced_root_tokens():
-    nodes = [dict(kind="root", parent=None),
-             dict(kind="router", parent=0, prompt_ids=[5], action_ids=[7, 8, 1], fixed="[Planning]", prefix=""),
-             dict(kind="router", parent=0, prompt_ids=[5], action_ids=[7, 9, 6, 6, 1], fixed=None, prefix="[Retrieval]"),
-             dict(kind="filter", parent=2, prompt_ids=[5], action_ids=[4, 1], fixed=None, prefix=""),
-             dict(kind="leaf", parent=1, reward=1.0), dict(kind="leaf", parent=3, reward=0.0)]
+    nodes = [
+        dict(kind="root", parent=None),
+        dict(kind="router", parent=0, prompt_ids=[5], action_ids=[7, 8, 1], fixed="[Planning]", prefix=""),
+        dict(kind="router", parent=0, prompt_ids=[5], action_ids=[7, 9, 6, 6, 1], fixed=None, prefix="[Retrieval]"),
+        dict(kind="filter", parent=2, prompt_ids=[5], action_ids=[4, 1], fixed=None, prefix=""),
+        dict(kind="leaf", parent=1, reward=1.0),
+        dict(kind="leaf", parent=3, reward=0.0),
+    ]
     count = lambda text: {"[Retrieval]": 2}[text]  # a stand-in tokenizer: the forced prefix is 2 tokens
     assert [s["forced"] for s in c3po.node_samples([{"nodes": nodes}], count)] == [3, 2, 0]
     assert [s["forced"] for s in c3po.node_samples([{"nodes": nodes}])] == [3, 0, 0]  # no tokenizer: prefix unknown
@@ -183,12 +329,15 @@ def test_value_loss_clips_around_the_old_values():
     values = torch.tensor([[1.0, 0.6, 1.0, 1.0, 9.0]], requires_grad=True)
     old, ret = torch.tensor([[0.5, 0.5, 0.5, 0.5, 0.0]]), torch.tensor([[1.2, 0.0, 0.9, 0.0, 0.0]])
     mask = torch.tensor([[1.0, 1.0, 1.0, 1.0, 0.0]])
-    # V_clip = 0.7, 0.6, 0.7, 0.7; max((V_clip - G)^2, (V - G)^2) = max(.25, .04), max(.36, .36), max(.04, .01), max(.49, 1)
+    # V_clip = 0.7, 0.6, 0.7, 0.7; max((V_clip - G)^2, (V - G)^2) =
+    #   max(.25, .04), max(.36, .36), max(.04, .01), max(.49, 1)
     loss = c3po.value_loss(values, old, ret, mask, 0.2)
     assert loss.item() == pytest.approx((0.25 + 0.36 + 0.04 + 1.0) / 4)
     loss.backward()  # no gradient where the clipped (saturated) term is the larger one
     assert values.grad.tolist()[0] == pytest.approx([0.0, 2 * 0.6 / 4, 0.0, 2 * 1.0 / 4, 0.0])
-    assert c3po.value_loss(values, old, ret, mask, 0.0).item() == pytest.approx((0.04 + 0.36 + 0.01 + 1.0) / 4)  # Eq. 10
+    assert c3po.value_loss(values, old, ret, mask, 0.0).item() == pytest.approx(
+        (0.04 + 0.36 + 0.01 + 1.0) / 4
+    )  # Eq. 10
 
 
 TINY_LM = "toy-lm:layers=1,hidden=32,heads=2,kv_heads=2,intermediate=64"
@@ -197,6 +346,7 @@ TINY_LM = "toy-lm:layers=1,hidden=32,heads=2,kv_heads=2,intermediate=64"
 def test_value_model_is_a_copy_of_the_policy_with_a_zero_scalar_head():
     from common.llm import right_pad
     from common.toy_lm import load_toy_lm
+
     model, _ = load_toy_lm(TINY_LM)
     value = c3po.ValueModel(model)
     ids, attention = right_pad([[4, 7, 8, 9], [4, 7]], 0), right_pad([[1] * 4, [1] * 2], 0)
@@ -216,10 +366,14 @@ def test_ppo_update_whitens_advantages_over_the_rollout(monkeypatch, value_clip,
     """Advantages 1, 2 | 3 (two nodes) whiten over the rollout to -1, 0 | 1 (mean 2, std 1), not per node; the critic
     starts at V = 0, so its clipped loss follows from the stored old values by hand."""
     from accelerate import Accelerator
+
     from common.toy_lm import load_toy_lm
+
     model, tokenizer = load_toy_lm(TINY_LM)
-    samples = [dict(ids=[4, 7, 8], loss_mask=[0, 1, 1], credit=1.0, agent="router"),
-               dict(ids=[4, 9], loss_mask=[0, 1], credit=0.0, agent="dm")]
+    samples = [
+        dict(ids=[4, 7, 8], loss_mask=[0, 1, 1], credit=1.0, agent="router", forced=0),
+        dict(ids=[4, 9], loss_mask=[0, 1], credit=0.0, agent="dm", forced=0),
+    ]  # as node_samples makes them
     hand = [dict(adv=[1.0, 2.0], ret=[1.0, 0.0], val=[0.5, 0.5]), dict(adv=[3.0], ret=[0.2], val=[-0.5])]
     score, surrogate, seen = c3po.score_samples, c3po.clipped_surrogate, []
 
@@ -231,27 +385,36 @@ def test_ppo_update_whitens_advantages_over_the_rollout(monkeypatch, value_clip,
     def spy(new, old, adv, mask, clip, weights=None):
         seen.append(adv[mask.bool()].tolist())
         return surrogate(new, old, adv, mask, clip, weights)
+
     monkeypatch.setattr(c3po, "score_samples", fake_score)
     monkeypatch.setattr(c3po, "clipped_surrogate", spy)
     args = args_for(micro_batch_size=4, ppo_batch_size=8, value_clip=value_clip)
     ref, value = copy.deepcopy(model), c3po.ValueModel(model)
     optimizers = [torch.optim.Adam(m.parameters(), lr=1e-3) for m in (model, value)]
     schedulers = [torch.optim.lr_scheduler.LambdaLR(o, lambda step: 1.0) for o in optimizers]
-    stats = c3po.ppo_update(Accelerator(cpu=True), model, value, ref, optimizers, schedulers, samples, tokenizer, args)
+    pad = tokenizer.pad_token_id
+    stats = c3po.ppo_update(Accelerator(cpu=True), model, value, ref, optimizers, schedulers, samples, pad, args)
     assert len(seen) == 1 and sorted(seen[0]) == pytest.approx([-1.0, 0.0, 1.0], abs=1e-6)
     assert stats["losses/policy"] == pytest.approx(0.0, abs=1e-6)  # ratio 1 and whitened advantages of mean 0
     assert stats["losses/value"] == pytest.approx(value_loss, abs=1e-6) and stats["losses/clipfrac"] == 0.0
 
 
 def test_node_samples_mask_exactly_the_action_tokens():
-    nodes = [dict(kind="root", parent=None), dict(kind="router", parent=0, prompt_ids=[5, 6, 7], action_ids=[8, 1]),
-             dict(kind="roadmap", parent=1), dict(kind="dm", parent=2, prompt_ids=[5], action_ids=[9, 9, 1]),
-             dict(kind="leaf", parent=3, reward=1.0), dict(kind="dm", parent=2, prompt_ids=[5], action_ids=[4, 1]),
-             dict(kind="leaf", parent=5, reward=0.0)]
+    nodes = [
+        dict(kind="root", parent=None),
+        dict(kind="router", parent=0, prompt_ids=[5, 6, 7], action_ids=[8, 1]),
+        dict(kind="roadmap", parent=1),
+        dict(kind="dm", parent=2, prompt_ids=[5], action_ids=[9, 9, 1]),
+        dict(kind="leaf", parent=3, reward=1.0),
+        dict(kind="dm", parent=2, prompt_ids=[5], action_ids=[4, 1]),
+        dict(kind="leaf", parent=5, reward=0.0),
+    ]
     samples = c3po.node_samples([{"nodes": nodes}])
     assert [(s["agent"], s["ids"], s["loss_mask"], s["credit"]) for s in samples] == [
-        ("router", [5, 6, 7, 8, 1], [0, 0, 0, 1, 1], 0.5), ("dm", [5, 9, 9, 1], [0, 1, 1, 1], 1.0),
-        ("dm", [5, 4, 1], [0, 1, 1], 0.0)]
+        ("router", [5, 6, 7, 8, 1], [0, 0, 0, 1, 1], 0.5),
+        ("dm", [5, 9, 9, 1], [0, 1, 1, 1], 1.0),
+        ("dm", [5, 4, 1], [0, 1, 1], 0.0),
+    ]
     ids, attention, mask = c3po.batch_tensors(samples, pad=0, device="cpu")
     assert mask.tolist() == [[0, 0, 1, 1], [1, 1, 1, 0], [1, 1, 0, 0]]  # shifted with the labels, padding 0
     assert attention.tolist()[2] == [1, 1, 1, 0, 0]
@@ -289,6 +452,7 @@ def scripted(dm_text="Thought: t\nAction: [Retrieval] sub", filter_text="Thought
             text = r["fixed"] or {"router": router, "filter": filter_text, "dm": dm_text}[r["agent"]]
             out.append([(text, [3], [4, 1])] * (1 if r["fixed"] else r["n"]))
         return out
+
     return act, calls
 
 
@@ -299,10 +463,15 @@ def args_for(**kw):
 ROWS = [{"question": f"question {i} ?", "golden_answers": ["gold"], "metadata": {}} for i in range(3)]
 
 
+def env():
+    """The scripted frozen retriever and LLM as the rollout sees them (rows without renaming pass through)."""
+    return RenamingEnv(FakeRetriever(), FakeLLM())
+
+
 def test_forced_top_and_one_proxy_call_per_level_for_all_trees():
     act, calls = scripted(dm_text="Thought: t\nAction: [LLM]")
     llm, retriever = FakeLLM(), FakeRetriever()
-    trees = c3po.rollout(ROWS, act, llm, retriever, args_for(), "tree")
+    trees = c3po.rollout(ROWS, act, RenamingEnv(retriever, llm), args_for(), "tree")
     for tree in trees:
         routers = [n for n in tree["nodes"] if n["kind"] == "router"]
         assert sorted(n["strategy"] for n in routers) == ["No Retrieval", "Planning", "Retrieval"]
@@ -315,13 +484,16 @@ def test_forced_top_and_one_proxy_call_per_level_for_all_trees():
     assert [len(c) for c in llm.calls] == [3, 3, 6]  # level 1: roadmaps, then answers; level 2: answers
 
 
+@pytest.mark.parametrize("mode", ["single_trajectory", "single"])  # the --credit_mode value, and the old name
 @pytest.mark.parametrize("answer, reward", [("gold", 1.0), ("wrong", 0.0)])
-def test_single_trajectory_rollout_is_one_free_path_whose_reward_every_node_gets(answer, reward):
+def test_single_trajectory_rollout_is_one_free_path_whose_reward_every_node_gets(answer, reward, mode):
     """The w/o-tree ablation (§6.4): the router is sampled, not forced, K = 1 everywhere, one leaf per question."""
     act, calls = scripted(dm_text="Thought: t\nAction: [Retrieval] sub", router_text="[Planning]")
     llm = FakeLLM()
-    llm.chat = lambda msgs, **kw: ["step 1 : find it ." if m[-1]["content"].startswith("write a plan") else answer for m in msgs]
-    trees = c3po.rollout(ROWS, act, llm, FakeRetriever(), args_for(credit_mode="single_trajectory"), "single")
+    llm.chat = lambda msgs, **kw: [
+        "step 1 : find it ." if m[-1]["content"].startswith("write a plan") else answer for m in msgs
+    ]
+    trees = c3po.rollout(ROWS, act, RenamingEnv(FakeRetriever(), llm), args_for(credit_mode="single_trajectory"), mode)
     assert all(r["fixed"] is None and r["prefix"] == "" and r["n"] == 1 for c in calls for r in c)
     for tree in trees:
         kinds = [n["kind"] for n in tree["nodes"]]
@@ -335,13 +507,17 @@ def test_single_trajectory_rollout_is_one_free_path_whose_reward_every_node_gets
 def test_proxy_actor_forces_root_texts_and_prefix(monkeypatch):
     from common.llm import Generation
     from common.toy_lm import load_toy_lm
+
     model, tokenizer = load_toy_lm("toy-lm:layers=1,hidden=32,heads=2,kv_heads=2,intermediate=64")
     seen = []
     encode = lambda text: tokenizer(text, add_special_tokens=False)["input_ids"]
 
     def fake(model, tokenizer, prompts, max_new_tokens, **kw):
         seen.extend(prompts)
-        return Generation(["x"] * len(prompts), [encode("capital city") + [1]] * len(prompts), prompts, [True] * len(prompts))
+        return Generation(
+            ["x"] * len(prompts), [encode("capital city") + [1]] * len(prompts), prompts, [True] * len(prompts)
+        )
+
     monkeypatch.setattr(c3po, "generate", fake)
     args = args_for(system_prompt="")
     act = c3po.proxy_actor(model, tokenizer, args, greedy=False)
@@ -369,14 +545,15 @@ def planning_act(filter_texts=("Thought: t\nAction: [1]",), dm_text="Thought: t\
                 text = {"router": "[Planning]", "dm": dm_text}[r["agent"]]
             out.append([(text, [3], [4, 1])])
         return out
+
     return act, calls
 
 
-@pytest.mark.parametrize("mode, loops, leaf_depth", [("single", 4, 13), ("greedy", 5, 15)])
+@pytest.mark.parametrize("mode, loops, leaf_depth", [("single_trajectory", 4, 13), ("greedy", 5, 15)])
 def test_depth_limit_allows_4_loops_in_training_and_5_at_test(mode, loops, leaf_depth):
     act, calls = planning_act()
     retriever = FakeRetriever()
-    tree = c3po.rollout(ROWS[:1], act, FakeLLM(), retriever, args_for(), mode)[0]
+    tree = c3po.rollout(ROWS[:1], act, RenamingEnv(retriever, FakeLLM()), args_for(), mode)[0]
     assert tree["retrievals"] == loops and len(retriever.calls) == loops
     leaf = next(n for n in tree["nodes"] if n["kind"] == "leaf")
     assert leaf["depth"] == leaf_depth and leaf["reward"] == 1.0 and leaf["why"] == "answer"
@@ -392,11 +569,21 @@ def test_depth_limit_allows_4_loops_in_training_and_5_at_test(mode, loops, leaf_
 
 def test_tree_size_bound_with_one_roadmap():
     """Spec §8.4: distinct samples everywhere and a DM that always retrieves give 7 leaves and 39 agent nodes."""
+
     def act(requests, seed):
-        texts = {"router": "[Retrieval] q{k}", "filter": "Thought: t{k}\nAction: [1]", "dm": "Thought: t{k}\nAction: [Retrieval] sub"}
-        return [[(r["fixed"], [3], [4])] if r["fixed"] else [(texts[r["agent"]].format(k=k), [3], [4]) for k in range(r["n"])]
-                for r in requests]
-    tree = c3po.rollout(ROWS[:1], act, FakeLLM(), FakeRetriever(), args_for(), "tree")[0]
+        texts = {
+            "router": "[Retrieval] q{k}",
+            "filter": "Thought: t{k}\nAction: [1]",
+            "dm": "Thought: t{k}\nAction: [Retrieval] sub",
+        }
+        return [
+            [(r["fixed"], [3], [4])]
+            if r["fixed"]
+            else [(texts[r["agent"]].format(k=k), [3], [4]) for k in range(r["n"])]
+            for r in requests
+        ]
+
+    tree = c3po.rollout(ROWS[:1], act, env(), args_for(), "tree")[0]
     kinds = [n["kind"] for n in tree["nodes"]]
     assert kinds.count("leaf") == 7 and sum(k in c3po.AGENTS for k in kinds) == 39
     assert sorted(n["depth"] for n in tree["nodes"] if n["kind"] == "leaf") == [3, 4, 4, 13, 13, 13, 13]
@@ -406,15 +593,21 @@ def test_tree_size_bound_with_one_roadmap():
 def test_document_limit_forces_the_answer():
     act, calls = planning_act(filter_texts=("Thought: t\nAction: [1, 2]",))
     args = args_for(max_documents=3)
-    tree = c3po.rollout(ROWS[:1], act, FakeLLM(), FakeRetriever(), args, "single")[0]
+    tree = c3po.rollout(ROWS[:1], act, env(), args, "single_trajectory")[0]
     dms = [r for c in calls for r in c if r["agent"] == "dm"]
-    assert [len(r["ctx"]["acc"]) for r in dms] == [0, 2, 4] and [r["ctx"]["forced"] for r in dms] == [False, False, True]
+    assert [len(r["ctx"]["acc"]) for r in dms] == [0, 2, 4] and [r["ctx"]["forced"] for r in dms] == [
+        False,
+        False,
+        True,
+    ]
     assert tree["retrievals"] == 2
 
 
 def test_placeholder_for_an_empty_selection_is_removed_when_the_query_later_selects():
-    act, calls = planning_act(filter_texts=("Thought: t\nAction: []", "Thought: t\nAction: []", "Thought: t\nAction: [2]"))
-    c3po.rollout(ROWS[:1], act, FakeLLM(), FakeRetriever(), args_for(), "single")
+    act, calls = planning_act(
+        filter_texts=("Thought: t\nAction: []", "Thought: t\nAction: []", "Thought: t\nAction: [2]")
+    )
+    c3po.rollout(ROWS[:1], act, env(), args_for(), "single_trajectory")
     dms = [r for c in calls for r in c if r["agent"] == "dm"]
     assert dms[1]["ctx"]["acc"] == [c3po.placeholder("sub")] == dms[2]["ctx"]["acc"]  # deduplicated
     assert [d["text"] for d in dms[3]["ctx"]["acc"]] == ["sub passage 5"]  # third page, 2nd doc; placeholder gone
@@ -422,40 +615,57 @@ def test_placeholder_for_an_empty_selection_is_removed_when_the_query_later_sele
 
 def test_filter_objective_is_the_decision_makers_thought():
     act, calls = planning_act(dm_text="Thought: find the director\nAction: [Retrieval] sub")
-    c3po.rollout(ROWS[:1], act, FakeLLM(), FakeRetriever(), args_for(), "single")
+    c3po.rollout(ROWS[:1], act, env(), args_for(), "single_trajectory")
     filt = next(r for c in calls for r in c if r["agent"] == "filter")
     assert filt["prompt"].startswith("filter documents . goal : find the director question : question 0 ?")
 
 
-@pytest.mark.parametrize("router, filter_text, why", [("Retrieval: q", "x", "invalid"), ("[Retrieval] q", "Action: [1]", "invalid"),
-                                                      ("[Retrieval] q", "Thought: t\nAction: [9]", "invalid")])
+@pytest.mark.parametrize(
+    "router, filter_text, why",
+    [
+        ("Retrieval: q", "x", "invalid"),
+        ("[Retrieval] q", "Action: [1]", "invalid"),
+        ("[Retrieval] q", "Thought: t\nAction: [9]", "invalid"),
+    ],
+)
 def test_invalid_outputs_end_in_a_zero_leaf(router, filter_text, why):
     def act(requests, seed):
         return [[({"router": router, "filter": filter_text}[r["agent"]], [3], [4])] for r in requests]
-    tree = c3po.rollout(ROWS[:1], act, FakeLLM(), FakeRetriever(), args_for(), "single")[0]
+
+    tree = c3po.rollout(ROWS[:1], act, env(), args_for(), "single_trajectory")[0]
     leaves = [n for n in tree["nodes"] if n["kind"] == "leaf"]
     assert len(leaves) == 1 and leaves[0]["why"] == why and leaves[0]["reward"] == 0.0
-    tree = c3po.rollout(ROWS[:1], act, FakeLLM(), FakeRetriever(), args_for(), "greedy")[0]  # at test an id > k is dropped
+    tree = c3po.rollout(ROWS[:1], act, env(), args_for(), "greedy")[0]  # at test an id > k is dropped
     leaf = next(n for n in tree["nodes"] if n["kind"] == "leaf")
     assert (leaf["why"] == "answer") is (filter_text == "Thought: t\nAction: [9]")
 
 
 def ppo_once(seed, forced_weight=1.0, only_fixed=False):
-    """A tree rollout of a tiny random proxy (scripted LLM and retriever) and one PPO update: (texts, stats, policy)."""
+    """A tree rollout of a tiny random proxy (scripted LLM and retriever) and one PPO update: (texts, stats, policy,
+    ref, samples)."""
     from accelerate import Accelerator
+
     from common.toy_lm import load_toy_lm
+
     model, tokenizer = load_toy_lm("toy-lm:layers=1,hidden=32,heads=2,kv_heads=2,intermediate=64")
-    args = args_for(max_new_tokens=6, policy_lr=1e-2, value_lr=1e-2, micro_batch_size=4, ppo_batch_size=8, seed=seed,
-                    forced_weight=forced_weight)
-    trees = c3po.rollout(ROWS, c3po.proxy_actor(model, tokenizer, args, greedy=False), FakeLLM(), FakeRetriever(), args,
-                         "tree", seed=seed)
+    args = args_for(
+        max_new_tokens=6,
+        policy_lr=1e-2,
+        value_lr=1e-2,
+        micro_batch_size=4,
+        ppo_batch_size=8,
+        seed=seed,
+        forced_weight=forced_weight,
+    )
+    trees = c3po.rollout(ROWS, c3po.proxy_actor(model, tokenizer, args, greedy=False), env(), args, "tree", seed=seed)
     samples = c3po.node_samples(trees)
     if only_fixed:  # the forced [No Retrieval] / [Planning] router texts alone
         samples = [s for s in samples if s["forced"] == len(s["loss_mask"]) - s["loss_mask"].index(1)]
     ref, value = copy.deepcopy(model), c3po.ValueModel(model)
     optimizers = [torch.optim.Adam(m.parameters(), lr=1e-2) for m in (model, value)]
     schedulers = [torch.optim.lr_scheduler.LambdaLR(o, lambda step: 1.0) for o in optimizers]
-    stats = c3po.ppo_update(Accelerator(cpu=True), model, value, ref, optimizers, schedulers, samples, tokenizer, args)
+    pad = tokenizer.pad_token_id
+    stats = c3po.ppo_update(Accelerator(cpu=True), model, value, ref, optimizers, schedulers, samples, pad, args)
     return [n.get("text") for t in trees for n in t["nodes"]], stats, model, ref, samples
 
 
@@ -464,7 +674,9 @@ def test_ppo_update_is_reproducible_and_moves_the_policy():
     again, stats_again, _, _, _ = ppo_once(0)
     assert texts == again and stats == stats_again  # same seed, same rollout and losses on CPU
     assert {s["credit"] for s in samples} >= {0.0, 1.0}  # forced [No Retrieval] leaves are correct, random text is not
-    assert all(len(s["adv"]) == sum(s["loss_mask"]) for s in samples) and stats["rollout/kl"] == pytest.approx(0.0, abs=1e-6)
+    assert all(len(s["adv"]) == sum(s["loss_mask"]) for s in samples) and stats["rollout/kl"] == pytest.approx(
+        0.0, abs=1e-6
+    )
     moved = [not torch.equal(p, q) for p, q in zip(policy.parameters(), ref.parameters())]
     assert any(moved) and all(torch.isfinite(p).all() for p in policy.parameters())
 
@@ -481,16 +693,23 @@ def test_forced_weight_zero_leaves_the_policy_untouched_by_forced_texts(forced_w
 def toy():
     args = c3po.apply_preset(c3po.Args(teacher_noise=0.0))
     rows = c3po.load_split(args.data_dir, "train", args.question_types)
-    return args, rows, c3po.build_llm(args), c3po.open_retriever(args.index, args.corpus, args.encoder)
+    environment = c3po.environment(args)
+    return args, rows, environment.llm, environment.retriever
 
 
 def test_a_renamed_tree_is_the_same_tree_under_other_names(toy):
     """PPO's toy renaming (--rl_augment_p): the proxy reads renamed names, the retriever and the LLM the real ones, so
     an actor that writes the same actions in the renamed names grows the same tree with the same rewards."""
     from common.toy import apply_mapping, load_world, renamed_row
+
     args, rows, llm, retriever = toy
-    row = next(r for r in rows if r["metadata"]["type"] == "two_hop" and not any(r["metadata"]["popular_hops"])
-               and r["metadata"]["answerable"])
+    row = next(
+        r
+        for r in rows
+        if r["metadata"]["type"] == "two_hop"
+        and not any(r["metadata"]["popular_hops"])
+        and r["metadata"]["answerable"]
+    )
     renamed = renamed_row(row, load_world(args.data_dir), random.Random(0))
     forward, inverse = renamed["rename"]
     assert renamed["question"] != row["question"] and renamed["golden_answers"] != row["golden_answers"]
@@ -507,35 +726,56 @@ def test_a_renamed_tree_is_the_same_tree_under_other_names(toy):
         oracle = c3po.teacher_actor(args, llm, seed)
 
         def act(requests, s):
-            real = [dict(r, tree=dict(r["tree"], row=row), ctx=dict(r["ctx"], docs=real_docs(r["ctx"]["docs"]),
-                    acc=real_docs(r["ctx"]["acc"]), used={back(q): n for q, n in r["ctx"]["used"].items()})) for r in requests]
+            real = [
+                dict(
+                    r,
+                    tree=dict(r["tree"], row=row),
+                    ctx=dict(
+                        r["ctx"],
+                        docs=real_docs(r["ctx"]["docs"]),
+                        acc=real_docs(r["ctx"]["acc"]),
+                        used={back(q): n for q, n in r["ctx"]["used"].items()},
+                    ),
+                )
+                for r in requests
+            ]
             return [[(apply_mapping([t], forward)[0], p, a) for t, p, a in outs] for outs in oracle(real, s)]
+
         return act
 
-    plain = c3po.rollout([row], c3po.teacher_actor(args, llm, 0), llm, Recording(), args, "tree")[0]
+    plain = c3po.rollout([row], c3po.teacher_actor(args, llm, 0), RenamingEnv(Recording(), llm), args, "tree")[0]
     real_queries, queries[:] = list(queries), []
-    other = c3po.rollout([renamed], renamed_oracle(0), llm, Recording(), args, "tree")[0]
+    other = c3po.rollout([renamed], renamed_oracle(0), RenamingEnv(Recording(), llm), args, "tree")[0]
     assert queries == real_queries  # the retriever saw the real names
     assert [n["kind"] for n in other["nodes"]] == [n["kind"] for n in plain["nodes"]]
     assert [n.get("reward") for n in other["nodes"]] == [n.get("reward") for n in plain["nodes"]]
     assert 1.0 in [n.get("reward") for n in other["nodes"]]
     texts = [(n.get("text"), n.get("prompt"), n.get("answer")) for n in plain["nodes"]]
-    assert [(n.get("text"), n.get("prompt"), n.get("answer")) for n in other["nodes"]] == \
-        [tuple(None if x is None else apply_mapping([x], forward)[0] for x in t) for t in texts]  # the proxy's view
+    assert [(n.get("text"), n.get("prompt"), n.get("answer")) for n in other["nodes"]] == [
+        tuple(None if x is None else apply_mapping([x], forward)[0] for x in t) for t in texts
+    ]  # the proxy's view
 
 
 def test_oracle_teacher_solves_a_two_hop_question_by_planning(toy):
     args, rows, llm, retriever = toy
-    row = next(r for r in rows if r["metadata"]["type"] == "two_hop" and not any(r["metadata"]["popular_hops"])
-               and r["metadata"]["answerable"])
-    tree = c3po.rollout([row], c3po.teacher_actor(args, llm, 0), llm, retriever, args, "tree")[0]
+    row = next(
+        r
+        for r in rows
+        if r["metadata"]["type"] == "two_hop"
+        and not any(r["metadata"]["popular_hops"])
+        and r["metadata"]["answerable"]
+    )
+    tree = c3po.rollout([row], c3po.teacher_actor(args, llm, 0), RenamingEnv(retriever, llm), args, "tree")[0]
     credit = dict(zip([n.get("strategy") for n in tree["nodes"]], c3po.leaf_credits(tree["nodes"])))
     assert credit["Planning"] == 1.0 and credit["No Retrieval"] == 0.0
     pairs = c3po.successful_paths(tree, 4, random.Random(0))
     outputs = [p["output"] for p in pairs]
     sub = row["metadata"]["sub_queries"]
     assert "[Planning]" in outputs and f"Thought: need step 2 .\nAction: [Retrieval] {sub[1]}" in outputs
-    assert f"Thought: need step 1 .\nAction: [Retrieval] {sub[0]}" in outputs and "Thought: done .\nAction: [LLM]" in outputs
+    assert (
+        f"Thought: need step 1 .\nAction: [Retrieval] {sub[0]}" in outputs
+        and "Thought: done .\nAction: [LLM]" in outputs
+    )
     assert len(pairs) == len({(p["prompt"], p["output"]) for p in pairs})
 
 
@@ -550,8 +790,11 @@ def test_rejection_sampling_keeps_at_most_four_successful_paths():
 
 def test_cheapest_selection_keeps_only_the_cheapest_successful_strategy():
     nodes = [dict(kind="root", parent=None)]
-    for strategy, text, rewards in (("No Retrieval", "[No Retrieval]", [0.0]), ("Retrieval", "[Retrieval] q", [1.0, 1.0]),
-                                    ("Planning", "[Planning]", [1.0, 1.0, 1.0])):
+    for strategy, text, rewards in (
+        ("No Retrieval", "[No Retrieval]", [0.0]),
+        ("Retrieval", "[Retrieval] q", [1.0, 1.0]),
+        ("Planning", "[Planning]", [1.0, 1.0, 1.0]),
+    ):
         nodes.append(dict(kind="router", parent=0, prompt="p", text=text, strategy=strategy))
         router = len(nodes) - 1
         for j, r in enumerate(rewards):  # router -> filter -> leaf
@@ -564,15 +807,15 @@ def test_cheapest_selection_keeps_only_the_cheapest_successful_strategy():
     uniform = c3po.successful_paths(tree, 5, random.Random(0))
     assert {p["output"] for p in uniform} >= {"[Retrieval] q", "[Planning]"}
     nodes[3]["reward"] = 1.0  # now the No Retrieval path succeeds: it alone is kept
-    assert [(p["agent"], p["output"]) for p in c3po.successful_paths(tree, 4, random.Random(0), "cheapest")] == \
-        [("filter", "Action: [1]"), ("router", "[No Retrieval]")]
-    with pytest.raises(ValueError, match="warmup_select"):
-        c3po.successful_paths(tree, 4, random.Random(0), "cheap")
+    assert [(p["agent"], p["output"]) for p in c3po.successful_paths(tree, 4, random.Random(0), "cheapest")] == [
+        ("filter", "Action: [1]"),
+        ("router", "[No Retrieval]"),
+    ]
 
 
 # ---------------------------------------------------------------- the LLM judge and the LLM teacher (fake frozen LLM)
 class ChatLLM:
-    """A frozen LLM with common.llm's chat interface (HFChatLLM / EndpointLLM): reply(prompt) gives each canned reply."""
+    """A frozen LLM with common.llm's chat interface (HFChatLLM / EndpointLLM): reply(prompt) gives each reply."""
 
     def __init__(self, reply):
         self.reply, self.calls = reply, []
@@ -582,41 +825,55 @@ class ChatLLM:
         return [self.reply(messages[-1]["content"]) for messages in messages_lists]
 
 
-@pytest.mark.parametrize("verdicts, rewards", [(["True", "False", "TRUE."], [1.0, 0.0, 1.0]),
-                                               (["  true\n", "false", "False."], [1.0, 0.0, 0.0])])
+@pytest.mark.parametrize(
+    "verdicts, rewards",
+    [(["True", "False", "TRUE."], [1.0, 0.0, 1.0]), (["  true\n", "false", "False."], [1.0, 0.0, 0.0])],
+)
 def test_llm_judge_scores_answer_leaves_only(verdicts, rewards):
     """[App. D.2] prompt with the gold list as str(list); correct iff "true" in the reply, lower-cased (impl)."""
     row = {"question": "who directed zekil ?", "golden_answers": ["mipon", "Mipon Jr"]}
     answers = ["mipon directed it .", "nobody .", "it was mipon ."]
-    nodes = [dict(kind="root", parent=None)] + [dict(kind="leaf", parent=0, why="answer", answer=a, reward=0.0) for a in answers]
+    nodes = [dict(kind="root", parent=None)] + [
+        dict(kind="leaf", parent=0, why="answer", answer=a, reward=0.0) for a in answers
+    ]
     nodes.insert(2, dict(kind="leaf", parent=0, why="invalid", answer="", reward=0.0))  # never judged, stays 0
     replies = iter(verdicts)
     llm = ChatLLM(lambda prompt: next(replies))
-    c3po.score_leaves([{"row": row, "nodes": nodes}], llm, args_for(judge="llm"))
+    c3po.score_leaves([{"row": row, "nodes": nodes}], RenamingEnv(None, llm), args_for(judge="llm"))
     assert [n["reward"] for n in nodes if n.get("why") == "answer"] == rewards and nodes[2]["reward"] == 0.0
     (call,) = llm.calls
     assert call["temperature"] == 0.0 and call["max_tokens"] == 8
-    assert [m[-1]["content"] for m in call["messages"]] == [c3po.JUDGE_PROMPT.format(
-        question=row["question"], golds="['mipon', 'Mipon Jr']", prediction=a) for a in answers]
-    assert call["messages"][0][-1]["content"].endswith("Correct Answer: ['mipon', 'Mipon Jr']\nPredicted Answer: mipon directed it .\n")
+    assert [m[-1]["content"] for m in call["messages"]] == [
+        c3po.JUDGE_PROMPT.format(question=row["question"], golds="['mipon', 'Mipon Jr']", prediction=a)
+        for a in answers
+    ]
+    assert call["messages"][0][-1]["content"].endswith(
+        "Correct Answer: ['mipon', 'Mipon Jr']\nPredicted Answer: mipon directed it .\n"
+    )
 
 
 def paper_llm(router_reply):
-    """Canned replies of a frozen LLM to the paper prompts: it plays the three agents (the --teacher llm warm-up), writes
-    the roadmap and the answers, and judges. The planning path retrieves once and stops; direct answers are wrong."""
+    """Canned replies of a frozen LLM to the paper prompts: it plays the three agents (the --teacher llm warm-up),
+    writes the roadmap and the answers, and judges. The planning path retrieves once and stops; direct answers are
+    wrong."""
+
     def reply(prompt):
         if "evaluating whether a given question" in prompt:
             return router_reply
         if "analyzing the retrieved documents" in prompt:
             return "Thought: Document 1 names the director.\nAction: [1]"
         if "determining the next appropriate action" in prompt:
-            return ("Thought: find the director first.\nAction: [Retrieval] director of zekil"
-                    if "Existing Documents: \n\nPlan:" in prompt else "Thought: the documents suffice.\nAction: [LLM]")
+            return (
+                "Thought: find the director first.\nAction: [Retrieval] director of zekil"
+                if "Existing Documents: \n\nPlan:" in prompt
+                else "Thought: the documents suffice.\nAction: [LLM]"
+            )
         if "formulating a detailed plan" in prompt:
             return "Step 1: find the director of zekil."
         if "precise answer validator" in prompt:
             return str("Predicted Answer: The director is mipon.\n" in prompt)
         return "The director is mipon." if "Existing documents:" in prompt else "I am not sure."
+
     return reply
 
 
@@ -624,37 +881,63 @@ def paper_llm(router_reply):
 def test_llm_teacher_outputs_become_tree_nodes_and_sft_examples(router_reply):
     """--teacher llm (paper preset): the frozen LLM plays the proxy roles zero-shot [§5.2]; its outputs are the tree's
     agent nodes, leaves are judged by the same LLM, and successful paths become (prompt, output) SFT pairs."""
-    args = args_for(templates="paper", system_prompt="You are a helpful assistant.", teacher="llm", judge="llm", warmup_select="uniform")
+    args = args_for(
+        templates="paper",
+        system_prompt="You are a helpful assistant.",
+        teacher="llm",
+        judge="llm",
+        warmup_select="uniform",
+    )
     row = {"id": "q0", "question": "who directed zekil ?", "golden_answers": ["mipon"], "metadata": {}}
     llm = ChatLLM(paper_llm(router_reply))
-    tree = c3po.rollout([row], c3po.teacher_actor(args, llm, 0), llm, FakeRetriever(), args, "tree")[0]
+    tree = c3po.rollout([row], c3po.teacher_actor(args, llm, 0), RenamingEnv(FakeRetriever(), llm), args, "tree")[0]
     agents = [(n["kind"], n["text"]) for n in tree["nodes"] if n["kind"] in c3po.AGENTS]
-    assert agents == [("router", "[No Retrieval]"), ("router", "[Retrieval] director of zekil"), ("router", "[Planning]"),
-                      ("filter", "Thought: Document 1 names the director.\nAction: [1]"),  # K = 2 identical: one node
-                      ("dm", "Thought: find the director first.\nAction: [Retrieval] director of zekil"),
-                      ("filter", "Thought: Document 1 names the director.\nAction: [1]"),
-                      ("dm", "Thought: the documents suffice.\nAction: [LLM]")]
-    assert sorted((n["depth"], n["reward"]) for n in tree["nodes"] if n["kind"] == "leaf") == [(3, 0.0), (4, 1.0), (7, 1.0)]
+    assert agents == [
+        ("router", "[No Retrieval]"),
+        ("router", "[Retrieval] director of zekil"),
+        ("router", "[Planning]"),
+        ("filter", "Thought: Document 1 names the director.\nAction: [1]"),  # K = 2 identical: one node
+        ("dm", "Thought: find the director first.\nAction: [Retrieval] director of zekil"),
+        ("filter", "Thought: Document 1 names the director.\nAction: [1]"),
+        ("dm", "Thought: the documents suffice.\nAction: [LLM]"),
+    ]
+    assert sorted((n["depth"], n["reward"]) for n in tree["nodes"] if n["kind"] == "leaf") == [
+        (3, 0.0),
+        (4, 1.0),
+        (7, 1.0),
+    ]
     teacher = [c for c in llm.calls if c["temperature"] == args.teacher_temperature]
-    assert [len(c["messages"]) for c in teacher] == [1, 4, 2, 1]  # one call per level, K(t) samples: 1 query; 2 x (F2, DM3); 2 F4; 1 DM5
+    assert [len(c["messages"]) for c in teacher] == [
+        1,
+        4,
+        2,
+        1,
+    ]  # one call per level, K(t) samples: 1 query; 2 x (F2, DM3); 2 F4; 1 DM5
     first = teacher[0]["messages"][0]
     assert first[0] == {"role": "system", "content": "You are a helpful assistant."}
     assert first[1]["content"] == c3po.TEMPLATES["paper"]["router"].format(question=row["question"]) + "\n[Retrieval]"
-    examples, solved = c3po.build_warmup([row], llm, FakeRetriever(), args)
+    examples, solved = c3po.build_warmup([row], llm, RenamingEnv(FakeRetriever(), llm), args)
     assert solved == 1.0 and len(examples) == 6  # the failed [No Retrieval] path gives none
     assert sorted((e["agent"], e["output"]) for e in examples) == sorted(agents[1:])
     router = next(e for e in examples if e["output"] == "[Planning]")
-    assert router["prompt"] == c3po.TEMPLATES["paper"]["router"].format(question=row["question"])  # zero-shot, no prefix
+    assert router["prompt"] == c3po.TEMPLATES["paper"]["router"].format(
+        question=row["question"]
+    )  # zero-shot, no prefix
 
 
 # ---------------------------------------------------------------- SFT warm-up: the loss is on the output tokens only
 def test_sft_batch_puts_labels_on_the_output_and_eos_only():
     from common.toy_lm import load_toy_lm
+
     _, tokenizer = load_toy_lm(TINY_LM)
-    examples = [dict(prompt="write a plan . question : x ?", output="[Planning]"),
-                dict(prompt="decide : no retrieval , retrieval or planning . question : x ?", output="[No Retrieval]")]
+    examples = [
+        dict(prompt="write a plan . question : x ?", output="[Planning]"),
+        dict(prompt="decide : no retrieval , retrieval or planning . question : x ?", output="[No Retrieval]"),
+    ]
     # given longest first, the rows come back sorted by length (the shorter planning example first)
-    ids, labels, attention = c3po.sft_batch(examples[::-1], tokenizer, args_for(system_prompt=""), random.Random(0), None)
+    ids, labels, attention = c3po.sft_batch(
+        examples[::-1], tokenizer, args_for(system_prompt=""), random.Random(0), None
+    )
     assert (labels != -100).sum(1).tolist() == [3 + 1, 4 + 1]  # `[ planning ]` + EOS, `[ no retrieval ]` + EOS
     for row, ex in enumerate(examples):
         prompt = c3po.encode_prompts(tokenizer, [ex["prompt"]], "")[0]
@@ -668,29 +951,31 @@ def test_sft_batch_puts_labels_on_the_output_and_eos_only():
 def test_length_sorted_micro_batches_give_the_full_batch_gradient():
     """Micro-batches cut to their own longest sequence change the padding, not the gradient of the SFT step."""
     from accelerate import Accelerator
+
     from common.toy_lm import load_toy_lm
-    examples = [dict(prompt="question : " + "x " * n + "?", output=["[Planning]", "[No Retrieval]"][n % 2]) for n in (1, 9, 3, 14, 6, 2)]
+
+    examples = [
+        dict(prompt="question : " + "x " * n + "?", output=["[Planning]", "[No Retrieval]"][n % 2])
+        for n in (1, 9, 3, 14, 6, 2)
+    ]
     grads = {}
     for micro in (6, 2):
         torch.manual_seed(0)
         model, tokenizer = load_toy_lm(TINY_LM)
         accelerator = Accelerator(cpu=True)
-        accelerator.clip_grad_norm_ = lambda params, norm, m=micro: grads.setdefault(m, [p.grad.clone() for p in params])
-        c3po.sft(accelerator, model, tokenizer, examples, args_for(sft_steps=1, sft_batch_size=6, micro_batch_size=micro,
-                                                                   augment_p=0.0, system_prompt=""), None)
+        accelerator.clip_grad_norm_ = lambda params, norm, m=micro: grads.setdefault(
+            m, [p.grad.clone() for p in params]
+        )
+        c3po.sft(
+            accelerator,
+            model,
+            tokenizer,
+            examples,
+            args_for(sft_steps=1, sft_batch_size=6, micro_batch_size=micro, augment_p=0.0, system_prompt=""),
+            None,
+        )
     assert len(grads[6]) == len(grads[2]) > 0 and any(g.abs().sum() > 0 for g in grads[6])
     assert all(torch.allclose(a, b, atol=1e-6) for a, b in zip(grads[6], grads[2]))
-
-
-def test_sft_loss_counts_only_the_target_tokens():
-    logits = torch.zeros(1, 4, 3)  # uniform over a 3-token vocabulary
-    labels = torch.tensor([[-100, -100, 2, 0]])  # a 2-token prompt, then the target 2, 0
-    assert c3po.sft_loss(logits, labels, 2).item() == pytest.approx(math.log(3))
-    logits[0, 0] = torch.tensor([9.0, -9.0, 0.0])  # predicts the prompt's 2nd token: masked
-    logits[0, 3] = torch.tensor([9.0, -9.0, 0.0])  # predicts past the end: dropped by the shift
-    assert c3po.sft_loss(logits, labels, 2).item() == pytest.approx(math.log(3))
-    logits[0, 1] = torch.tensor([0.0, 0.0, math.log(2)])  # p(2) = 2 / 4 at the first target
-    assert c3po.sft_loss(logits, labels, 2).item() == pytest.approx((math.log(2) + math.log(3)) / 2)
 
 
 # ---------------------------------------------------------------- CLI and end to end on the toy world
@@ -701,8 +986,26 @@ def run(args, capsys):
     return capsys.readouterr().out
 
 
-TINY = ["--n_train", "32", "--n_eval", "8", "--sft_steps", "8", "--ppo_iterations", "2", "--rollout_batch", "4",
-        "--sft_batch_size", "16", "--ppo_batch_size", "64", "--eval_every", "1", "--rl_augment_p", "1.0"]
+TINY = [
+    "--n_train",
+    "32",
+    "--n_eval",
+    "8",
+    "--sft_steps",
+    "8",
+    "--ppo_iterations",
+    "2",
+    "--rollout_batch",
+    "4",
+    "--sft_batch_size",
+    "16",
+    "--ppo_batch_size",
+    "64",
+    "--eval_every",
+    "1",
+    "--rl_augment_p",
+    "1.0",
+]
 
 
 def outcome(result):
@@ -736,8 +1039,12 @@ def test_toy_train_then_resume_then_eval_the_checkpoint(tmp_path, capsys):
     again = run(["--train", "--output_dir", str(out), "--resume", *TINY], capsys)  # neither SFT nor PPO is redone
     assert "sft step" not in again and "iteration=" not in again
     assert outcome(check_contract(out, again)["after"]) == outcome(results["after"])
-    stdout = run(["--eval", "--model", str(out / "ppo"), "--output_dir", str(tmp_path / "eval"), "--n_eval", "8"], capsys)
-    assert outcome(check_contract(tmp_path / "eval", stdout)["after"]) == outcome(results["after"])  # greedy and sampled
+    stdout = run(
+        ["--eval", "--model", str(out / "ppo"), "--output_dir", str(tmp_path / "eval"), "--n_eval", "8"], capsys
+    )
+    assert outcome(check_contract(tmp_path / "eval", stdout)["after"]) == outcome(
+        results["after"]
+    )  # greedy and sampled
     assert (tmp_path / "eval" / "predictions_eval.jsonl").read_text() == (out / "predictions_ppo.jsonl").read_text()
     # --eval writes next to the model by default and never over a training run's results
     trained = (out / "results.json").read_text()
@@ -750,14 +1057,30 @@ def test_toy_train_then_resume_then_eval_the_checkpoint(tmp_path, capsys):
     flashrag = tmp_path / "flashrag"
     flashrag.mkdir()
     rows = [json.loads(line) for line in (ROOT / "data/toy/test.jsonl").read_text().splitlines()[:4]]
-    (flashrag / "test.jsonl").write_text("".join(json.dumps({k: r[k] for k in ("id", "question", "golden_answers")})
-                                                 + "\n" for r in rows))
+    (flashrag / "test.jsonl").write_text(
+        "".join(json.dumps({k: r[k] for k in ("id", "question", "golden_answers")}) + "\n" for r in rows)
+    )
     with pytest.raises(ValueError, match="no toy world here"):  # the toy reader needs a world: named, not guessed
-        run(["--eval", "--model", str(out / "ppo"), "--data_dir", str(flashrag), "--output_dir", str(tmp_path / "x")],
-            capsys)
-    stdout = run(["--eval", "--model", str(out / "ppo"), "--data_dir", str(flashrag), "--corpus",
-                  str(ROOT / "data/toy/corpus.jsonl"), "--llm", "toy:data/toy", "--output_dir",
-                  str(tmp_path / "flashrag_eval")], capsys)
+        run(
+            ["--eval", "--model", str(out / "ppo"), "--data_dir", str(flashrag), "--output_dir", str(tmp_path / "x")],
+            capsys,
+        )
+    stdout = run(
+        [
+            "--eval",
+            "--model",
+            str(out / "ppo"),
+            "--data_dir",
+            str(flashrag),
+            "--corpus",
+            str(ROOT / "data/toy/corpus.jsonl"),
+            "--llm",
+            "toy:data/toy",
+            "--output_dir",
+            str(tmp_path / "flashrag_eval"),
+        ],
+        capsys,
+    )
     assert check_contract(tmp_path / "flashrag_eval", stdout)["n_eval"] == 4
     stdout = run(["--ask", "what is the birthplace of qqzzyx ?", "--model", str(out / "ppo")], capsys)
     assert "warning: words the proxy's tokenizer does not know (read as <unk>): qqzzyx" in stdout
@@ -774,22 +1097,25 @@ def test_an_interrupted_run_resumes_with_the_losses_of_an_uninterrupted_one(tmp_
     """Weights, optimizers, schedulers and the random states (python, numpy, torch, the run's rng) come back."""
     flags = [*TINY, "--ppo_iterations", "3", "--n_eval", "2", "--rl_augment_p", "0.5"]  # renaming draws from the rng
     run(["--train", "--output_dir", str(tmp_path / "whole"), *flags], capsys)
-    save = c3po.save_checkpoint
+    save = runs.save_checkpoint
 
     def killed_after_the_first_update(folder, *a, **k):
         save(folder, *a, **k)
         if Path(folder).name == "ppo":
             raise KeyboardInterrupt
 
-    monkeypatch.setattr(c3po, "save_checkpoint", killed_after_the_first_update)
+    monkeypatch.setattr(runs, "save_checkpoint", killed_after_the_first_update)
     with pytest.raises(KeyboardInterrupt):
         run(["--train", "--output_dir", str(tmp_path / "cut"), *flags], capsys)
-    monkeypatch.setattr(c3po, "save_checkpoint", save)
+    monkeypatch.setattr(runs, "save_checkpoint", save)
     resumed = run(["--train", "--output_dir", str(tmp_path / "cut"), "--resume", *flags], capsys)
     assert "resumed PPO at iteration 1" in resumed
     lines = lambda run_dir: map(json.loads, (run_dir / "metrics.jsonl").read_text().splitlines())
-    updates = lambda run_dir: {m["iteration"]: {k: v for k, v in m.items() if k != "charts/seconds"}
-                               for m in lines(run_dir) if "iteration" in m}
+    updates = lambda run_dir: {
+        m["iteration"]: {k: v for k, v in m.items() if k != "charts/seconds"}
+        for m in lines(run_dir)
+        if "iteration" in m
+    }
     whole, cut = updates(tmp_path / "whole"), updates(tmp_path / "cut")
     assert list(whole) == list(cut) == [1, 2, 3] and whole == cut  # the same floats, bit for bit
     assert whole[2]["losses/policy"] != whole[3]["losses/policy"]
@@ -819,23 +1145,57 @@ def test_report_to_tensorboard_logs_the_updates_beside_metrics_jsonl(tmp_path, c
 
 
 def test_paper_templates_run_a_few_steps(tmp_path, capsys):
-    stdout = run(["--train", "--templates", "paper", "--output_dir", str(tmp_path / "paper"), "--n_train", "8",
-                  "--n_eval", "2", "--sft_steps", "2", "--ppo_iterations", "1", "--rollout_batch", "2"], capsys)
+    stdout = run(
+        [
+            "--train",
+            "--templates",
+            "paper",
+            "--output_dir",
+            str(tmp_path / "paper"),
+            "--n_train",
+            "8",
+            "--n_eval",
+            "2",
+            "--sft_steps",
+            "2",
+            "--ppo_iterations",
+            "1",
+            "--rollout_batch",
+            "2",
+        ],
+        capsys,
+    )
     assert "iteration=1" in stdout and stdout.strip().splitlines()[-1].startswith("RESULT ")
 
 
-@pytest.mark.parametrize("flag, message", [(["--train", "--preset", "nope"], "--preset must be one of"),
-                                           (["--train", "--forced_weight", "-1"], "--forced_weight must be >= 0"),
-                                           (["--train", "--judge", "nope"], "--judge must be one of"),
-                                           (["--train", "--warmup_select", "best"], "--warmup_select must be one of"),
-                                           ([], "choose a mode"),
-                                           (["--ask", "who ?"], "--ask needs --model")])
+@pytest.mark.parametrize(
+    "flag, message",
+    [
+        (["--train", "--forced_weight", "-1"], "--forced_weight must be >= 0"),
+        ([], "choose a mode"),
+        (["--ask", "who ?"], "--ask needs --model"),
+    ],
+)
 def test_bad_flags_are_clear_errors(flag, message):
     with pytest.raises(SystemExit, match=message):
         c3po.main(flag)
 
 
-# ---------------------------------------------------------------- numerics: fp32 master weights, a critic without LM head
+@pytest.mark.parametrize(
+    "flag, value",
+    [("--preset", "nope"), ("--judge", "nope"), ("--warmup_select", "best"), ("--templates", "short"),
+     ("--teacher", "gpt"), ("--credit_mode", "single"), ("--report_to", "mlflow")],
+)  # fmt: skip
+def test_a_value_outside_a_flags_choices_is_an_argparse_error(flag, value, capsys):
+    """Not one of the choices: exit code 2 and one error line naming the flag and the value (after the usage)."""
+    with pytest.raises(SystemExit) as exit_:
+        c3po.main(["--train", flag, value])
+    assert exit_.value.code == 2
+    errors = [line for line in capsys.readouterr().err.splitlines() if "error:" in line]
+    assert len(errors) == 1 and re.search(f"error: argument {flag}(/[-a-z]+)?: invalid choice: '{value}'", errors[0])
+
+
+# ---------------------------------------------------------------- numerics: fp32 master weights, a critic, no LM head
 def test_bf16_mixed_precision_trains_fp32_weights_under_autocast(monkeypatch):
     from accelerate import Accelerator
     from accelerate.state import AcceleratorState
@@ -855,8 +1215,10 @@ def test_bf16_mixed_precision_trains_fp32_weights_under_autocast(monkeypatch):
     logits_dtypes = []
     policy.lm_head.register_forward_hook(lambda module, inputs, output: logits_dtypes.append(output.dtype))
     before = [p.detach().clone() for p in policy.parameters()]
-    examples = [dict(prompt=f"decide : question : who is velbo {i} ?", output="[No Retrieval]", agent="router", row={})
-                for i in range(4)]
+    examples = [
+        dict(prompt=f"decide : question : who is velbo {i} ?", output="[No Retrieval]", agent="router", row={})
+        for i in range(4)
+    ]
     trained, _ = c3po.sft(accelerator, policy, tokenizer, examples, args, None)
     assert stepped == [{torch.float32}] * 2  # Adam updates fp32 master weights ...
     assert logits_dtypes and set(logits_dtypes) == {torch.bfloat16}  # ... of a forward pass run in bf16
@@ -884,8 +1246,26 @@ def test_trains_on_a_freshly_generated_world(tmp_path, capsys):
 
     world = write_world(tmp_path / "world", seed=3, size=0.5)
     out = tmp_path / "run"
-    stdout = run(["--train", "--data_dir", str(world), "--output_dir", str(out), "--n_eval", "40", "--n_train", "120",
-                  "--sft_steps", "200", "--ppo_iterations", "1", "--rollout_batch", "4"], capsys)
+    stdout = run(
+        [
+            "--train",
+            "--data_dir",
+            str(world),
+            "--output_dir",
+            str(out),
+            "--n_eval",
+            "40",
+            "--n_train",
+            "120",
+            "--sft_steps",
+            "200",
+            "--ppo_iterations",
+            "1",
+            "--rollout_batch",
+            "4",
+        ],
+        capsys,
+    )
     results = check_contract(out, stdout)
     assert results["dataset"] == str(world) and results["args"]["llm"] == f"toy:{world}"
     assert results["before_sft"]["accuracy"] == 0.0 and results["before"]["accuracy"] >= 0.1  # raw start -> after SFT

@@ -1,4 +1,5 @@
 """FlashRAG QA loading: good files load, every kind of bad line names its file and line."""
+
 import json
 import warnings
 
@@ -26,25 +27,31 @@ def test_load_qa_reads_rows_and_defaults_metadata(tmp_path):
     assert rows[1]["golden_answers"] == ["orsa", "orsa city"]
 
 
-@pytest.mark.parametrize("bad_line, message", [
-    ('{"id": "q3", "question": "x ?"', "not valid JSON"),
-    ('["q3", "x ?"]', "expected a JSON object"),
-    ('{"id": "q3", "golden_answers": ["a"]}', "missing field 'question'"),
-    ('{"id": "q3", "question": "x ?"}', "missing field 'golden_answers'"),
-    ('{"id": "q3", "question": "x ?", "golden_answers": []}', "non-empty list of strings"),
-    ('{"id": "q3", "question": "x ?", "golden_answers": "a"}', "non-empty list of strings"),
-    ('{"id": "q3", "question": "x ?", "golden_answers": [1]}', "non-empty list of strings"),
-    ('{"id": "q3", "question": "  ", "golden_answers": ["a"]}', "'question' must be a non-empty string"),
-    ('{"id": "q3", "question": "x ?", "golden_answers": ["a"], "metadata": 3}', "'metadata' must be an object"),
-    ('{"question": "x ?", "golden_answers": ["a"]}', "missing field 'id'"),
-    ('{"id": null, "question": "x ?", "golden_answers": ["a"]}', "field 'id' must be a non-empty string or an int"),
-    ('{"id": " ", "question": "x ?", "golden_answers": ["a"]}', "field 'id' must be a non-empty string or an int"),
-    ('{"id": "q3", "question": "x ?", "golden_answers": [""]}', "field 'golden_answers' holds only empty answers"),
-    ('{"id": "q3", "question": "x ?", "golden_answers": [" ", "\\t"]}', "field 'golden_answers' holds only empty"),
-    ('{"id": "q3", "question": "x ?", "answers": []}', "field 'answers' must be a non-empty list of strings"),
-    ('{"id": "q3", "question": "x ?", "answers": ["", " "]}', "field 'answers' holds only empty answers"),
-    ('{"id": "q3", "question": "x ?", "answer": ["a"]}', "missing field 'golden_answers' (or 'answers')"),
-])
+@pytest.mark.parametrize(
+    "bad_line, message",
+    [
+        ('{"id": "q3", "question": "x ?"', "not valid JSON"),
+        ('["q3", "x ?"]', "expected a JSON object"),
+        ('{"id": "q3", "golden_answers": ["a"]}', "missing field 'question'"),
+        ('{"id": "q3", "question": "x ?"}', "missing field 'golden_answers'"),
+        ('{"id": "q3", "question": "x ?", "golden_answers": []}', "non-empty list of strings"),
+        ('{"id": "q3", "question": "x ?", "golden_answers": "a"}', "non-empty list of strings"),
+        ('{"id": "q3", "question": "x ?", "golden_answers": [1]}', "non-empty list of strings"),
+        ('{"id": "q3", "question": "  ", "golden_answers": ["a"]}', "'question' must be a non-empty string"),
+        ('{"id": "q3", "question": "x ?", "golden_answers": ["a"], "metadata": 3}', "'metadata' must be an object"),
+        ('{"question": "x ?", "golden_answers": ["a"]}', "missing field 'id'"),
+        (
+            '{"id": null, "question": "x ?", "golden_answers": ["a"]}',
+            "field 'id' must be a non-empty string or an int",
+        ),
+        ('{"id": " ", "question": "x ?", "golden_answers": ["a"]}', "field 'id' must be a non-empty string or an int"),
+        ('{"id": "q3", "question": "x ?", "golden_answers": [""]}', "field 'golden_answers' holds only empty answers"),
+        ('{"id": "q3", "question": "x ?", "golden_answers": [" ", "\\t"]}', "field 'golden_answers' holds only empty"),
+        ('{"id": "q3", "question": "x ?", "answers": []}', "field 'answers' must be a non-empty list of strings"),
+        ('{"id": "q3", "question": "x ?", "answers": ["", " "]}', "field 'answers' holds only empty answers"),
+        ('{"id": "q3", "question": "x ?", "answer": ["a"]}', "missing field 'golden_answers' (or 'answers')"),
+    ],
+)
 def test_bad_lines_name_file_and_line(tmp_path, bad_line, message):
     path = write(tmp_path / "qa.jsonl", [json.dumps(GOOD[0]), "", bad_line])
     with pytest.raises(DataError) as err:
@@ -73,10 +80,14 @@ def test_a_byte_order_mark_and_crlf_line_ends_are_read(tmp_path):
 
 
 def test_answers_is_read_as_golden_answers_and_blank_answers_beside_real_ones_are_dropped(tmp_path):
-    path = write(tmp_path / "qa.jsonl", [
-        json.dumps({"id": 7, "question": "who ?", "answers": ["velbo", "vel bo"]}),  # C-3PO's raw format
-        json.dumps({"id": "q2", "question": "where ?", "golden_answers": ["orsa", " ", ""]}),
-        json.dumps({"id": "q3", "question": "when ?", "golden_answers": ["1941"], "answers": ["other"]})])
+    path = write(
+        tmp_path / "qa.jsonl",
+        [
+            json.dumps({"id": 7, "question": "who ?", "answers": ["velbo", "vel bo"]}),  # C-3PO's raw format
+            json.dumps({"id": "q2", "question": "where ?", "golden_answers": ["orsa", " ", ""]}),
+            json.dumps({"id": "q3", "question": "when ?", "golden_answers": ["1941"], "answers": ["other"]}),
+        ],
+    )
     rows = load_qa(path)
     assert rows[0]["golden_answers"] == ["velbo", "vel bo"] and "answers" not in rows[0]
     assert rows[1]["golden_answers"] == ["orsa"]  # a blank gold answer would match an empty prediction
@@ -108,8 +119,10 @@ def test_sample_rows_is_seeded_and_without_replacement():
 
 
 def typed_rows(types):
-    return [{"id": str(i), "question": f"q{i} ?", "golden_answers": ["a"], "metadata": {"type": t} if t else {}}
-            for i, t in enumerate(types)]
+    return [
+        {"id": str(i), "question": f"q{i} ?", "golden_answers": ["a"], "metadata": {"type": t} if t else {}}
+        for i, t in enumerate(types)
+    ]
 
 
 def test_load_split_keeps_the_types_asked_for(tmp_path):
@@ -126,8 +139,9 @@ def test_load_split_refuses_a_filter_that_matches_no_typed_row(tmp_path):
     write_jsonl(tmp_path / "test.jsonl", typed_rows(["two_hop", None, "comparison", "two_hop"]))
     with pytest.raises(DataError) as err:
         load_split(tmp_path, "test", "one_hop,three_hop")
-    assert str(err.value) == (f"{tmp_path / 'test.jsonl'}: no row of type one_hop, three_hop; "
-                              "the types present are comparison, two_hop")
+    assert str(err.value) == (
+        f"{tmp_path / 'test.jsonl'}: no row of type one_hop, three_hop; the types present are comparison, two_hop"
+    )
 
 
 def test_load_split_without_any_type_ignores_the_filter_and_says_so(tmp_path):

@@ -1,4 +1,5 @@
 """common/llm.py on a tiny word-level Qwen2 built offline, and the endpoint client against a local fake server."""
+
 import os
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")  # before transformers is imported (tests/conftest.py does the same)
@@ -7,10 +8,8 @@ os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 
 import json
 import socket
-import sys
 import threading
 import time
-import types
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
 import pytest
@@ -32,7 +31,9 @@ from common.llm import (
     unknown_words,
 )
 
-VOCAB = ["<pad>", "<eos>", "<unk>", "system", "user", "assistant", ":", "<search>", "</search>"] + [f"w{i}" for i in range(40)]
+VOCAB = ["<pad>", "<eos>", "<unk>", "system", "user", "assistant", ":", "<search>", "</search>"] + [
+    f"w{i}" for i in range(40)
+]
 ID = {word: i for i, word in enumerate(VOCAB)}
 PAD, EOS = ID["<pad>"], ID["<eos>"]
 TEMPLATE = (
@@ -58,7 +59,9 @@ def tiny_tokenizer():
     """A word-level tokenizer over VOCAB with pad/eos tokens and a simple chat template."""
     backend = Tokenizer(models.WordLevel(ID, unk_token="<unk>"))
     backend.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
-    tokenizer = PreTrainedTokenizerFast(tokenizer_object=backend, pad_token="<pad>", eos_token="<eos>", unk_token="<unk>")
+    tokenizer = PreTrainedTokenizerFast(
+        tokenizer_object=backend, pad_token="<pad>", eos_token="<eos>", unk_token="<unk>"
+    )
     tokenizer.chat_template = TEMPLATE
     tokenizer.padding_side = "right"  # the loader must switch it to left
     return tokenizer
@@ -69,7 +72,8 @@ def tiny_qwen2(seed=0):
     torch.manual_seed(seed)
     config = Qwen2Config(
         vocab_size=len(VOCAB), hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
-        num_key_value_heads=2, max_position_embeddings=128, tie_word_embeddings=False, pad_token_id=PAD, eos_token_id=EOS,
+        num_key_value_heads=2, max_position_embeddings=128, tie_word_embeddings=False, pad_token_id=PAD,
+        eos_token_id=EOS,
     )  # fmt: skip
     return Qwen2ForCausalLM(config)
 
@@ -78,7 +82,9 @@ def chain_qwen2():
     """A tiny Qwen2 whose next token depends only on the current one (CHAIN), so its greedy output is known."""
     model = tiny_qwen2()
     with torch.no_grad():
-        for layer in model.model.layers:  # layers add nothing: the residual stream carries the token's one-hot embedding
+        for (
+            layer
+        ) in model.model.layers:  # layers add nothing: the residual stream carries the token's one-hot embedding
             layer.self_attn.o_proj.weight.zero_()
             layer.mlp.down_proj.weight.zero_()
         model.model.embed_tokens.weight.zero_()
@@ -161,30 +167,58 @@ def test_lora_leaves_only_lora_weights_trainable(model_dirs, tiny, as_dict):
     assert wrapped.token_ids == generate(*tiny, prompts, 6, do_sample=False).token_ids
 
 
-def test_toy_lm_names_are_built_for_the_world_given(monkeypatch):
-    calls = []
-    fake = types.ModuleType("common.toy_lm")
-    model = types.SimpleNamespace()
-    fake.load_toy_lm = lambda name, **kw: calls.append((name, kw)) or (model, "tokenizer")
-    monkeypatch.setitem(sys.modules, "common.toy_lm", fake)
-    assert load_model_and_tokenizer("toy-lm:layers=2", dtype=torch.float32, world="w1") == (model, "tokenizer")
-    assert model.name_or_path == "toy-lm:layers=2"  # what a LoRA checkpoint records as its base
-    assert calls == [("toy-lm:layers=2", dict(dtype=torch.float32, device=None, world="w1"))]
-    with pytest.raises(ModelLoadError, match=r"toy world.*--data_dir"):  # never silently the committed world
+def test_common_llm_knows_nothing_of_the_toy_world(model_dirs):
+    """The toy sentinels belong to common.models: here "toy-lm" is a (malformed) hub id and "toy" no LLM spec."""
+    with pytest.raises(ModelLoadError, match="'toy-lm' as a hub id"):
         load_model_and_tokenizer("toy-lm")
-    with pytest.raises(ModelLoadError, match="hub id"):  # a name that only starts like the sentinel is not it
-        load_model_and_tokenizer("toy-lm-finetuned", world="w1")
-    assert len(calls) == 1
+    for spec in ("toy", "toy:data/toy"):
+        with pytest.raises(ValueError, match="accepted forms"):
+            make_llm(spec)
+    with pytest.raises(TypeError):  # no world: the toy world's argument is common.models'
+        load_model_and_tokenizer(model_dirs["tiny"], world="data/toy")
 
 
-def test_a_toy_lm_needs_a_toy_world_folder(tmp_path):
-    with pytest.raises(ModelLoadError, match=r"cannot build 'toy-lm'.*world\.json"):
-        load_model_and_tokenizer("toy-lm", world=tmp_path)
+def lora_trainable(model):
+    return sorted(name for name, p in model.named_parameters() if p.requires_grad)
 
 
-def test_other_names_ignore_the_world(model_dirs):
-    _, tokenizer = load_model_and_tokenizer(model_dirs["tiny"], world="no/such/world")
-    assert tokenizer("w1 w2", add_special_tokens=False)["input_ids"] == ids("w1 w2")
+def test_a_lora_folder_reloads_its_base_and_adapters_trainable(model_dirs, tmp_path):
+    model, tokenizer = load_model_and_tokenizer(model_dirs["tiny"], lora=dict(r=4, target_modules=["q_proj"]))
+    with torch.no_grad():  # lora_B starts at 0: perturb the adapters so that a reload without them shows
+        for p in model.parameters():
+            if p.requires_grad:
+                p.add_(0.1 * torch.randn(p.shape, generator=torch.Generator().manual_seed(p.numel())))
+    model.save_pretrained(tmp_path)
+    tokenizer.save_pretrained(tmp_path)
+    bases = []
+
+    def load_base(name, dtype=None, **kw):
+        bases.append((name, dtype, kw))
+        return load_model_and_tokenizer(name, dtype, **kw)
+
+    for base_loader in (None, load_base):  # the default loader, and the one common.models passes
+        again, _ = load_model_and_tokenizer(tmp_path, load_base=base_loader)
+        assert type(again).__name__ == "PeftModelForCausalLM"
+        assert lora_trainable(again) == lora_trainable(model) and len(lora_trainable(model)) == 2 * 2
+        prompt = torch.tensor([ids("user : w4 w5 <eos> assistant :")])
+        with torch.no_grad():
+            assert torch.equal(again.eval()(input_ids=prompt).logits, model.eval()(input_ids=prompt).logits)
+    assert bases == [(str(model_dirs["tiny"]), None, {"trust_remote_code": False})]  # the base the folder names
+
+
+def test_backbone_of_is_the_transformer_body_without_the_lm_head(tiny, model_dirs):
+    model, _ = tiny
+    body = llm.backbone_of(model)
+    assert body is model.model and not any(m is model.lm_head for m in body.modules())
+    x = torch.tensor([ids("user : w1 w2")])
+    with torch.no_grad():
+        hidden = model(input_ids=x, output_hidden_states=True).hidden_states[-1]
+        assert torch.equal(body(input_ids=x).last_hidden_state, hidden)
+    wrapped, _ = load_model_and_tokenizer(model_dirs["tiny"], lora=dict(r=4, target_modules=["q_proj"]))
+    body = llm.backbone_of(wrapped)  # peft: the wrapped model's body, LoRA layers included
+    assert body is wrapped.get_base_model().model
+    assert any("lora_A" in name for name, _ in body.named_parameters())
+    assert not any(isinstance(m, torch.nn.Linear) and m.out_features == len(VOCAB) for m in body.modules())
 
 
 def test_unknown_words_are_the_words_read_as_unk(tiny):
@@ -234,8 +268,12 @@ def test_greedy_batched_equals_one_by_one(tiny, monkeypatch):
     model, tokenizer = tiny
     conversations = [user("w1"), user("w2 w3 w4 w5 w6 w7"), user("w8 w9 w10 w11 w12 w13 w14 w15 w16 w17 w18 w19 w20")]
     calls, positions = [], []
-    monkeypatch.setattr(model, "generate", lambda *a, _generate=model.generate, **kw: calls.append(1) or _generate(*a, **kw))
-    hook = model.model.register_forward_pre_hook(lambda m, a, kw: positions.append(kw["position_ids"]), with_kwargs=True)
+    monkeypatch.setattr(
+        model, "generate", lambda *a, _generate=model.generate, **kw: calls.append(1) or _generate(*a, **kw)
+    )
+    hook = model.model.register_forward_pre_hook(
+        lambda m, a, kw: positions.append(kw["position_ids"]), with_kwargs=True
+    )
     try:
         batched = chat_generate(model, tokenizer, conversations, max_new_tokens=10, do_sample=False)
     finally:
@@ -296,7 +334,9 @@ def test_stop_string_ends_generation_and_is_kept(chain, stop):
     forward_calls = []
     hook = model.register_forward_hook(lambda *args: forward_calls.append(1))
     try:  # the prompt's own "</search>" must not count: only generated text is searched
-        result = chat_generate(model, tokenizer, [user("w2 </search>")] * 2, max_new_tokens=20, stop=stop, do_sample=False)
+        result = chat_generate(
+            model, tokenizer, [user("w2 </search>")] * 2, max_new_tokens=20, stop=stop, do_sample=False
+        )
     finally:
         hook.remove()
     assert result.texts == ["w1 <search> w2 </search>"] * 2
@@ -308,10 +348,14 @@ def test_stop_string_ends_generation_and_is_kept(chain, stop):
 
 def test_cut_at_stop_on_sub_word_tokens():
     pieces = {1: "<se", 2: "arch>", 3: " who", 4: "</sea", 5: "rch>tail", 6: "x"}
-    decode = lambda part: "".join(pieces[i] for i in part)  # noqa: E731
+    decode = lambda part: "".join(pieces[i] for i in part)
     assert cut_at_stop([1, 2, 3, 4, 5, 6], decode, ["</search>"]) == ([1, 2, 3, 4, 5], "<search> who</search>", True)
     assert cut_at_stop([1, 2, 3, 4, 5, 6], decode, ["</search>", "arch"]) == ([1, 2], "<search", True)  # earliest end
-    assert cut_at_stop([1, 2, 3, 4, 5, 6], decode, ["who</search>"]) == ([1, 2, 3, 4, 5], "<search> who</search>", True)
+    assert cut_at_stop([1, 2, 3, 4, 5, 6], decode, ["who</search>"]) == (
+        [1, 2, 3, 4, 5],
+        "<search> who</search>",
+        True,
+    )
     assert cut_at_stop([1, 2, 3, 6], decode, ["</search>"]) == ([1, 2, 3, 6], "<search> whox", False)
     assert cut_at_stop([1, 2], decode, []) == ([1, 2], "<search>", False)
 
@@ -319,7 +363,7 @@ def test_cut_at_stop_on_sub_word_tokens():
 def test_same_seed_same_samples_other_seed_other_samples(tiny):
     model, tokenizer = tiny
     prompts = chat_prompts(tokenizer, [user("w1 w2"), user("w3")])
-    sample = lambda seed: generate(model, tokenizer, prompts, 12, temperature=1.0, seed=seed).token_ids  # noqa: E731
+    sample = lambda seed: generate(model, tokenizer, prompts, 12, temperature=1.0, seed=seed).token_ids
     first, again, other = sample(1), sample(1), sample(2)
     assert first == again
     assert first != other
@@ -340,19 +384,12 @@ def test_hf_llm_chats_in_batches(model_dirs):
     assert reader.chat([user("w5")], max_tokens=1) == ["w1"]
 
 
-def test_toy_specs_build_the_toy_reader(monkeypatch, tmp_path):
-    fake = types.ModuleType("common.toy")
-    fake.ToyReader = lambda world_dir, **kw: ("reader", str(world_dir), kw)
-    monkeypatch.setitem(sys.modules, "common.toy", fake)
-    assert make_llm("toy") == ("reader", str(llm.REPO_ROOT / "data" / "toy"), {})
-    assert make_llm(f"toy:{tmp_path}") == ("reader", str(tmp_path), {})
-
-
 @pytest.mark.parametrize("spec", ["gpt-4o", "hf:", "ftp://host/v1", ""])
 def test_unknown_spec_lists_the_accepted_forms(spec):
     with pytest.raises(ValueError, match="accepted forms") as caught:
         make_llm(spec)
-    assert all(form in str(caught.value) for form in ['"hf:', '"http(s)://', '"toy"', '"toy:'])
+    assert all(form in str(caught.value) for form in ['"hf:', '"http(s)://'])
+    assert "toy" not in str(caught.value)  # the toy forms are common.models' (tests/test_models.py)
 
 
 class FakeOpenAI:
@@ -379,7 +416,9 @@ class FakeOpenAI:
                 time.sleep(0.3 if content.startswith("slow") else 0)
                 with server.lock:
                     server.completed.append(content)
-                self.reply(200, {"choices": [{"index": 0, "message": {"role": "assistant", "content": f"re: {content}"}}]})
+                self.reply(
+                    200, {"choices": [{"index": 0, "message": {"role": "assistant", "content": f"re: {content}"}}]}
+                )
 
             def reply(self, status, payload):
                 data = json.dumps(payload).encode()
@@ -434,7 +473,9 @@ def test_endpoint_without_key_sends_no_authorization(monkeypatch):
 
 def test_endpoint_requests_run_concurrently_and_replies_keep_input_order():
     with FakeOpenAI() as server:
-        replies = make_llm(server.url, model="m").chat([user("slow 0"), user("slow 1"), user("fast 2"), user("fast 3")])
+        replies = make_llm(server.url, model="m").chat(
+            [user("slow 0"), user("slow 1"), user("fast 2"), user("fast 3")]
+        )
     assert replies == ["re: slow 0", "re: slow 1", "re: fast 2", "re: fast 3"]
     assert set(server.completed[:2]) == {"fast 2", "fast 3"}  # sent together, so the fast ones were answered first
 

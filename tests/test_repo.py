@@ -1,4 +1,5 @@
 """Repository rules that keep the project forkable: size caps, no hidden dependencies, a CI that runs the README."""
+
 import re
 import subprocess
 import sys
@@ -12,7 +13,11 @@ METHOD_FILES = ["smartrag.py", "c3po.py", "sparkle.py", "tearag.py", "sparcrag.p
 
 def code_lines(path):
     """Non-blank, non-comment lines (docstrings count: keep them short)."""
-    return sum(1 for line in path.read_text(encoding="utf-8").splitlines() if line.strip() and not line.strip().startswith("#"))
+    return sum(
+        1
+        for line in path.read_text(encoding="utf-8").splitlines()
+        if line.strip() and not line.strip().startswith("#")
+    )
 
 
 @pytest.mark.parametrize("name", METHOD_FILES)
@@ -24,25 +29,55 @@ def test_method_files_stay_under_the_cap(name):
 
 
 def test_common_plumbing_stays_small():
-    """llm, retrieval, metrics, data and runs together stay near 900 code lines (STYLE decision 4); the toy world is
-    its own concern and counted apart."""
-    sizes = {name: code_lines(ROOT / "common" / name) for name in ("llm.py", "retrieval.py", "metrics.py", "data.py",
-                                                                    "runs.py")}
-    assert sum(sizes.values()) <= 900, sizes
+    """llm, retrieval, metrics, data and runs together stay small (STYLE decision 4: about 900 lines, set before the
+    files were formatted at 119 columns, which made them about 100 lines longer, and before the plumbing the method
+    files shared, about 120 lines, moved here); the toy world is its own concern and counted apart."""
+    sizes = {
+        name: code_lines(ROOT / "common" / name)
+        for name in ("llm.py", "retrieval.py", "metrics.py", "data.py", "runs.py")
+    }
+    assert sum(sizes.values()) <= 1150, sizes
 
 
 @pytest.mark.parametrize("name", METHOD_FILES)
 def test_importing_a_method_file_does_no_work(name):
     if not (ROOT / name).exists():
         pytest.skip(f"{name} not written yet")
-    code = ("import common.data, common.llm, common.retrieval, common.toy\n"
-            "def work(*args, **kwargs): raise SystemExit('work at import time')\n"
-            "common.llm.load_model_and_tokenizer = common.llm.make_llm = common.data.load_qa = work\n"
-            "common.data.load_split = common.retrieval.open_retriever = common.toy.load_world = work\n"
-            "common.retrieval.DenseRetriever.build = common.retrieval.DenseRetriever.load = work\n"
-            f"import {name[:-3]}\nprint('imported')")  # no model, LLM, data, index or world is loaded by the import
+    code = (  # no model, LLM, data, index or world is loaded by the import
+        "import common.data, common.llm, common.models, common.retrieval, common.toy\n"
+        "def work(*args, **kwargs): raise SystemExit('work at import time')\n"
+        "common.llm.load_model_and_tokenizer = common.llm.make_llm = common.data.load_qa = work\n"
+        "common.models.load_model_and_tokenizer = common.models.make_llm = work\n"
+        "common.data.load_split = common.retrieval.open_retriever = common.toy.load_world = work\n"
+        "common.retrieval.DenseRetriever.build = common.retrieval.DenseRetriever.load = work\n"
+        f"import {name[:-3]}\nprint('imported')"
+    )
     out = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True)
     assert out.returncode == 0 and out.stdout.strip() == "imported", out.stderr[-2000:]
+
+
+def ruff(*args):
+    """Run ruff (pyproject.toml: line length 119 and the rule set) on the repository; skip where it is missing."""
+    import importlib.util
+    import shutil
+
+    if importlib.util.find_spec("ruff"):  # the pip package (pyproject.toml's dev extra): this interpreter's ruff
+        command = [sys.executable, "-m", "ruff"]
+    elif shutil.which("ruff"):
+        command = [shutil.which("ruff")]
+    else:
+        pytest.skip('ruff is not installed: pip install -e ".[dev]"')
+    return subprocess.run([*command, *args], cwd=ROOT, capture_output=True, text=True)
+
+
+def test_the_code_is_formatted():
+    out = ruff("format", "--check", "--diff", ".")
+    assert out.returncode == 0, "run `ruff format .`:\n" + (out.stdout + out.stderr)[-6000:]
+
+
+def test_the_code_passes_the_linter():
+    out = ruff("check", "--output-format", "concise", ".")
+    assert out.returncode == 0, "run `ruff check . --fix`, then fix the rest:\n" + (out.stdout + out.stderr)[-6000:]
 
 
 def test_nothing_reads_outside_the_repository():

@@ -1,4 +1,5 @@
 """Tests of common/retrieval.py: corpus parsing, TF-IDF values, dense (faiss) and BM25 search, save/load, CLI."""
+
 import os
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
@@ -13,11 +14,24 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from common.data import DataError
 from common import retrieval
-from common.retrieval import (BGE_QUERY_INSTRUCTION, BM25_FILES, BM25Retriever, DenseRetriever, EncoderLoadError,
-                              HFEncoder, TfidfEncoder, encoder_preset, load_corpus, load_retriever, main, make_encoder,
-                              open_retriever, split_contents)
+from common.data import DataError
+from common.retrieval import (
+    BGE_QUERY_INSTRUCTION,
+    BM25_FILES,
+    BM25Retriever,
+    DenseRetriever,
+    EncoderLoadError,
+    HFEncoder,
+    TfidfEncoder,
+    encoder_preset,
+    load_corpus,
+    load_retriever,
+    main,
+    make_encoder,
+    open_retriever,
+    split_contents,
+)
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -66,10 +80,16 @@ def dense(corpus_path):
 
 # ---------------------------------------------------------------- corpus
 
+
 def test_load_corpus_parses_titles(corpus_path):
     docs = load_corpus(corpus_path)
     assert [d["id"] for d in docs] == [p[0] for p in PASSAGES]
-    assert docs[0] == {"id": "d0", "contents": '"kanikx"\n' + PASSAGES[0][2], "title": "kanikx", "text": PASSAGES[0][2]}
+    assert docs[0] == {
+        "id": "d0",
+        "contents": '"kanikx"\n' + PASSAGES[0][2],
+        "title": "kanikx",
+        "text": PASSAGES[0][2],
+    }
 
 
 def test_split_contents_cases():
@@ -79,12 +99,15 @@ def test_split_contents_cases():
     assert split_contents('"Quoted "inner" title"\nx') == ('Quoted "inner" title', "x")
 
 
-@pytest.mark.parametrize("line, message", [
-    ('{"id": "a"}', "missing field 'contents'"),
-    ('{"contents": "x"}', "missing field 'id'"),
-    ('{"id": "a", "contents": 3}', "field 'contents' must be a string"),
-    ('{"id": "d0", "contents": "dup"}', "duplicate id 'd0'"),
-])
+@pytest.mark.parametrize(
+    "line, message",
+    [
+        ('{"id": "a"}', "missing field 'contents'"),
+        ('{"contents": "x"}', "missing field 'id'"),
+        ('{"id": "a", "contents": 3}', "field 'contents' must be a string"),
+        ('{"id": "d0", "contents": "dup"}', "duplicate id 'd0'"),
+    ],
+)
 def test_load_corpus_errors_name_file_and_line(tmp_path, line, message):
     path = tmp_path / "bad.jsonl"
     path.write_text('{"id": "d0", "contents": "\\"t\\"\\nx"}\n' + line + "\n")
@@ -94,6 +117,7 @@ def test_load_corpus_errors_name_file_and_line(tmp_path, line, message):
 
 # ---------------------------------------------------------------- TF-IDF
 
+
 def test_tfidf_values_by_hand():
     # idf = log((1 + N) / (1 + df)) + 1 with N = 3: the (df 3) -> 1, cat (df 2) -> 1.287682, dog (df 1) -> 1.693147
     # weight = log1p(tf) * idf, then each row L2-normalised; vocabulary sorted: cat, dog, the
@@ -101,9 +125,11 @@ def test_tfidf_values_by_hand():
     assert list(enc.vocab) == ["cat", "dog", "the"]
     np.testing.assert_allclose(enc.idf, [1.2876821, 1.6931472, 1.0], rtol=1e-6)
     got = enc.encode(["The cat.", "the dog", "the cat, CAT"])
-    want = [[0.7898069, 0.0, 0.6133555],   # (log 2 * 1.287682, log 2 * 1) / norm
-            [0.0, 0.8610370, 0.5085423],   # (log 2 * 1.693147, log 2 * 1) / norm
-            [0.8979998, 0.0, 0.4399959]]   # (log 3 * 1.287682, log 2 * 1) / norm
+    want = [
+        [0.7898069, 0.0, 0.6133555],  # (log 2 * 1.287682, log 2 * 1) / norm
+        [0.0, 0.8610370, 0.5085423],  # (log 2 * 1.693147, log 2 * 1) / norm
+        [0.8979998, 0.0, 0.4399959],
+    ]  # (log 3 * 1.287682, log 2 * 1) / norm
     assert got.dtype == np.float32 and got.shape == (3, 3)
     np.testing.assert_allclose(got, want, atol=1e-6)
     np.testing.assert_allclose(enc.encode(["cat zebra", "zebra"], is_query=True), [[1, 0, 0], [0, 0, 0]])
@@ -115,6 +141,7 @@ def test_tfidf_unfitted_is_an_error():
 
 
 # ---------------------------------------------------------------- dense search
+
 
 def test_dense_known_answers(dense):
     results = dense.search(list(QUERIES), k=3)
@@ -194,9 +221,14 @@ def test_chunked_build_equals_one_chunk(corpus_path, dense):
 
 # ---------------------------------------------------------------- BM25
 
+
 def test_bm25_obvious_ranking():
-    docs = [{"id": i, "contents": c} for i, c in enumerate(
-        ["apples and pears", "zebra zebra zebra stripes", "a zebra in the zoo", "cars and trucks"])]
+    docs = [
+        {"id": i, "contents": c}
+        for i, c in enumerate(
+            ["apples and pears", "zebra zebra zebra stripes", "a zebra in the zoo", "cars and trucks"]
+        )
+    ]
     hits = BM25Retriever.build(docs).search(["zebra", "trucks", "nothing matches"], k=10)
     assert [h["id"] for h in hits[0][:2]] == [1, 2] and hits[0][2]["score"] == 0.0
     assert hits[1][0]["id"] == 3 and len(hits[1]) == 4
@@ -226,13 +258,21 @@ def test_bm25_save_load_gives_identical_results(corpus_path, tmp_path, from_docs
     want_files = {*BM25_FILES, "doc_ids.json", "retriever.json"} | ({"corpus.jsonl"} if from_docs else set())
     assert files == sorted(want_files)
     meta = json.loads((tmp_path / "bm25" / "retriever.json").read_text())
-    assert meta == {"kind": "bm25", "stopwords": "en", "stemmer": None, "num_docs": len(PASSAGES),
-                    "corpus": None if from_docs else str(corpus_path.resolve())}
+    assert meta == {
+        "kind": "bm25",
+        "stopwords": "en",
+        "stemmer": None,
+        "num_docs": len(PASSAGES),
+        "corpus": None if from_docs else str(corpus_path.resolve()),
+    }
     if from_docs:
         corpus_path.unlink()  # the folder's own corpus.jsonl is read
     want = built.search(list(QUERIES) + ["nothing matches here"], 5)
-    for loaded in (BM25Retriever.load(tmp_path / "bm25"), load_retriever(tmp_path / "bm25"),
-                   open_retriever(str(tmp_path / "bm25"), "no/such/corpus.jsonl", "tfidf")):  # the folder says bm25
+    for loaded in (
+        BM25Retriever.load(tmp_path / "bm25"),
+        load_retriever(tmp_path / "bm25"),
+        open_retriever(str(tmp_path / "bm25"), "no/such/corpus.jsonl", "tfidf"),
+    ):  # the folder says bm25
         assert isinstance(loaded, BM25Retriever)
         assert loaded.search(list(QUERIES) + ["nothing matches here"], 5) == want
 
@@ -295,6 +335,7 @@ def test_bm25_stemming_without_pystemmer_is_a_clear_error(monkeypatch):
 
 # ---------------------------------------------------------------- user errors
 
+
 def test_tfidf_refuses_a_corpus_past_the_size_limit(corpus_path, monkeypatch):
     cells = len(PASSAGES) * TfidfEncoder().fit([d["contents"] for d in load_corpus(corpus_path)]).dim
     monkeypatch.setattr(retrieval, "TFIDF_MAX_CELLS", cells)
@@ -317,16 +358,41 @@ def test_toy_world_tfidf_is_far_below_the_limit():
     assert len(docs) * enc.dim * 100 < retrieval.TFIDF_MAX_CELLS
 
 
-@pytest.mark.parametrize("call, error, message", [
-    (lambda p: open_retriever("", None, "bm25"), DataError, "no corpus and no index"),
-    (lambda p: open_retriever("", p / "missing.jsonl", "bm25"), DataError, "missing.jsonl: file not found"),
-    (lambda p: open_retriever("", p / "missing.jsonl", "tfidf"), DataError, "missing.jsonl: file not found"),
-    (lambda p: open_retriever("", p / "corpus.jsonl", "no-such-encoder"), EncoderLoadError,
-     "cannot load encoder 'no-such-encoder': not 'tfidf' or 'bm25'"),
-    (lambda p: open_retriever(str(p / "no_index"), p / "corpus.jsonl"), DataError, "no_index: missing retriever.json"),
-    (lambda p: main(["build", "--corpus", str(p / "corpus.jsonl"), "--encoder", "tfidf", "--stemmer", "english",
-                     "--out", str(p / "x")]), EncoderLoadError, "--stemmer is for --encoder bm25"),
-])
+@pytest.mark.parametrize(
+    "call, error, message",
+    [
+        (lambda p: open_retriever("", None, "bm25"), DataError, "no corpus and no index"),
+        (lambda p: open_retriever("", p / "missing.jsonl", "bm25"), DataError, "missing.jsonl: file not found"),
+        (lambda p: open_retriever("", p / "missing.jsonl", "tfidf"), DataError, "missing.jsonl: file not found"),
+        (
+            lambda p: open_retriever("", p / "corpus.jsonl", "no-such-encoder"),
+            EncoderLoadError,
+            "cannot load encoder 'no-such-encoder': not 'tfidf' or 'bm25'",
+        ),
+        (
+            lambda p: open_retriever(str(p / "no_index"), p / "corpus.jsonl"),
+            DataError,
+            "no_index: missing retriever.json",
+        ),
+        (
+            lambda p: main(
+                [
+                    "build",
+                    "--corpus",
+                    str(p / "corpus.jsonl"),
+                    "--encoder",
+                    "tfidf",
+                    "--stemmer",
+                    "english",
+                    "--out",
+                    str(p / "x"),
+                ]
+            ),
+            EncoderLoadError,
+            "--stemmer is for --encoder bm25",
+        ),
+    ],
+)
 def test_user_errors_are_value_errors_naming_what_is_wrong(corpus_path, call, error, message):
     assert issubclass(error, ValueError)
     with pytest.raises(error, match=message):
@@ -344,15 +410,27 @@ def tiny_encoder_dir(tmp_path_factory):
     import torch
     from tokenizers import Tokenizer, models, pre_tokenizers, processors
     from transformers import BertConfig, BertModel, PreTrainedTokenizerFast
+
     vocab = {w: i for i, w in enumerate(["[PAD]", "[UNK]", "[CLS]", "[SEP]"] + WORDS)}
     tok = Tokenizer(models.WordLevel(vocab, unk_token="[UNK]"))
     tok.pre_tokenizer = pre_tokenizers.Whitespace()
-    tok.post_processor = processors.TemplateProcessing(single="[CLS] $A [SEP]", special_tokens=[("[CLS]", 2), ("[SEP]", 3)])
-    tokenizer = PreTrainedTokenizerFast(tokenizer_object=tok, pad_token="[PAD]", unk_token="[UNK]",
-                                        cls_token="[CLS]", sep_token="[SEP]")
+    tok.post_processor = processors.TemplateProcessing(
+        single="[CLS] $A [SEP]", special_tokens=[("[CLS]", 2), ("[SEP]", 3)]
+    )
+    tokenizer = PreTrainedTokenizerFast(
+        tokenizer_object=tok, pad_token="[PAD]", unk_token="[UNK]", cls_token="[CLS]", sep_token="[SEP]"
+    )
     torch.manual_seed(0)
-    model = BertModel(BertConfig(vocab_size=len(vocab), hidden_size=16, num_hidden_layers=1, num_attention_heads=2,
-                                 intermediate_size=32, max_position_embeddings=64))
+    model = BertModel(
+        BertConfig(
+            vocab_size=len(vocab),
+            hidden_size=16,
+            num_hidden_layers=1,
+            num_attention_heads=2,
+            intermediate_size=32,
+            max_position_embeddings=64,
+        )
+    )
     folder = tmp_path_factory.mktemp("tiny_bert")
     model.save_pretrained(folder)
     tokenizer.save_pretrained(folder)
@@ -362,6 +440,7 @@ def tiny_encoder_dir(tmp_path_factory):
 def states_alone(encoder, text):
     """last_hidden_state of one unpadded text, computed directly with the encoder's model and tokenizer."""
     import torch
+
     with torch.inference_mode():
         return encoder.model(**encoder.tokenizer(text, return_tensors="pt")).last_hidden_state[0].numpy()
 
@@ -384,7 +463,9 @@ def test_hf_cls_pooling_matches_hand_computation(tiny_encoder_dir):
     got = enc.encode(TEXTS)
     want = np.stack([states_alone(enc, t)[0] for t in TEXTS])
     np.testing.assert_allclose(got, want / np.linalg.norm(want, axis=1, keepdims=True), atol=1e-5)
-    assert not np.allclose(got, HFEncoder(str(tiny_encoder_dir), pooling="mean", device="cpu").encode(TEXTS), atol=1e-3)
+    assert not np.allclose(
+        got, HFEncoder(str(tiny_encoder_dir), pooling="mean", device="cpu").encode(TEXTS), atol=1e-3
+    )
 
 
 def test_hf_prefixes_are_prepended(tiny_encoder_dir):
@@ -400,19 +481,34 @@ def test_hf_dense_retriever_save_load(tiny_encoder_dir, corpus_path, tmp_path):
     retriever = DenseRetriever.build(corpus_path, enc)
     retriever.save(tmp_path / "idx")
     spec = json.loads((tmp_path / "idx" / "retriever.json").read_text())["encoder"]
-    assert spec == {"name": "hf", "name_or_path": str(tiny_encoder_dir), "pooling": "cls", "query_prefix": "query: ",
-                    "passage_prefix": "", "max_length": 512}
+    assert spec == {
+        "name": "hf",
+        "name_or_path": str(tiny_encoder_dir),
+        "pooling": "cls",
+        "query_prefix": "query: ",
+        "passage_prefix": "",
+        "max_length": 512,
+    }
     loaded = DenseRetriever.load(tmp_path / "idx", device="cpu")
     assert loaded.search(["the cat", "red dog"], 4) == retriever.search(["the cat", "red dog"], 4)
 
 
 def test_encoder_presets():
-    assert encoder_preset("intfloat/e5-base-v2") == {"pooling": "mean", "query_prefix": "query: ",
-                                                     "passage_prefix": "passage: "}
-    assert encoder_preset("BAAI/bge-large-en-v1.5") == {"pooling": "cls", "query_prefix": BGE_QUERY_INSTRUCTION,
-                                                        "passage_prefix": ""}
-    assert encoder_preset("facebook/contriever-msmarco") == {"pooling": "mean", "query_prefix": "",
-                                                             "passage_prefix": ""}
+    assert encoder_preset("intfloat/e5-base-v2") == {
+        "pooling": "mean",
+        "query_prefix": "query: ",
+        "passage_prefix": "passage: ",
+    }
+    assert encoder_preset("BAAI/bge-large-en-v1.5") == {
+        "pooling": "cls",
+        "query_prefix": BGE_QUERY_INSTRUCTION,
+        "passage_prefix": "",
+    }
+    assert encoder_preset("facebook/contriever-msmarco") == {
+        "pooling": "mean",
+        "query_prefix": "",
+        "passage_prefix": "",
+    }
     assert encoder_preset("/models/my-encoder") == {"pooling": "mean", "query_prefix": "", "passage_prefix": ""}
 
 
@@ -423,26 +519,63 @@ def test_unloadable_encoder_is_a_clear_error():
 
 # ---------------------------------------------------------------- CLI
 
+
 def test_cli_build_then_load_and_search(corpus_path, tmp_path):
     out = tmp_path / "cli_idx"
     env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(REPO), os.environ.get("PYTHONPATH")]))}
-    run = subprocess.run([sys.executable, "-m", "common.retrieval", "build", "--corpus", str(corpus_path),
-                          "--encoder", "tfidf", "--out", str(out)], capture_output=True, text=True, env=env, cwd=REPO)
+    run = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "common.retrieval",
+            "build",
+            "--corpus",
+            str(corpus_path),
+            "--encoder",
+            "tfidf",
+            "--out",
+            str(out),
+        ],
+        capture_output=True,
+        text=True,
+        env=env,
+        cwd=REPO,
+    )
     assert run.returncode == 0, run.stderr
     assert f"indexed {len(PASSAGES)} passages" in run.stdout
     loaded = DenseRetriever.load(out)
     assert [h[0]["id"] for h in loaded.search(list(QUERIES), k=2)] == list(QUERIES.values())
-    run = subprocess.run([sys.executable, "-m", "common.retrieval", "search", "--index", str(out), "--query",
-                          "kanikx released", "--query", "capital of vantria", "-k", "2"],
-                         capture_output=True, text=True, env=env, cwd=REPO)
+    run = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "common.retrieval",
+            "search",
+            "--index",
+            str(out),
+            "--query",
+            "kanikx released",
+            "--query",
+            "capital of vantria",
+            "-k",
+            "2",
+        ],
+        capture_output=True,
+        text=True,
+        env=env,
+        cwd=REPO,
+    )
     assert run.returncode == 0, run.stderr
     lines = [json.loads(line) for line in run.stdout.splitlines()]
     assert [(line["query"], line["hits"][0]["id"], len(line["hits"])) for line in lines] == [
-        ("kanikx released", "d0", 2), ("capital of vantria", "d7", 2)]
+        ("kanikx released", "d0", 2),
+        ("capital of vantria", "d7", 2),
+    ]
 
 
 def test_open_retriever_builds_once_or_loads_a_saved_index(corpus_path, tmp_path):
     from common.retrieval import open_retriever
+
     built = open_retriever("", corpus_path)  # no index: built over the corpus with the default TF-IDF encoder
     assert built.search(["capital of vantria"], 1)[0][0]["id"] == "d7"
     built.save(tmp_path / "index")
@@ -458,7 +591,9 @@ def test_cli_bm25_build_then_search(corpus_path, tmp_path, capsys):
     main(["search", "--index", str(out), "--query", "who directed pirulo", "--query", "okabi jazz band", "-k", "3"])
     lines = [json.loads(line) for line in capsys.readouterr().out.splitlines()]
     assert [(line["query"], line["hits"][0]["id"], len(line["hits"])) for line in lines] == [
-        ("who directed pirulo", "d4", 3), ("okabi jazz band", "d9", 3)]
+        ("who directed pirulo", "d4", 3),
+        ("okabi jazz band", "d9", 3),
+    ]
     assert lines[0]["hits"] == BM25Retriever.build(corpus_path).search(["who directed pirulo"], 3)[0]
     other = write_corpus(tmp_path / "other.jsonl", PASSAGES[1:])
     with pytest.raises(DataError, match="does not match doc_ids.json"):
@@ -467,8 +602,18 @@ def test_cli_bm25_build_then_search(corpus_path, tmp_path, capsys):
 
 def test_cli_user_error_is_one_line_and_exit_code_2(tmp_path):
     env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(REPO), os.environ.get("PYTHONPATH")]))}
-    command = [sys.executable, "-m", "common.retrieval", "build", "--corpus", str(tmp_path / "none.jsonl"),
-               "--encoder", "bm25", "--out", str(tmp_path / "out")]
+    command = [
+        sys.executable,
+        "-m",
+        "common.retrieval",
+        "build",
+        "--corpus",
+        str(tmp_path / "none.jsonl"),
+        "--encoder",
+        "bm25",
+        "--out",
+        str(tmp_path / "out"),
+    ]
     run = subprocess.run(command, capture_output=True, text=True, env=env, cwd=REPO, check=False)
     assert run.returncode == 2 and run.stderr == f"error: {tmp_path / 'none.jsonl'}: file not found\n"
     assert not (tmp_path / "out").exists()

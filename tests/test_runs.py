@@ -1,4 +1,5 @@
 """common/runs.py: atomic checkpoints that survive a crash, metrics lines, the results contract's files."""
+
 import json
 import os
 import shutil
@@ -76,18 +77,27 @@ def patch_operations(m, *savers, crash_at=0, partial=False):
                     if f.name != runs.STATE:
                         f.unlink()
             elif partial and name == "write_text":
-                original(args[0], args[1][:len(args[1]) // 2])
+                original(args[0], args[1][: len(args[1]) // 2])
             elif partial and name == "save":
                 Path(args[1]).write_bytes(b"PK\x03")
             elif partial and name == "save_pretrained":
                 original(*args, **kwargs)
                 for f in Path(args[1]).iterdir():
-                    f.write_bytes(f.read_bytes()[:f.stat().st_size // 2])
+                    f.write_bytes(f.read_bytes()[: f.stat().st_size // 2])
             raise Crash(f"{name} #{crash_at}")
+
         m.setattr(owner, name, op)
 
-    operations = [(torch, "save"), (shutil, "rmtree"), (os, "rename"), (os, "replace"), (Path, "rename"),
-                  (Path, "replace"), (Path, "write_text"), (Path, "unlink")]
+    operations = [
+        (torch, "save"),
+        (shutil, "rmtree"),
+        (os, "rename"),
+        (os, "replace"),
+        (Path, "rename"),
+        (Path, "replace"),
+        (Path, "write_text"),
+        (Path, "unlink"),
+    ]
     for owner, name in operations + [(type(x), "save_pretrained") for x in savers]:
         wrap(owner, name)
     return calls
@@ -130,8 +140,10 @@ def test_a_crash_between_any_two_writes_keeps_the_last_checkpoint_put_in_place(t
     reference = {}
     for version in (1, 2, 3):  # the weights each checkpoint must hold
         runs.save_checkpoint(tmp_path / "reference", model, tokenizer, *set_weights(model, version))
-        reference[version] = {"weights": load_file(tmp_path / "reference" / "model.safetensors"),
-                              "files": sorted(p.name for p in (tmp_path / "reference").iterdir())}
+        reference[version] = {
+            "weights": load_file(tmp_path / "reference" / "model.safetensors"),
+            "files": sorted(p.name for p in (tmp_path / "reference").iterdir()),
+        }
     cases = repairs = 0
     for previous in (True, False):
         with monkeypatch.context() as m:  # a clean save, to count its operations and find the rename that commits
@@ -205,8 +217,11 @@ def test_metrics_and_results_files(tmp_path, capsys):
     assert [json.loads(line)["iteration"] for line in lines] == [1, 2]
     runs.write_results(tmp_path, {"method": "x", "after": {"em": 0.5}})
     last = capsys.readouterr().out.strip().splitlines()[-1]
-    assert json.loads(last[len("RESULT "):]) == json.loads((tmp_path / "results.json").read_text()) == {
-        "method": "x", "after": {"em": 0.5}}
+    assert (
+        json.loads(last[len("RESULT ") :])
+        == json.loads((tmp_path / "results.json").read_text())
+        == {"method": "x", "after": {"em": 0.5}}
+    )
     runs.write_results(tmp_path / "nothing", {"method": "y"}, main_process=False)  # other ranks write nothing
     assert capsys.readouterr().out == "" and not (tmp_path / "nothing").exists()
 
@@ -231,16 +246,30 @@ def test_a_crash_while_writing_results_keeps_the_previous_results(tmp_path, monk
 
 def run_program(main_fn, *args):
     """Run `print(run_main(<main_fn>, sys.argv[1:]))` in a fresh python."""
-    program = ("import sys\nfrom common.data import load_qa\nfrom common.runs import run_main\n"
-               f"print(run_main({main_fn}, sys.argv[1:]))")
-    return subprocess.run([sys.executable, "-c", program, *args], cwd=ROOT, capture_output=True, text=True,
-                          check=False, env={**os.environ, "PYTHONPATH": str(ROOT)})
+    program = (
+        "import sys\nfrom common.data import load_qa\nfrom common.runs import run_main\n"
+        f"print(run_main({main_fn}, sys.argv[1:]))"
+    )
+    return subprocess.run(
+        [sys.executable, "-c", program, *args],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        check=False,
+        env={**os.environ, "PYTHONPATH": str(ROOT)},
+    )
 
 
-@pytest.mark.parametrize("content, message", [
-    (b'{"id": "q1", "question": "x ?", "golden_answers": ["a"]}\n{"id": "q2", "question": "y ?"', "2: not valid JSON"),
-    (b'{"id": "q1", "question": "caf\xe9 ?", "golden_answers": ["a"]}\n', "1: not valid UTF-8"),
-])
+@pytest.mark.parametrize(
+    "content, message",
+    [
+        (
+            b'{"id": "q1", "question": "x ?", "golden_answers": ["a"]}\n{"id": "q2", "question": "y ?"',
+            "2: not valid JSON",
+        ),
+        (b'{"id": "q1", "question": "caf\xe9 ?", "golden_answers": ["a"]}\n', "1: not valid UTF-8"),
+    ],
+)
 def test_run_main_reports_a_user_error_as_one_line(tmp_path, content, message):
     path = tmp_path / "qa.jsonl"
     path.write_bytes(content)
@@ -265,8 +294,12 @@ def test_run_main_turns_each_user_error_into_one_line(capsys):
     from common.llm import ModelLoadError
     from common.retrieval import EncoderLoadError
 
-    for error in (DataError("qa.jsonl:3: missing field 'id'"), ModelLoadError("cannot load model 'x':\n  not found\n"),
-                  EncoderLoadError("cannot load encoder 'e5'")):
+    for error in (
+        DataError("qa.jsonl:3: missing field 'id'"),
+        ModelLoadError("cannot load model 'x':\n  not found\n"),
+        EncoderLoadError("cannot load encoder 'e5'"),
+    ):
+
         def main(argv, error=error):
             raise error
 
@@ -325,3 +358,299 @@ def test_random_states_round_trip_through_json():
     own = random.Random(9)
     runs.set_rng_states(state, own)
     assert [random.random(), np.random.rand(), torch.rand(1).item(), own.random()] == drawn
+
+
+# ---------------------------------------------------------------- sft_step: one optimizer step of next-token CE
+
+
+def sft_batch(tokenizer, pairs):
+    """Right-padded (ids, labels, attention) of (prompt, target) texts: labels -100 on the prompt and the padding."""
+    seqs = []
+    for prompt, target in pairs:
+        p, t = (tokenizer(x, add_special_tokens=False)["input_ids"] for x in (prompt, target))
+        seqs.append((p + t, [-100] * len(p) + t))
+    width = max(len(ids) for ids, _ in seqs)
+    pad = lambda xs, value: torch.tensor([x + [value] * (width - len(x)) for x in xs])
+    ids, labels = pad([s[0] for s in seqs], tokenizer.pad_token_id), pad([s[1] for s in seqs], -100)
+    return ids, labels, pad([[1] * len(s[0]) for s in seqs], 0)
+
+
+PAIRS = [
+    ("question : who is the director of zorvak ?", "velbo"),
+    ("question : what is the birthplace of velbo and of zorvak ?", "tuvia was born"),
+    ("question : who ?", "the capital city"),
+    ("q ?", "velbo"),
+    ("question : what is the release year of zorvak ?", "1931"),
+]
+
+
+def step_once(model, batch, micro_batch_size, lr=0.0, max_grad_norm=float("inf")):
+    """runs.sft_step with SGD; returns (loss, gradients, scheduler)."""
+    from accelerate import Accelerator
+
+    optimizer = torch.optim.SGD(model.parameters(), lr=lr)
+    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: 1.0)
+    loss = runs.sft_step(Accelerator(cpu=True), model, optimizer, scheduler, *batch, micro_batch_size, max_grad_norm)
+    return loss, [p.grad.clone() for p in model.parameters()], scheduler
+
+
+def test_sft_step_loss_is_the_cross_entropy_of_the_shifted_labels(tiny):
+    """By hand, on each unpadded row: -log_softmax(logits[t])[ids[t + 1]] summed over the target tokens t + 1 (the
+    first one predicted at the prompt's last position), divided by the number of target tokens of the batch."""
+    import copy
+
+    model, tokenizer = copy.deepcopy(tiny[0]), tiny[1]
+    batch = sft_batch(tokenizer, PAIRS[:3])
+    ids, labels, attention = batch
+    total, count = 0.0, 0
+    with torch.no_grad():
+        for row in range(len(ids)):
+            n = int(attention[row].sum())
+            logits = model(input_ids=ids[row : row + 1, :n]).logits[0]
+            for t in range(n - 1):
+                if labels[row, t + 1] != -100:
+                    total -= torch.log_softmax(logits[t], -1)[ids[row, t + 1]].item()
+                    count += 1
+        shifted_wrong = -sum(  # the same cross-entropy with the labels not shifted: position t scored on ids[t]
+            torch.log_softmax(model(input_ids=ids[r : r + 1]).logits[0, t], -1)[ids[r, t]].item()
+            for r in range(len(ids))
+            for t in range(ids.shape[1])
+            if labels[r, t] != -100
+        )
+    assert count == sum(len(tokenizer(t, add_special_tokens=False)["input_ids"]) for _, t in PAIRS[:3])
+    loss, _, scheduler = step_once(model, batch, micro_batch_size=2)
+    assert loss == pytest.approx(total / count, rel=1e-5)
+    assert abs(shifted_wrong / count - total / count) > 1e-2  # an off-by-one label shift would show
+    assert scheduler.last_epoch == 1  # one optimizer step, one scheduler step
+
+
+def test_sft_step_on_a_bigram_table_by_hand():
+    """A model whose logits at a position depend only on its token: the logits at prompt positions and past the end
+    carry no loss, those before each target token do (a 2-token prompt, then the targets 2 and 0)."""
+    import math
+    import types
+
+    class Bigram(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.table = torch.nn.Parameter(torch.zeros(3, 3))  # uniform over a 3-token vocabulary
+
+        def forward(self, input_ids, attention_mask):
+            return types.SimpleNamespace(logits=self.table[input_ids])
+
+    ids, labels, attention = torch.tensor([[0, 1, 2, 0]]), torch.tensor([[-100, -100, 2, 0]]), torch.ones(1, 4).long()
+    model = Bigram()
+    loss, (grad,), _ = step_once(model, (ids, labels, attention), 1)
+    assert loss == pytest.approx(math.log(3))
+    assert grad[0].abs().sum() == 0 and grad[1].abs().sum() > 0 and grad[2].abs().sum() > 0  # token 0: prompt, end
+    with torch.no_grad():
+        model.table[0] = torch.tensor([9.0, 9.0, -9.0])  # predicts the prompt's 2nd token and past the end: masked
+    assert step_once(model, (ids, labels, attention), 1)[0] == pytest.approx(math.log(3))
+    with torch.no_grad():
+        model.table[1] = torch.tensor([0.0, 0.0, math.log(2)])  # p(2) = 2 / 4 at the first target
+    assert step_once(model, (ids, labels, attention), 1)[0] == pytest.approx((math.log(2) + math.log(3)) / 2)
+
+
+def test_sft_step_gives_prompt_and_padding_positions_no_gradient(tiny):
+    """d loss / d logits is 0 at every position whose next label is -100 (the prompt but its last token, the last
+    target token, padding) and not 0 at every position that predicts a target token."""
+    import copy
+
+    model, tokenizer = copy.deepcopy(tiny[0]), tiny[1]
+    batch = sft_batch(tokenizer, PAIRS)
+    ids, labels, attention = batch
+    seen = []
+
+    def keep(module, inputs, output):
+        output.retain_grad()
+        seen.append(output)
+
+    hook = model.lm_head.register_forward_hook(keep)
+    try:
+        step_once(model, batch, micro_batch_size=len(PAIRS))
+    finally:
+        hook.remove()
+    (logits,) = seen
+    trained = (logits.grad.abs().sum(-1) > 0)[:, :-1]  # (B, T - 1): position t predicts token t + 1
+    assert torch.equal(trained, labels[:, 1:] != -100)
+    assert logits.grad[:, -1].abs().sum() == 0
+
+
+def test_sft_step_gives_the_same_gradient_in_micro_batches(tiny):
+    """Micro-batches of 1, 2 or all rows, each cut to its own longest row: the same loss and gradient."""
+    import copy
+
+    model, tokenizer = copy.deepcopy(tiny[0]), tiny[1]
+    batch = sft_batch(tokenizer, PAIRS)
+    assert len(set(batch[2].sum(1).tolist())) > 2  # rows of different lengths: the cut changes the padding
+    whole, grads, _ = step_once(model, batch, micro_batch_size=len(PAIRS))
+    assert any(g.abs().sum() > 0 for g in grads)
+    for micro in (1, 2):
+        loss, other, _ = step_once(model, batch, micro_batch_size=micro)
+        assert loss == pytest.approx(whole, rel=1e-5)
+        assert all(torch.allclose(a, b, atol=1e-6) for a, b in zip(grads, other))
+
+
+def test_sft_step_steps_once_and_clips(tiny):
+    import copy
+
+    model, tokenizer = copy.deepcopy(tiny[0]), tiny[1]
+    batch = sft_batch(tokenizer, PAIRS[:2])
+    _, first, _ = step_once(model, batch, 1)
+    _, again, _ = step_once(model, batch, 1)  # lr 0: the gradients are zeroed first, not accumulated
+    assert all(torch.equal(a, b) for a, b in zip(first, again))
+    _, clipped, _ = step_once(model, batch, 1, max_grad_norm=1e-3)
+    assert torch.cat([g.flatten() for g in clipped]).norm() == pytest.approx(1e-3, rel=1e-3)
+    before = [p.detach().clone() for p in model.parameters()]
+    _, grads, _ = step_once(model, batch, 2, lr=0.1)
+    assert all(torch.allclose(p, b - 0.1 * g) for p, b, g in zip(model.parameters(), before, grads))
+
+
+# ---------------------------------------------------------------- save_training / load_training
+
+
+def training_objects(model, seed):
+    """A critic (a module with more weights than are saved), two optimizers with state and their schedulers."""
+    torch.manual_seed(seed)
+    value = torch.nn.Linear(4, 1)
+    optimizers = [torch.optim.Adam(model.parameters(), lr=1e-3), torch.optim.AdamW(value.parameters(), lr=1e-2)]
+    schedulers = [torch.optim.lr_scheduler.LambdaLR(o, lambda s: 1 / (s + 1)) for o in optimizers]
+    return value, optimizers, schedulers
+
+
+def test_save_and_load_training_round_trip(tmp_path, tiny):
+    import copy
+    import random
+
+    import numpy as np
+    from accelerate import Accelerator
+
+    accelerator, folder = Accelerator(cpu=True), tmp_path / "ppo"
+    model, tokenizer = copy.deepcopy(tiny[0]), tiny[1]
+    value, optimizers, schedulers = training_objects(model, 0)
+    for _ in range(2):  # optimizer and scheduler states worth saving
+        loss = model(input_ids=torch.tensor([[4, 5, 6]])).logits.sum() + value(torch.ones(4)).sum()
+        loss.backward()
+        for o, s in zip(optimizers, schedulers):
+            o.step()
+            s.step()
+    rng = random.Random(5)
+    rng.random()
+    weights_only = {"weight": value.weight.detach().clone()}  # a state dict itself, of part of the critic
+    objects = dict(policy=model, value=weights_only, optimizers=optimizers, schedulers=schedulers)
+    assert runs.load_training(accelerator, folder, objects, rng) is None  # nothing saved yet
+    runs.save_training(accelerator, folder, model, tokenizer, {"iteration": 2}, objects, rng)
+    saved = torch.load(folder / "training.pt", weights_only=True)
+    assert set(saved) == set(objects) and len(saved["optimizers"]) == len(saved["schedulers"]) == 2
+    assert set(saved["value"]) == {"weight"} and (folder / "model.safetensors").is_file()
+    drawn = [random.random(), np.random.rand(), torch.rand(1).item(), rng.random()]  # what comes next
+    random.seed(9), np.random.seed(9), torch.manual_seed(9)
+    fresh, _ = load_toy_lm(TINY, seed=1)
+    fresh_value, fresh_optimizers, fresh_schedulers = training_objects(fresh, 1)
+    bias = fresh_value.bias.detach().clone()
+    fresh_rng = random.Random(0)
+    targets = dict(policy=fresh, value=fresh_value, optimizers=fresh_optimizers, schedulers=fresh_schedulers)
+    state = runs.load_training(accelerator, folder, targets, fresh_rng)
+    assert state["iteration"] == 2 and len(state["rng"]) == 1  # one process
+    assert [random.random(), np.random.rand(), torch.rand(1).item(), fresh_rng.random()] == drawn
+    assert all(torch.equal(a, b) for a, b in zip(fresh.state_dict().values(), model.state_dict().values()))
+    assert torch.equal(fresh_value.weight, value.weight) and torch.equal(fresh_value.bias, bias)  # bias: not saved
+    for got, want in zip(fresh_optimizers, optimizers):
+        got_state, want_state = got.state_dict(), want.state_dict()
+        assert got_state["param_groups"] == want_state["param_groups"] and got_state["state"].keys()
+        for k, s in want_state["state"].items():
+            assert all(torch.equal(s[name], got_state["state"][k][name]) for name in s)
+    for got, want in zip(fresh_schedulers, schedulers):
+        assert got.last_epoch == want.last_epoch == 2 and got.get_last_lr() == want.get_last_lr()
+
+
+def test_load_training_refuses_weights_the_model_does_not_have(tmp_path, tiny):
+    from accelerate import Accelerator
+
+    accelerator, (model, tokenizer) = Accelerator(cpu=True), tiny
+    value = torch.nn.Linear(4, 1)
+    extra = {"weight": value.weight.detach(), "head.weight": torch.zeros(1, 4)}  # another model's weights
+    runs.save_training(accelerator, tmp_path / "ppo", model, tokenizer, {"iteration": 1}, {"value": extra})
+    with pytest.raises(SystemExit, match=r"training\.pt does not fit this model \(\['head\.weight'\]"):
+        runs.load_training(accelerator, tmp_path / "ppo", {"value": torch.nn.Linear(4, 1)})
+
+
+def test_load_training_keeps_the_random_states_when_the_process_count_differs(tmp_path, tiny):
+    import random
+
+    from accelerate import Accelerator
+
+    accelerator, (model, tokenizer) = Accelerator(cpu=True), tiny
+    runs.save_training(accelerator, tmp_path / "ppo", model, tokenizer, {"iteration": 1}, {})
+    path = tmp_path / "ppo" / runs.STATE
+    state = json.loads(path.read_text())
+    path.write_text(json.dumps(state | {"rng": state["rng"] * 2}))  # saved by two processes
+    random.seed(3)
+    expected = random.Random(3).random()
+    assert runs.load_training(accelerator, tmp_path / "ppo", {})["iteration"] == 1
+    assert random.random() == expected  # not restored: another process count draws otherwise anyway
+
+
+# ---------------------------------------------------------------- the command line, logs and the result contract
+
+
+def test_parse_args_checks_the_mode_and_takes_a_checkpoints_world(tmp_path):
+    from dataclasses import dataclass
+
+    @dataclass
+    class Args:
+        train: bool = False
+        eval: bool = False
+        ask: str = ""
+        model: str | None = None
+        data_dir: str | None = None
+        seed: int = 0
+
+    with pytest.raises(SystemExit, match="choose a mode"):
+        runs.parse_args(Args, [])
+    with pytest.raises(SystemExit, match="--ask needs --model: .* the raw start knows nothing$"):
+        runs.parse_args(Args, ["--ask", "who ?"], "the raw start knows nothing")
+    (tmp_path / runs.STATE).write_text(json.dumps({"data_dir": "worlds/w3"}))
+    args = runs.parse_args(Args, ["--eval", "--model", str(tmp_path), "--seed", "2"])
+    assert args == Args(eval=True, model=str(tmp_path), data_dir="worlds/w3", seed=2)  # the checkpoint's world
+    assert runs.parse_args(Args, ["--eval", "--model", str(tmp_path), "--data_dir", "d"]).data_dir == "d"
+    assert runs.parse_args(Args, ["--train"]).data_dir is None  # no checkpoint: the preset decides
+
+
+def test_log_update_and_log_eval(tmp_path, capsys):
+    from accelerate import Accelerator
+
+    accelerator = Accelerator(cpu=True)
+    runs.log_update(accelerator, tmp_path, {"iteration": 3, "losses/policy": 0.123456789, "tag": "x"}, step=3)
+    assert capsys.readouterr().out == "iteration=3 | losses/policy=0.1235 | tag=x\n"
+    runs.log_eval(accelerator, tmp_path, "sft", {"em": 0.5, "n": 4}, step=0)
+    lines = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
+    assert lines == [
+        {"iteration": 3, "losses/policy": 0.123456789, "tag": "x"},
+        {"stage": "sft", "eval": {"em": 0.5, "n": 4}},
+    ]
+
+
+def test_result_record_is_the_result_contract():
+    from dataclasses import dataclass
+
+    @dataclass
+    class Args:
+        train: bool = True
+        preset: str = "toy"
+        seed: int = 1
+        model: str = "toy-lm"
+        data_dir: str = "data/toy"
+
+    before = {"n": 8, "retrievals": 1.5, "llm_calls": 2.0, "policy_calls": 3.0, "generated_tokens": 9.0}
+    after = dict(before, retrievals=0.5, llm_calls=1.0, policy_calls=1.0)
+    record = runs.result_record("m", Args(), {"n": 8}, before, after, {"sft": 2, "ppo": 3}, 12.345)
+    assert record == {"method": "m", "mode": "train", "preset": "toy", "seed": 1, "model": "toy-lm",
+                      "dataset": "data/toy", "n_eval": 8, "before_sft": {"n": 8}, "before": before, "after": after,
+                      "retrievals_per_question": 0.5, "llm_calls_per_question": 1.0,
+                      "generated_tokens_per_question": 9.0, "wall_s": 12.3, "train_steps": {"sft": 2, "ppo": 3},
+                      "args": {"train": True, "preset": "toy", "seed": 1, "model": "toy-lm",
+                               "data_dir": "data/toy"}}  # fmt: skip
+    evaluated = runs.result_record("m", Args(train=False), None, before, None, {"sft": 0}, 1.0, "policy_calls")
+    assert evaluated["mode"] == "eval" and evaluated["after"] == before  # --eval: the one evaluation is the final one
+    assert evaluated["llm_calls_per_question"] == 3.0 and evaluated["retrievals_per_question"] == 1.5

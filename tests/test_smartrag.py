@@ -1,18 +1,22 @@
 """SmartRAG: the spec's worked numbers (rewards, returns, GAE, KL controller, PPO clipping, warm-up filter),
 Algorithm 1 with a scripted policy, the loss mask, and an end-to-end toy run followed by --eval of its checkpoint."""
+
 import json
 import math
 import os
+import re
 import subprocess
 import sys
 from pathlib import Path
 
 import pytest
 import torch
+from conftest import check_contract
 
 import smartrag
-from conftest import check_contract
+from common import runs
 from common.llm import Generation
+from common.toy import RenamingEnv
 from common.toy_lm import load_toy_lm
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -26,18 +30,23 @@ def tagged():
 
 
 # ---------------------------------------------------------------- rewards and returns [Eq. 5, Eq. 6], spec §8.1, §8.3
-@pytest.mark.parametrize("pred, golds, reward", [
-    ("Shane Acker", ["Shane Acker"], 2.0),
-    ("Tim Burton", ["Shane Acker"], 0.0),
-    ("England", ["London, England"], 2 / 3),
-    ("Washington, D.C.", ["Washington, D.C."], 2.0),
-    ("the Detroit Pistons", ["Detroit Pistons"], 2.0),
-    ("Start date 2004", ["2004"], 0.5),
-    ("", ["Cotija"], 0.0),
-    ("England", ["London, England", "England"], 2.0),
-])
+@pytest.mark.parametrize(
+    "pred, golds, reward",
+    [
+        ("Shane Acker", ["Shane Acker"], 2.0),
+        ("Tim Burton", ["Shane Acker"], 0.0),
+        ("England", ["London, England"], 2 / 3),
+        ("Washington, D.C.", ["Washington, D.C."], 2.0),
+        ("the Detroit Pistons", ["Detroit Pistons"], 2.0),
+        ("Start date 2004", ["2004"], 0.5),
+        ("", ["Cotija"], 0.0),
+        ("England", ["London, England", "England"], 2.0),
+    ],
+)
 def test_answer_reward_is_em_plus_f1(pred, golds, reward):
-    assert smartrag.step_reward("answer", pred, golds, alpha=0.2, invalid_reward=-1.0) == pytest.approx(reward, abs=1e-4)
+    assert smartrag.step_reward("answer", pred, golds, alpha=0.2, invalid_reward=-1.0) == pytest.approx(
+        reward, abs=1e-4
+    )
 
 
 def test_retrieval_and_invalid_rewards():
@@ -45,12 +54,15 @@ def test_retrieval_and_invalid_rewards():
     assert smartrag.step_reward("invalid", "", ["Shane Acker"], 0.2, -1.0) == -1.0
 
 
-@pytest.mark.parametrize("rewards, undiscounted, discounted", [
-    ([2.0], 2.0, 2.0),
-    ([-0.2, 2.0], 1.8, 1.78),
-    ([-0.2, 0.0], -0.2, -0.2),
-    ([-0.2, 2 / 3], 0.4667, 0.46),
-])
+@pytest.mark.parametrize(
+    "rewards, undiscounted, discounted",
+    [
+        ([2.0], 2.0, 2.0),
+        ([-0.2, 2.0], 1.8, 1.78),
+        ([-0.2, 0.0], -0.2, -0.2),
+        ([-0.2, 2 / 3], 0.4667, 0.46),
+    ],
+)
 def test_discounted_return(rewards, undiscounted, discounted):
     assert smartrag.discounted_return(rewards, 1.0) == pytest.approx(undiscounted, abs=1e-4)
     assert smartrag.discounted_return(rewards, 0.99) == pytest.approx(discounted, abs=1e-4)
@@ -71,12 +83,14 @@ def test_gae_carries_the_answer_reward_back_to_the_search_tokens():
 
 def test_score_rollout_runs_one_gae_across_both_actions():
     """Two sequences of one episode (search, then forced answer): KL 0, values 0 -> the §8.8 advantages."""
-    seqs = [dict(episode=0, ids=[7, 7, 1, 2, 3], loss_mask=[0, 0, 1, 1, 1], reward=-0.2),
-            dict(episode=0, ids=[7, 7, 7, 9, 4, 5], loss_mask=[0, 0, 0, 0, 1, 1], reward=2.0)]
+    seqs = [
+        dict(episode=0, ids=[7, 7, 1, 2, 3], loss_mask=[0, 0, 1, 1, 1], reward=-0.2),
+        dict(episode=0, ids=[7, 7, 7, 9, 4, 5], loss_mask=[0, 0, 0, 0, 1, 1], reward=2.0),
+    ]
     mask = smartrag.right_pad([s["loss_mask"] for s in seqs], 0)[:, 1:].float()
     zeros = torch.zeros_like(mask)
     args = smartrag.Args(gamma=0.99, lam=0.95)
-    adv, ret, kl = smartrag.score_rollout(None, seqs, zeros, zeros, zeros, mask, 0.001, args)
+    adv, ret, kl = smartrag.score_rollout(seqs, zeros, zeros, zeros, mask, 0.001, args)
     assert adv[0][mask[0].bool()].tolist() == pytest.approx([1.387915, 1.47572, 1.569081], abs=1e-5)
     assert adv[1][mask[1].bool()].tolist() == pytest.approx([1.881, 2.0], abs=1e-5)
     assert kl == 0.0 and adv[~mask.bool()].abs().sum() == 0
@@ -86,8 +100,9 @@ def test_kl_penalty_is_in_the_reward():
     seqs = [dict(episode=0, ids=[7, 1], loss_mask=[0, 1], reward=2.0)]
     mask = torch.tensor([[1.0]])
     args = smartrag.Args(gamma=1.0, lam=1.0)
-    adv, _, kl = smartrag.score_rollout(None, seqs, torch.tensor([[-0.5]]), torch.tensor([[-1.0]]),
-                                        torch.zeros(1, 1), mask, 0.001, args)
+    adv, _, kl = smartrag.score_rollout(
+        seqs, torch.tensor([[-0.5]]), torch.tensor([[-1.0]]), torch.zeros(1, 1), mask, 0.001, args
+    )
     assert kl == pytest.approx(0.5) and adv.item() == pytest.approx(2.0 - 0.0005)  # spec §8.7
 
 
@@ -107,8 +122,15 @@ def test_ppo_clipped_surrogate(advantage, ratio, loss):
 
 def test_ppo_losses_ignore_masked_tokens():
     mask = torch.tensor([[1.0, 0.0]])
-    pg, vf, _ = smartrag.ppo_losses(torch.tensor([[0.0, 5.0]]), torch.zeros(1, 2), torch.tensor([[1.0, 100.0]]),
-                                    torch.tensor([[1.0, 50.0]]), torch.zeros(1, 2), mask, 0.2)
+    pg, vf, _ = smartrag.ppo_losses(
+        torch.tensor([[0.0, 5.0]]),
+        torch.zeros(1, 2),
+        torch.tensor([[1.0, 100.0]]),
+        torch.tensor([[1.0, 50.0]]),
+        torch.zeros(1, 2),
+        mask,
+        0.2,
+    )
     assert pg.item() == pytest.approx(-1.0) and vf.item() == pytest.approx(1.0)
 
 
@@ -130,7 +152,10 @@ def test_parse_action_by_first_token(tagged):
     encode = lambda text: tokenizer(text, add_special_tokens=False)["input_ids"]
     assert tokenizer.tokenize(smartrag.ANSWER_TAG) == [smartrag.ANSWER_TAG]
     assert smartrag.parse_action([tags["answer"]] + encode("the city"), tags, tokenizer) == ("answer", "the city")
-    assert smartrag.parse_action([tags["retrieve"]] + encode("capital city"), tags, tokenizer) == ("retrieve", "capital city")
+    assert smartrag.parse_action([tags["retrieve"]] + encode("capital city"), tags, tokenizer) == (
+        "retrieve",
+        "capital city",
+    )
     assert smartrag.parse_action(encode("the city"), tags, tokenizer) == ("invalid", "")
     assert smartrag.parse_action([tags["answer"]], tags, tokenizer) == ("answer", "")
     assert smartrag.parse_action([], tags, tokenizer) == ("invalid", "")
@@ -140,18 +165,24 @@ def test_warmup_pairs_for_both_initial_policies():
     row = {"question": "Who was the producer of 9?", "golden_answers": ["Shane Acker", "Acker"]}
     plain = smartrag.warmup_examples(row, "Who produced the movie 9?", "obs", knows=True, initial_policy="plain")
     assert [(e["tag"], e["text"], e["observations"]) for e in plain] == [
-        ("answer", "Shane Acker", []), ("retrieve", "Who produced the movie 9?", []), ("answer", "Shane Acker", ["obs"])]
+        ("answer", "Shane Acker", []),
+        ("retrieve", "Who produced the movie 9?", []),
+        ("answer", "Shane Acker", ["obs"]),
+    ]
     assert plain[0]["observations"] == plain[1]["observations"]  # pairs (2) and (3) share one input
     assert [e["tag"] for e in smartrag.warmup_examples(row, "q", "obs", True, "filtered")] == ["answer"]
     assert [e["observations"] for e in smartrag.warmup_examples(row, "q", "obs", False, "filtered")] == [[], ["obs"]]
 
 
-@pytest.mark.parametrize("pred, gold, knows", [
-    ("Tim Burton", "Shane Acker", False),
-    ("Washington", "Washington, D.C.", True),
-    ("one two three four five six seven eight paris", "Paris", True),  # F1 = 0.2 exactly (0.19999999999999998)
-    ("one two three four five six seven eight nine paris", "Paris", False),
-])
+@pytest.mark.parametrize(
+    "pred, gold, knows",
+    [
+        ("Tim Burton", "Shane Acker", False),
+        ("Washington", "Washington, D.C.", True),
+        ("one two three four five six seven eight paris", "Paris", True),  # F1 = 0.2 exactly (0.19999999999999998)
+        ("one two three four five six seven eight nine paris", "Paris", False),
+    ],
+)
 def test_knows_answer_threshold(pred, gold, knows):
     assert smartrag.knows_answer(pred, [gold], 0.2) is knows
 
@@ -167,12 +198,29 @@ class FakeRetriever:
         return [[{"title": "doc", "text": f"about {q}"}] for q in queries]
 
 
+class SpyEnv(RenamingEnv):
+    """A RenamingEnv recording the rows each search is made for."""
+
+    def __init__(self, retriever):
+        super().__init__(retriever)
+        self.rows = []
+
+    def search(self, queries, k, rows):
+        self.rows.append(list(rows))
+        return super().search(queries, k, rows)
+
+
 def test_warmup_observation_comes_from_the_rewritten_query(monkeypatch):
-    rows = [{"question": "what is the birthplace of velbo ?", "golden_answers": ["tuvia"],
-             "metadata": {"sub_queries": ["velbo born"]}}]
+    rows = [
+        {
+            "question": "what is the birthplace of velbo ?",
+            "golden_answers": ["tuvia"],
+            "metadata": {"sub_queries": ["velbo born"]},
+        }
+    ]
     args = smartrag.apply_preset(smartrag.Args(initial_policy="plain", top_k=1))
     retriever = FakeRetriever()
-    examples, _ = smartrag.build_warmup(rows, retriever, args)
+    examples, _ = smartrag.build_warmup(rows, RenamingEnv(retriever), args)
     assert retriever.queries == ["velbo born"]  # R(GPT-Rewriter(x)), not R(x) [Eq. 4]
     assert examples[2]["observations"] == ["doc: about velbo born"] and examples[1]["text"] == "velbo born"
 
@@ -198,7 +246,9 @@ def test_algorithm_1_forces_the_answer_at_the_quota(tagged, monkeypatch, quota, 
     args = smartrag.apply_preset(smartrag.Args(quota=quota))
     retriever = FakeRetriever()
     rows = [{"question": "who is the director of zorvak ?", "golden_answers": ["x"]}] * 3
-    episodes = smartrag.rollout(model, tokenizer, retriever, rows, args, tags, greedy=False, seed=0)
+    env = SpyEnv(retriever)
+    episodes = smartrag.rollout(model, tokenizer, env, rows, args, tags, greedy=False, seed=0)
+    assert [r for r in env.rows if r] == [rows] * retrievals  # a turn's retrievals in one call, with their rows
     assert len(calls) == steps and all(len(c) == 3 for c in calls)  # one batched call per turn for all questions
     assert len(retriever.queries) == 3 * retrievals
     for e in episodes:
@@ -216,8 +266,16 @@ def test_a_policy_that_answers_never_retrieves(tagged, monkeypatch):
     monkeypatch.setattr(smartrag, "generate", fake)
     args = smartrag.apply_preset(smartrag.Args(quota=3))
     retriever = FakeRetriever()
-    episodes = smartrag.rollout(model, tokenizer, retriever, [{"question": "q ?", "golden_answers": ["x"]}], args,
-                                tags, greedy=False, seed=0)
+    episodes = smartrag.rollout(
+        model,
+        tokenizer,
+        RenamingEnv(retriever),
+        [{"question": "q ?", "golden_answers": ["x"]}],
+        args,
+        tags,
+        greedy=False,
+        seed=0,
+    )
     assert len(calls) == 1 and retriever.queries == [] and episodes[0]["turns"][0]["forced_ids"] == []
 
 
@@ -226,8 +284,16 @@ def test_loss_mask_covers_exactly_the_sampled_action_tokens(tagged, monkeypatch)
     fake, _ = scripted_generate(tags, "retrieve")
     monkeypatch.setattr(smartrag, "generate", fake)
     args = smartrag.apply_preset(smartrag.Args(quota=1))
-    episodes = smartrag.rollout(model, tokenizer, FakeRetriever(), [{"question": "q ?", "golden_answers": ["x"]}],
-                                args, tags, greedy=False, seed=0)
+    episodes = smartrag.rollout(
+        model,
+        tokenizer,
+        RenamingEnv(FakeRetriever()),
+        [{"question": "q ?", "golden_answers": ["x"]}],
+        args,
+        tags,
+        greedy=False,
+        seed=0,
+    )
     search, answer = smartrag.sequences_of(episodes)
     assert sum(search["loss_mask"]) == 3 and search["loss_mask"][-3:] == [1, 1, 1]  # the free [Search] tag is trained
     assert search["ids"][-3] == tags["retrieve"]
@@ -241,36 +307,63 @@ def test_threshold_decides_the_first_token(tagged, monkeypatch):
     model, tokenizer, tags = tagged
     logits = torch.full((len(tokenizer),), -1e9)
     logits[tags["answer"]], logits[tags["retrieve"]] = 1.0, 0.0
-    monkeypatch.setattr(smartrag, "first_token_probs", lambda m, prompts, pad: logits.softmax(-1).expand(len(prompts), -1))
+    monkeypatch.setattr(
+        smartrag, "first_token_probs", lambda m, prompts, pad: logits.softmax(-1).expand(len(prompts), -1)
+    )
     assert logits.softmax(-1)[tags["retrieve"]].item() == pytest.approx(1 / (1 + math.e), abs=1e-4)
     seen = []
-    monkeypatch.setattr(smartrag, "generate", lambda m, t, prompts, n, **kw: seen.append(prompts[0][-1]) or
-                        Generation(["x"], [[5, 1]], [prompts[0]], [True]))
+    monkeypatch.setattr(
+        smartrag,
+        "generate",
+        lambda m, t, prompts, n, **kw: (
+            seen.append(prompts[0][-1]) or Generation(["x"], [[5, 1]], [prompts[0]], [True])
+        ),
+    )
     for threshold, tag in [(0.5, "answer"), (0.2, "retrieve")]:
         args = smartrag.apply_preset(smartrag.Args(quota=1, threshold=threshold))
         seen.clear()
-        smartrag.rollout(model, tokenizer, FakeRetriever(), [{"question": "q ?", "golden_answers": ["x"]}], args, tags,
-                         greedy=True, seed=0)
+        smartrag.rollout(
+            model,
+            tokenizer,
+            RenamingEnv(FakeRetriever()),
+            [{"question": "q ?", "golden_answers": ["x"]}],
+            args,
+            tags,
+            greedy=True,
+            seed=0,
+        )
         assert seen[0] == tags[tag]
 
 
 def test_the_toy_base_model_learns_the_popular_facts_before_the_warm_up():
     """--base_pretrain_steps: the raw toy-lm learns to answer the popular training questions directly, with no tag."""
     from accelerate import Accelerator
+
     from common.data import load_split
     from common.llm import generate
+
     model, tokenizer = load_toy_lm("toy-lm")
     tag_ids = smartrag.add_tags(model, tokenizer)
     args = smartrag.apply_preset(smartrag.Args(base_pretrain_steps=150, sft_batch_size=32))
     rows = load_split(args.data_dir, "train", args.question_types)
     known = [r for r in rows if r["metadata"]["popular"]][:24]
     with pytest.raises(SystemExit, match="metadata.popular"):
-        smartrag.pretrain_toy_base(Accelerator(cpu=True), model, tokenizer, tag_ids, [r for r in rows if not r["metadata"]["popular"]], args)
-    ids, labels, _ = smartrag.sft_batch([dict(question=known[0]["question"], observations=[], tag=None, text="x",
-                                              popular=True, searched=[])], tokenizer, tag_ids, args, None, None)
+        smartrag.pretrain_toy_base(
+            Accelerator(cpu=True), model, tokenizer, tag_ids, [r for r in rows if not r["metadata"]["popular"]], args
+        )
+    ids, labels, _ = smartrag.sft_batch(
+        [dict(question=known[0]["question"], observations=[], tag=None, text="x", popular=True, searched=[])],
+        tokenizer,
+        tag_ids,
+        args,
+        None,
+        None,
+    )
     assert not set(labels[0].tolist()) & set(tag_ids.values())  # no tag: a base model answers plainly
     prompts = smartrag.encode_states(tokenizer, [smartrag.render_state(r["question"], [], "compact") for r in known])
-    answers = lambda: [tokenizer.decode(i, skip_special_tokens=True).strip() for i in generate(model, tokenizer, prompts, 3).token_ids]
+    answers = lambda: [
+        tokenizer.decode(i, skip_special_tokens=True).strip() for i in generate(model, tokenizer, prompts, 3).token_ids
+    ]
     assert sum(a == r["golden_answers"][0] for a, r in zip(answers(), known)) <= 2  # the raw model does not know them
     model = smartrag.pretrain_toy_base(Accelerator(cpu=True), model, tokenizer, tag_ids, known, args)
     assert sum(a == r["golden_answers"][0] for a, r in zip(answers(), known)) >= 22
@@ -278,18 +371,46 @@ def test_the_toy_base_model_learns_the_popular_facts_before_the_warm_up():
 
 # ---------------------------------------------------------------- end to end on the toy world
 def run(args, cwd):
-    env = {**os.environ, "HF_HUB_OFFLINE": "1", "TOKENIZERS_PARALLELISM": "false",
-           "PYTHONPATH": os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")]))}
-    return subprocess.run([sys.executable, str(ROOT / "smartrag.py"), *args], cwd=cwd, capture_output=True, text=True,
-                          env=env)
+    env = {
+        **os.environ,
+        "HF_HUB_OFFLINE": "1",
+        "TOKENIZERS_PARALLELISM": "false",
+        "PYTHONPATH": os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")])),
+    }
+    return subprocess.run(
+        [sys.executable, str(ROOT / "smartrag.py"), *args], cwd=cwd, capture_output=True, text=True, env=env
+    )
 
 
 @pytest.mark.parametrize("templates", ["compact", "paper"])
 def test_toy_train_then_eval_the_checkpoint(tmp_path, templates):
     out = tmp_path / "run"
-    tiny = ["--n_train", "64", "--n_eval", "16", "--sft_steps", "20", "--ppo_iterations", "2", "--rollout_batch", "16",
-            "--sft_batch_size", "16", "--ppo_batch_size", "8", "--templates", templates, "--eval_every", "1", "--kl_init", "0.05",
-            "--kl_adaptive", str(templates == "paper"), "--base_pretrain_steps", str(3 * (templates == "compact"))]
+    tiny = [
+        "--n_train",
+        "64",
+        "--n_eval",
+        "16",
+        "--sft_steps",
+        "20",
+        "--ppo_iterations",
+        "2",
+        "--rollout_batch",
+        "16",
+        "--sft_batch_size",
+        "16",
+        "--ppo_batch_size",
+        "8",
+        "--templates",
+        templates,
+        "--eval_every",
+        "1",
+        "--kl_init",
+        "0.05",
+        "--kl_adaptive",
+        str(templates == "paper"),
+        "--base_pretrain_steps",
+        str(3 * (templates == "compact")),
+    ]
     done = run(["--train", "--output_dir", str(out), *tiny], ROOT)
     assert done.returncode == 0, done.stderr[-3000:]
     results = check_contract(out, done.stdout)
@@ -305,8 +426,20 @@ def test_toy_train_then_eval_the_checkpoint(tmp_path, templates):
     again = run(["--train", "--output_dir", str(out), "--resume", *tiny], ROOT)  # SFT and PPO are not redone
     assert again.returncode == 0 and "sft step" not in again.stdout and "iteration=" not in again.stdout
     assert "base pretraining" not in again.stdout
-    evaluated = run(["--eval", "--model", str(out / "ppo"), "--output_dir", str(tmp_path / "eval"), "--n_eval", "16",
-                     "--templates", templates], ROOT)
+    evaluated = run(
+        [
+            "--eval",
+            "--model",
+            str(out / "ppo"),
+            "--output_dir",
+            str(tmp_path / "eval"),
+            "--n_eval",
+            "16",
+            "--templates",
+            templates,
+        ],
+        ROOT,
+    )
     assert evaluated.returncode == 0, evaluated.stderr[-3000:]
     assert check_contract(tmp_path / "eval", evaluated.stdout)["after"]["em"] == results["after"]["em"]
     if templates == "compact":
@@ -327,10 +460,23 @@ def check_what_a_user_sees(out, results, tmp_path):
     flashrag = tmp_path / "flashrag"
     flashrag.mkdir()
     rows = [json.loads(line) for line in (ROOT / "data/toy/test.jsonl").read_text().splitlines()[:6]]
-    (flashrag / "test.jsonl").write_text("".join(json.dumps({k: r[k] for k in ("id", "question", "golden_answers")})
-                                                 + "\n" for r in rows))
-    plain = run(["--eval", "--model", str(out / "ppo"), "--data_dir", str(flashrag), "--corpus",
-                 str(ROOT / "data/toy/corpus.jsonl"), "--output_dir", str(tmp_path / "flashrag_eval")], ROOT)
+    (flashrag / "test.jsonl").write_text(
+        "".join(json.dumps({k: r[k] for k in ("id", "question", "golden_answers")}) + "\n" for r in rows)
+    )
+    plain = run(
+        [
+            "--eval",
+            "--model",
+            str(out / "ppo"),
+            "--data_dir",
+            str(flashrag),
+            "--corpus",
+            str(ROOT / "data/toy/corpus.jsonl"),
+            "--output_dir",
+            str(tmp_path / "flashrag_eval"),
+        ],
+        ROOT,
+    )
     assert plain.returncode == 0, plain.stderr[-3000:]
     assert check_contract(tmp_path / "flashrag_eval", plain.stdout)["n_eval"] == 6
     asked = run(["--ask", "what is the birthplace of qqzzyx ?", "--model", str(out / "ppo")], ROOT)
@@ -353,41 +499,72 @@ def documented_questions(method):
     return sorted(set(re.findall(r'--ask "([^"]+)"', text)))
 
 
-def test_bad_preset_is_a_clear_error():
-    done = run(["--train", "--preset", "nope"], ROOT)
-    assert done.returncode != 0 and "--preset must be one of" in done.stderr
+def invalid_choice(flag, value, returncode, stderr):
+    """Exit code 2 and one error line naming the flag and the value (after argparse's usage)."""
+    errors = [line for line in stderr.splitlines() if "error:" in line]
+    assert returncode == 2 and "Traceback" not in stderr
+    assert len(errors) == 1 and re.search(f"error: argument {flag}(/[-a-z]+)?: invalid choice: '{value}'", errors[0])
 
 
-def test_a_renamed_ppo_episode_searches_the_real_corpus_and_reads_renamed_passages():
+def test_bad_preset_is_an_argparse_error():
+    done = run(["--train", "--preset", "nope"], ROOT)  # what a user sees: the command line, no traceback
+    invalid_choice("--preset", "nope", done.returncode, done.stderr)
+
+
+@pytest.mark.parametrize("flag, value", [("--preset", "nope"), ("--initial_policy", "best"), ("--templates", "short")])
+def test_a_value_outside_a_flags_choices_is_an_argparse_error(flag, value, capsys):
+    with pytest.raises(SystemExit) as exit_:
+        smartrag.main(["--train", flag, value])
+    invalid_choice(flag, value, exit_.value.code, capsys.readouterr().err)
+
+
+def test_a_renamed_ppo_episode_searches_the_real_corpus_and_reads_renamed_passages(tagged, monkeypatch):
+    """The policy writes its query in the renamed episode's names: the retriever gets the real names back, and the
+    observation the policy reads comes forward into the episode's names (RenamingEnv, inside the rollout)."""
     import random
+
     from common.data import load_qa
     from common.retrieval import DenseRetriever, load_corpus, make_encoder
-    from common.toy import DEFAULT_WORLD, apply_mapping, load_world
-    world, rows = load_world(DEFAULT_WORLD), load_qa(Path(DEFAULT_WORLD) / "train.jsonl")
+    from common.toy import DEFAULT_WORLD, apply_mapping, load_world, renamed_row
+
+    model, tokenizer, tags = tagged
+    world, rows = load_world(str(DEFAULT_WORLD)), load_qa(Path(DEFAULT_WORLD) / "train.jsonl")
     retriever = DenseRetriever.build(load_corpus(Path(DEFAULT_WORLD) / "corpus.jsonl"), make_encoder("tfidf"))
     popular = next(r for r in rows if r["metadata"]["popular"])
-    assert smartrag.renamed_row(popular, world, random.Random(0)) is popular  # memorised facts keep their names
+    assert renamed_row(popular, world, random.Random(0)) is popular  # memorised facts keep their names
     row = next(r for r in rows if r["metadata"]["type"] == "one_hop" and r["metadata"]["answerable"]
-               and not r["metadata"]["popular"])
-    renamed = smartrag.renamed_row(row, world, random.Random(0))
+               and not r["metadata"]["popular"])  # fmt: skip
+    renamed = renamed_row(row, world, random.Random(0))
     forward, _ = renamed["rename"]
     head, query = row["metadata"]["entities"][0], row["metadata"]["sub_queries"][0]
     assert forward[head] in renamed["question"].split() and head not in renamed["question"].split()
     assert renamed["golden_answers"] == [forward.get(a, a) for a in row["golden_answers"]]
-    episode = {"row": renamed, "turns": [{"text": apply_mapping([query], forward)[0]}]}  # the policy's renamed query
-    observation = smartrag.search(retriever, [episode], 1)[0]
+    written = {"renamed": apply_mapping([query], forward)[0], "plain": query}  # the policy's query in each episode
+
+    def generate(model, tokenizer, prompts, max_new_tokens, **kw):  # [Search] <query>, then the forced answer
+        text = lambda p: written["renamed" if forward[head] in tokenizer.decode(p).split() else "plain"]
+        ids = [[5, 1] if p[-1] == tags["answer"] else [tags["retrieve"], *tokenizer(text(p))["input_ids"], 1]
+               for p in prompts]  # fmt: skip
+        return Generation(["x"] * len(prompts), ids, [list(p) for p in prompts], [True] * len(prompts))
+
+    monkeypatch.setattr(smartrag, "generate", generate)
+    args = smartrag.apply_preset(smartrag.Args(quota=1, top_k=1))
+    episodes = smartrag.rollout(model, tokenizer, RenamingEnv(retriever), [renamed, row], args, tags, False, 0)
+    assert [e["turns"][0]["text"] for e in episodes] == [written["renamed"], written["plain"]]
     real = smartrag.format_observation(retriever.search([query], 1)[0])
+    observation = episodes[0]["observations"][0]
     assert observation == apply_mapping([real], forward)[0] and observation != real
     assert renamed["golden_answers"][0] in observation.split()  # the renamed answer is there to copy
-    plain = {"row": row, "turns": [{"text": query}]}
-    assert smartrag.search(retriever, [plain], 1) == [real]
+    assert episodes[1]["observations"] == [real]  # an episode without renaming reads the corpus as it is
 
 
 def test_ppo_iteration_scores_a_rollout_in_minibatch_chunks_as_at_once(tagged, monkeypatch):
     """The behaviour and reference log-probs are computed ppo_batch_size sequences at a time (memory); the KL they
     give must not depend on the chunking, and sequences of different lengths must line up after padding."""
-    from accelerate import Accelerator
     import copy
+
+    from accelerate import Accelerator
+
     model, tokenizer, tags = tagged
     fake, _ = scripted_generate(tags, "retrieve")
     monkeypatch.setattr(smartrag, "generate", fake)
@@ -396,7 +573,9 @@ def test_ppo_iteration_scores_a_rollout_in_minibatch_chunks_as_at_once(tagged, m
     kls = []
     for batch_size in (1, 2, 64):
         args = smartrag.apply_preset(smartrag.Args(quota=1, ppo_batch_size=batch_size))
-        episodes = smartrag.rollout(model, tokenizer, FakeRetriever(), rows, args, tags, greedy=False, seed=0)
+        episodes = smartrag.rollout(
+            model, tokenizer, RenamingEnv(FakeRetriever()), rows, args, tags, greedy=False, seed=0
+        )
         ref = copy.deepcopy(model)
         with torch.no_grad():
             for p in ref.parameters():
@@ -408,7 +587,7 @@ def test_ppo_iteration_scores_a_rollout_in_minibatch_chunks_as_at_once(tagged, m
     assert kls[0] != 0.0 and kls[0] == pytest.approx(kls[1], rel=1e-5) and kls[0] == pytest.approx(kls[2], rel=1e-5)
 
 
-# ---------------------------------------------------------------- numerics: fp32 master weights, a critic without LM head
+# ---------------------------------------------------------------- numerics: fp32 master weights, a critic, no LM head
 TINY_LM = "toy-lm:layers=1,hidden=32,heads=2,kv_heads=2,intermediate=64"
 
 
@@ -431,8 +610,10 @@ def test_bf16_mixed_precision_trains_fp32_weights_under_autocast(monkeypatch):
     logits_dtypes = []
     policy.lm_head.register_forward_hook(lambda module, inputs, output: logits_dtypes.append(output.dtype))
     before = [p.detach().clone() for p in policy.parameters()]
-    examples = [dict(question=f"who is velbo {i} ?", observations=[], tag="answer", text="velbo", popular=True,
-                     searched=[]) for i in range(4)]
+    examples = [
+        dict(question=f"who is velbo {i} ?", observations=[], tag="answer", text="velbo", popular=True, searched=[])
+        for i in range(4)
+    ]
     trained, _ = smartrag.sft(accelerator, policy, tokenizer, tag_ids, examples, args, None)
     assert stepped == [{torch.float32}] * 2  # Adam updates fp32 master weights ...
     assert logits_dtypes and set(logits_dtypes) == {torch.bfloat16}  # ... of a forward pass run in bf16
@@ -467,8 +648,20 @@ def test_a_malformed_data_file_is_one_line_naming_file_and_line(tmp_path):
     data = tmp_path / "data"
     data.mkdir()
     (data / "test.jsonl").write_text('{"id": "a", "question": "q ?", "golden_answers": ["x"]}\n{"id": "b", "quest\n')
-    done = run(["--eval", "--data_dir", str(data), "--corpus", str(ROOT / "data/toy/corpus.jsonl"), "--model", TINY_LM,
-                "--output_dir", str(tmp_path / "out")], ROOT)
+    done = run(
+        [
+            "--eval",
+            "--data_dir",
+            str(data),
+            "--corpus",
+            str(ROOT / "data/toy/corpus.jsonl"),
+            "--model",
+            TINY_LM,
+            "--output_dir",
+            str(tmp_path / "out"),
+        ],
+        ROOT,
+    )
     assert done.returncode != 0 and "Traceback" not in done.stderr
     lines = done.stderr.strip().splitlines()
     assert len(lines) == 1 and "test.jsonl:2" in lines[0], done.stderr[-2000:]
@@ -480,9 +673,30 @@ def test_trains_on_a_freshly_generated_world(tmp_path):
 
     world = write_world(tmp_path / "world", seed=3, size=0.5)
     out = tmp_path / "run"
-    done = run(["--train", "--data_dir", str(world), "--output_dir", str(out), "--n_eval", "40",
-                "--base_pretrain_steps", "100", "--sft_steps", "200", "--sft_batch_size", "32", "--ppo_iterations", "1",
-                "--rollout_batch", "8", "--ppo_batch_size", "16"], ROOT)
+    done = run(
+        [
+            "--train",
+            "--data_dir",
+            str(world),
+            "--output_dir",
+            str(out),
+            "--n_eval",
+            "40",
+            "--base_pretrain_steps",
+            "100",
+            "--sft_steps",
+            "200",
+            "--sft_batch_size",
+            "32",
+            "--ppo_iterations",
+            "1",
+            "--rollout_batch",
+            "8",
+            "--ppo_batch_size",
+            "16",
+        ],
+        ROOT,
+    )
     assert done.returncode == 0, done.stderr[-3000:]
     results = check_contract(out, done.stdout)
     assert results["dataset"] == str(world) and results["args"]["base_llm"] == f"toy:{world}"
@@ -491,9 +705,32 @@ def test_trains_on_a_freshly_generated_world(tmp_path):
 
 
 # ---------------------------------------------------------------- LoRA checkpoints and resuming a run
-LORA_FLAGS = ["--model", TINY_LM, "--lora_r", "2", "--n_train", "32", "--n_eval", "4", "--base_pretrain_steps", "0",
-              "--sft_steps", "4", "--sft_batch_size", "8", "--ppo_iterations", "2", "--rollout_batch", "8",
-              "--ppo_batch_size", "8", "--eval_every", "1", "--kl_init", "0.05"]
+LORA_FLAGS = [
+    "--model",
+    TINY_LM,
+    "--lora_r",
+    "2",
+    "--n_train",
+    "32",
+    "--n_eval",
+    "4",
+    "--base_pretrain_steps",
+    "0",
+    "--sft_steps",
+    "4",
+    "--sft_batch_size",
+    "8",
+    "--ppo_iterations",
+    "2",
+    "--rollout_batch",
+    "8",
+    "--ppo_batch_size",
+    "8",
+    "--eval_every",
+    "1",
+    "--kl_init",
+    "0.05",
+]
 
 
 def test_a_lora_checkpoint_reloads_trainable_with_its_tag_tokens(tmp_path):
@@ -520,23 +757,26 @@ def test_a_lora_checkpoint_reloads_trainable_with_its_tag_tokens(tmp_path):
 def test_an_interrupted_lora_run_resumes_with_the_losses_of_an_uninterrupted_one(tmp_path, monkeypatch, capsys):
     """Trained weights, optimizer, KL coefficient and random states come back; no frozen base weight is stored."""
     smartrag.main(["--train", "--output_dir", str(tmp_path / "whole"), *LORA_FLAGS])
-    save = smartrag.save_checkpoint
+    save = runs.save_checkpoint
 
     def killed_after_the_first_update(folder, *a, **k):
         save(folder, *a, **k)
         if Path(folder).name == "ppo":
             raise KeyboardInterrupt
 
-    monkeypatch.setattr(smartrag, "save_checkpoint", killed_after_the_first_update)
+    monkeypatch.setattr(runs, "save_checkpoint", killed_after_the_first_update)
     with pytest.raises(KeyboardInterrupt):
         smartrag.main(["--train", "--output_dir", str(tmp_path / "cut"), *LORA_FLAGS])
-    monkeypatch.setattr(smartrag, "save_checkpoint", save)
+    monkeypatch.setattr(runs, "save_checkpoint", save)
     capsys.readouterr()
     smartrag.main(["--train", "--output_dir", str(tmp_path / "cut"), "--resume", *LORA_FLAGS])
     assert "resumed PPO at iteration 1" in capsys.readouterr().out
     lines = lambda run_dir: map(json.loads, (run_dir / "metrics.jsonl").read_text().splitlines())
-    updates = lambda run_dir: {m["iteration"]: {k: v for k, v in m.items() if k != "charts/seconds"}
-                               for m in lines(run_dir) if "iteration" in m}
+    updates = lambda run_dir: {
+        m["iteration"]: {k: v for k, v in m.items() if k != "charts/seconds"}
+        for m in lines(run_dir)
+        if "iteration" in m
+    }
     whole, cut = updates(tmp_path / "whole"), updates(tmp_path / "cut")
     assert list(whole) == list(cut) == [1, 2] and whole == cut  # the same floats, bit for bit
     assert whole[1]["losses/policy"] != whole[2]["losses/policy"]
@@ -547,21 +787,63 @@ def test_an_interrupted_lora_run_resumes_with_the_losses_of_an_uninterrupted_one
     for name in ("em", "f1", "reward", "retrievals", "generated_tokens"):
         assert sum(r[name] for r in greedy) / 4 == pytest.approx(results["after"][name])
     assert all(r["trajectory"].split(":")[0] in ("answer", "retrieve", "invalid") for r in predicted)
-    stored = torch.load(tmp_path / "whole" / "ppo" / "policy_and_value.pt", weights_only=True)
-    assert stored and all("lora_" in k or "trainable_tokens" in k or k == "value_head.weight" for k in stored)
+    stored = torch.load(tmp_path / "whole" / "ppo" / "training.pt", weights_only=True)
+    assert set(stored) == {"policy_and_value", "optimizer"} and stored["optimizer"]["state"]
+    weights = stored["policy_and_value"]  # the trained weights only
+    assert weights and all("lora_" in k or "trainable_tokens" in k or k == "value_head.weight" for k in weights)
+    assert "value_head.weight" in weights and any("lora_" in k for k in weights)
 
 
 def test_two_processes_train_untied_embeddings_and_save_each_ones_random_states(tmp_path):
     """DDP on CPU (gloo) with an untied LM head: the critic has no LM head, so no parameter goes without gradient;
     the run's folder name comes from rank 0; each process's random states are saved for --resume."""
-    env = {**os.environ, "HF_HUB_OFFLINE": "1", "TOKENIZERS_PARALLELISM": "false", "OMP_NUM_THREADS": "1",
-           "PYTHONPATH": os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")]))}
-    launch = [sys.executable, "-m", "accelerate.commands.launch", "--multi_gpu", "--num_processes", "2",
-              "--num_machines", "1", "--mixed_precision", "no", "--dynamo_backend", "no", str(ROOT / "smartrag.py"),
-              "--train", "--run_name", "ddp", "--data_dir", str(ROOT / "data/toy"), "--model", TINY_LM + ",tie=0",
-              "--n_train", "16", "--n_eval", "4",
-              "--base_pretrain_steps", "0", "--sft_steps", "2", "--sft_batch_size", "8", "--ppo_iterations", "2",
-              "--rollout_batch", "4", "--ppo_batch_size", "8", "--eval_every", "1"]
+    env = {
+        **os.environ,
+        "HF_HUB_OFFLINE": "1",
+        "TOKENIZERS_PARALLELISM": "false",
+        "OMP_NUM_THREADS": "1",
+        "PYTHONPATH": os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")])),
+    }
+    launch = [
+        sys.executable,
+        "-m",
+        "accelerate.commands.launch",
+        "--multi_gpu",
+        "--num_processes",
+        "2",
+        "--num_machines",
+        "1",
+        "--mixed_precision",
+        "no",
+        "--dynamo_backend",
+        "no",
+        str(ROOT / "smartrag.py"),
+        "--train",
+        "--run_name",
+        "ddp",
+        "--data_dir",
+        str(ROOT / "data/toy"),
+        "--model",
+        TINY_LM + ",tie=0",
+        "--n_train",
+        "16",
+        "--n_eval",
+        "4",
+        "--base_pretrain_steps",
+        "0",
+        "--sft_steps",
+        "2",
+        "--sft_batch_size",
+        "8",
+        "--ppo_iterations",
+        "2",
+        "--rollout_batch",
+        "4",
+        "--ppo_batch_size",
+        "8",
+        "--eval_every",
+        "1",
+    ]
     done = subprocess.run(launch, check=False, cwd=tmp_path, capture_output=True, text=True, env=env)
     assert done.returncode == 0, done.stderr[-3000:]
     assert sorted(p.name for p in (tmp_path / "runs").iterdir()) == ["ddp"]  # one folder for both processes

@@ -1,5 +1,6 @@
 """The toy world: generator determinism, world properties (on the committed world and a fresh seed), the toy reader,
 the tiny model and tokenizer, and the renaming augmentation. Every figure asserted here is in docs/toy_world.md."""
+
 import os
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
@@ -46,6 +47,7 @@ def reader_answer(reader, question, passages=()):
 
 # ---------------------------------------------------------------- generator
 
+
 def test_same_seed_same_bytes_and_committed_world_is_seed_0(tmp_path):
     a, b = toy.write_world(tmp_path / "a", seed=0), toy.write_world(tmp_path / "b", seed=0)
     for name in ("corpus.jsonl", "train.jsonl", "dev.jsonl", "test.jsonl", "triples.jsonl", "world.json"):
@@ -83,8 +85,10 @@ def test_corpus_triples_and_lengths(world_dir):
     for t in triples:
         assert toy.RELATIONS[phrase_rel[t["relation"]]][2].format(h=t["head"], t=t["tail"]) in text_of[t["doc_id"]]
     rows = load_qa(world_dir / "test.jsonl")
-    longest = max(len(r["question"].split()) + sum(len(text_of[i].split()) for i in r["metadata"]["supporting_doc_ids"])
-                  for r in rows)
+    longest = max(
+        len(r["question"].split()) + sum(len(text_of[i].split()) for i in r["metadata"]["supporting_doc_ids"])
+        for r in rows
+    )
     assert longest <= 100
 
 
@@ -105,6 +109,7 @@ def test_held_out_facts_never_in_training_questions(world_dir):
 
 
 # ---------------------------------------------------------------- baselines (the done-when numbers)
+
 
 def test_baselines_gold_near_100_no_retrieval_equals_popular_share(world_dir, tables):
     table, hits = tables[str(world_dir)]
@@ -143,6 +148,7 @@ def test_committed_world_baseline_values(tables):
 
 # ---------------------------------------------------------------- the reader
 
+
 def test_reader_memory_and_unknown():
     reader = toy.ToyReader(COMMITTED)
     rows = load_qa(COMMITTED / "test.jsonl")
@@ -154,9 +160,11 @@ def test_reader_memory_and_unknown():
 def test_reader_is_misled_by_a_near_name_read_last():
     world = toy.load_world(str(COMMITTED))
     ents = world["entities"]
-    decoy, target = next((d, e["decoy_of"]) for d, e in sorted(ents.items())
-                         if e["decoy_of"] and ents[e["decoy_of"]]["type"] == "film"
-                         and not ents[e["decoy_of"]]["popular"])
+    decoy, target = next(
+        (d, e["decoy_of"])
+        for d, e in sorted(ents.items())
+        if e["decoy_of"] and ents[e["decoy_of"]]["type"] == "film" and not ents[e["decoy_of"]]["popular"]
+    )
     true_doc, decoy_doc = toy.passage_text(target, ents[target]), toy.passage_text(decoy, ents[decoy])
     reader = toy.ToyReader(COMMITTED)
     question = toy.CHAINS[("directed_by",)].format(target)
@@ -169,25 +177,45 @@ def test_reader_is_misled_by_a_near_name_read_last():
     popular = next(n for n, e in sorted(ents.items()) if e["popular"] and e["type"] == "film" and world["near"][n])
     near = world["near"][popular][0]
     popular_q = toy.CHAINS[("directed_by",)].format(popular)
-    assert reader_answer(reader, popular_q, [toy.passage_text(near, ents[near])]) == ents[popular]["facts"]["directed_by"]
+    assert (
+        reader_answer(reader, popular_q, [toy.passage_text(near, ents[near])]) == ents[popular]["facts"]["directed_by"]
+    )
 
 
 def test_reader_finds_the_question_in_paper_prompts_and_wraps_answers():
     reader = toy.ToyReader(COMMITTED)
-    row = next(r for r in load_qa(COMMITTED / "test.jsonl") if r["metadata"]["type"] == "two_hop"
-               and r["metadata"]["answerable"] and r["metadata"]["descriptor"])
-    docs = [{"contents": c["contents"]} for c in read_jsonl(COMMITTED / "corpus.jsonl")
-            if c["id"] in row["metadata"]["supporting_doc_ids"]]
+    row = next(
+        r
+        for r in load_qa(COMMITTED / "test.jsonl")
+        if r["metadata"]["type"] == "two_hop" and r["metadata"]["answerable"] and r["metadata"]["descriptor"]
+    )
+    docs = [
+        {"contents": c["contents"]}
+        for c in read_jsonl(COMMITTED / "corpus.jsonl")
+        if c["id"] in row["metadata"]["supporting_doc_ids"]
+    ]
     other = load_qa(COMMITTED / "train.jsonl")[0]
-    c3po = ("You are a knowledgeable assistant. Please answer the following question by:\n1. First reviewing the "
-            "provided documents.\nHere are some examples:\nQuestion: " + other["question"].capitalize() + "\nAnswer: x"
-            "\n\nNow, process the following question:\nExisting documents: " + " ".join(d["contents"] for d in docs)
-            + "\n\nQuestion: " + row["question"].capitalize().replace(" ?", "?"))
-    sparc = ("Answer the question based on the given notes.\nEnd your response with the literal tag [END].\n"
-             "The following are given notes:\n" + "\n".join(d["contents"] for d in docs)
-             + f"\nQuestion: {row['question']}\nAnswer:")
-    replies = reader.chat([[{"role": "user", "content": c3po}], [{"role": "system", "content": "be short"},
-                                                                  {"role": "user", "content": sparc}]], temperature=1.0)
+    c3po = (
+        "You are a knowledgeable assistant. Please answer the following question by:\n1. First reviewing the "
+        "provided documents.\nHere are some examples:\nQuestion: " + other["question"].capitalize() + "\nAnswer: x"
+        "\n\nNow, process the following question:\nExisting documents: "
+        + " ".join(d["contents"] for d in docs)
+        + "\n\nQuestion: "
+        + row["question"].capitalize().replace(" ?", "?")
+    )
+    sparc = (
+        "Answer the question based on the given notes.\nEnd your response with the literal tag [END].\n"
+        "The following are given notes:\n"
+        + "\n".join(d["contents"] for d in docs)
+        + f"\nQuestion: {row['question']}\nAnswer:"
+    )
+    replies = reader.chat(
+        [
+            [{"role": "user", "content": c3po}],
+            [{"role": "system", "content": "be short"}, {"role": "user", "content": sparc}],
+        ],
+        temperature=1.0,
+    )
     assert replies == [row["golden_answers"][0], row["golden_answers"][0] + " [END]"]
     select = f"Question: {row['question']}\nprovide the answer inside <answer> </answer> tags."
     assert reader.chat([[{"role": "user", "content": select}]]) == ["<answer> unknown </answer>"]
@@ -195,15 +223,24 @@ def test_reader_finds_the_question_in_paper_prompts_and_wraps_answers():
 
 def test_reader_think_mode_walks_the_chain_one_step_per_call():
     reader = toy.ToyReader(COMMITTED)
-    row = next(r for r in load_qa(COMMITTED / "test.jsonl") if r["metadata"]["type"] == "three_hop"
-               and r["metadata"]["answerable"] and not any(r["metadata"]["popular_hops"]))
+    row = next(
+        r
+        for r in load_qa(COMMITTED / "test.jsonl")
+        if r["metadata"]["type"] == "three_hop"
+        and r["metadata"]["answerable"]
+        and not any(r["metadata"]["popular_hops"])
+    )
     text_of = {c["id"]: c["contents"] for c in read_jsonl(COMMITTED / "corpus.jsonl")}
-    instruction = ("Please answer the following question. You should think step-by-step to solve it. Each thought "
-                   "should be put inside <think> and </think> tags; put your final answer inside <answer> and </answer>."
-                   "\nContext:\n{context}\n\nQuestion: {question}")
+    instruction = (
+        "Please answer the following question. You should think step-by-step to solve it. Each thought "
+        "should be put inside <think> and </think> tags; put your final answer inside <answer> and </answer>."
+        "\nContext:\n{context}\n\nQuestion: {question}"
+    )
     context, thoughts, steps = [], "", []
     for _ in range(10):
-        messages = [{"role": "user", "content": instruction.format(context="\n".join(context), question=row["question"])}]
+        messages = [
+            {"role": "user", "content": instruction.format(context="\n".join(context), question=row["question"])}
+        ]
         reply = reader.chat([messages + ([{"role": "assistant", "content": thoughts}] if thoughts else [])])[0]
         steps.append(reply)
         if reply.startswith("<answer>"):
@@ -212,25 +249,34 @@ def test_reader_think_mode_walks_the_chain_one_step_per_call():
         if "i need to know" in reply:  # the retrieval a method would do: the next supporting document
             context.append(text_of[row["metadata"]["supporting_doc_ids"][len(context)]])
     m = row["metadata"]
-    assert steps[0] == f"<think> i need to know {toy.RELATIONS[m['relations'][0]][4].format(h=m['entities'][0])} . </think>"
+    assert (
+        steps[0]
+        == f"<think> i need to know {toy.RELATIONS[m['relations'][0]][4].format(h=m['entities'][0])} . </think>"
+    )
     assert len(steps) == 7 and steps[-1] == f"<answer> {row['golden_answers'][0]} </answer>"
     assert sum("i need to know" in s for s in steps) == 3
     stuck = instruction.format(context="", question=row["question"])
-    need = steps[0][len("<think> "):-len(" </think>")]
+    need = steps[0][len("<think> ") : -len(" </think>")]
     history = f"<think> {need} </think>\n" * 2
     assert reader.chat([[{"role": "user", "content": stuck}, {"role": "assistant", "content": history}]]) == [
-        "<answer> unknown </answer>"]
+        "<answer> unknown </answer>"
+    ]
 
 
 def test_reader_plan_mode():
     reader = toy.ToyReader(COMMITTED)
     rows = load_qa(COMMITTED / "test.jsonl")
     row = next(r for r in rows if r["metadata"]["type"] == "three_hop" and not r["metadata"]["popular_hops"][0])
-    roadmap = ("You are an expert assistant tasked with analyzing the following question and formulating a detailed "
-               f"plan.\n\nNow, process the following question:\nQuestion: {row['question']}")
+    roadmap = (
+        "You are an expert assistant tasked with analyzing the following question and formulating a detailed "
+        f"plan.\n\nNow, process the following question:\nQuestion: {row['question']}"
+    )
     lines = reader.chat([[{"role": "user", "content": roadmap}]])[0].split("\n")
     first = row["metadata"]["entities"][0]
-    assert len(lines) == 4 and lines[0] == f"step 1 : find {toy.RELATIONS[row['metadata']['relations'][0]][4].format(h=first)} ."
+    assert (
+        len(lines) == 4
+        and lines[0] == f"step 1 : find {toy.RELATIONS[row['metadata']['relations'][0]][4].format(h=first)} ."
+    )
     assert lines[1].endswith(f"of {first} .") and lines[-1] == "step 4 : answer the question ."
     comparison = next(r for r in rows if r["metadata"]["type"] == "yes_no")
     lines = reader.chat([[{"role": "user", "content": "write a plan . question : " + comparison["question"]}]])[0]
@@ -238,7 +284,7 @@ def test_reader_plan_mode():
 
 
 def test_make_llm_toy_backend():
-    from common.llm import make_llm
+    from common.models import make_llm
 
     llm = make_llm("toy")
     row = next(r for r in load_qa(COMMITTED / "test.jsonl") if r["metadata"]["popular"])
@@ -246,6 +292,7 @@ def test_make_llm_toy_backend():
 
 
 # ---------------------------------------------------------------- renaming augmentation
+
 
 def test_rename_entities_consistent_typed_and_answer_preserving():
     world = toy.load_world(str(COMMITTED))
@@ -269,19 +316,29 @@ def test_rename_entities_consistent_typed_and_answer_preserving():
         assert len(set(mapping.values())) == len(mapping)  # injective
         for a, b in mapping.items():
             if a != b and a in world["types"]:
-                assert world["types"][b] == world["types"][a] and b not in world["popular"] and a not in world["popular"]
+                assert (
+                    world["types"][b] == world["types"][a] and b not in world["popular"] and a not in world["popular"]
+                )
         years = sorted((a, b) for a, b in mapping.items() if a.isdigit())
         assert [b for _, b in years] == sorted(b for _, b in years)  # order kept: comparisons keep their answers
         assert reader_answer(reader, q, new_docs) == answer
     assert changed >= 150
     star = sorted(world["popular_pools"]["person"])[0]
-    for mode, pool in (("keep", {star}), ("shuffle", set(world["popular_pools"]["person"])),
-                       ("rename", set(world["pools"]["person"]))):
+    for mode, pool in (
+        ("keep", {star}),
+        ("shuffle", set(world["popular_pools"]["person"])),
+        ("rename", set(world["pools"]["person"])),
+    ):
         new = toy.rename_entities([f"{star} was born in 1931 ."], world, random.Random(1), popular=mode)[0].split()
         assert new[0] in pool and (new[4] == "1931") == (mode == "keep")
-    founder_q = next(r for r in load_qa(COMMITTED / "train.jsonl") if r["metadata"]["type"] == "one_hop"
-                     and r["metadata"]["answerable"] and not r["metadata"]["popular"]
-                     and r["golden_answers"][0] in world["popular"])  # a popular answer to copy out of a passage
+    founder_q = next(
+        r
+        for r in load_qa(COMMITTED / "train.jsonl")
+        if r["metadata"]["type"] == "one_hop"
+        and r["metadata"]["answerable"]
+        and not r["metadata"]["popular"]
+        and r["golden_answers"][0] in world["popular"]
+    )  # a popular answer to copy out of a passage
     head, answer = founder_q["metadata"]["entities"][0], founder_q["golden_answers"][0]
     texts = [founder_q["question"], text_of[founder_q["metadata"]["supporting_doc_ids"][0]], answer]
     seen_popular = 0
@@ -296,10 +353,13 @@ def test_rename_entities_consistent_typed_and_answer_preserving():
     with pytest.raises(ValueError, match="popular must be"):
         toy.rename_entities(["x"], world, rng, popular="all")
     assert toy.rename_entities(["question : who is it ?", "[SEARCH] 12 <think>"], world, rng) == [
-        "question : who is it ?", "[SEARCH] 12 <think>"]
+        "question : who is it ?",
+        "[SEARCH] 12 <think>",
+    ]
 
 
 # ---------------------------------------------------------------- tiny model and tokenizer
+
 
 def test_tokenizer_single_tokens_and_chat_template():
     from common.toy_lm import load_toy_lm, toy_vocabulary
@@ -348,8 +408,8 @@ def test_tiny_model_builds_fast_and_round_trips(tmp_path):
         load_toy_lm("toy-lm:layers=two", world=COMMITTED)
 
 
-def test_llm_loader_delegates_and_lora():
-    from common.llm import load_model_and_tokenizer
+def test_model_loader_delegates_and_lora():
+    from common.models import load_model_and_tokenizer
 
     lora = {"r": 4, "target_modules": ["q_proj", "v_proj"]}
     model, tok = load_model_and_tokenizer("toy-lm:layers=1", lora=lora, world=COMMITTED)
@@ -376,7 +436,7 @@ def unk_count(tokenizer, texts):
 
 @pytest.mark.parametrize("which", ["seed 3, size 0.3", "seed 1"])
 def test_the_tokenizer_of_a_world_knows_every_word_of_it(which, seed1_world, tmp_path):
-    from common.llm import load_model_and_tokenizer
+    from common.models import load_model_and_tokenizer
 
     world_dir = toy.write_world(tmp_path, seed=3, size=0.3) if which.startswith("seed 3") else seed1_world
     texts = world_texts(world_dir)
@@ -387,7 +447,8 @@ def test_the_tokenizer_of_a_world_knows_every_word_of_it(which, seed1_world, tmp
 
 
 def test_a_checkpoint_keeps_the_vocabulary_of_its_world(seed1_world, tmp_path):
-    from common.llm import load_model_and_tokenizer, unknown_words
+    from common.llm import unknown_words
+    from common.models import load_model_and_tokenizer
 
     model, tokenizer = load_model_and_tokenizer(TINY_LM, world=seed1_world)
     model.save_pretrained(tmp_path)
@@ -400,17 +461,25 @@ def test_a_checkpoint_keeps_the_vocabulary_of_its_world(seed1_world, tmp_path):
 
 
 def test_the_reader_remembers_the_popular_facts_of_its_own_world(seed1_world):
-    from common.llm import make_llm
+    from common.models import make_llm
 
     reader, committed = make_llm(f"toy:{seed1_world}"), toy.ToyReader(COMMITTED)
     world, committed_names = toy.load_world(str(seed1_world)), toy.load_world(str(COMMITTED))["types"]
     assert set(reader.world["memory"]) == {(n, r) for n in world["popular"] for r in world["entities"][n]["facts"]}
-    row = next(r for r in load_qa(seed1_world / "test.jsonl") if r["metadata"]["popular"]
-               and r["metadata"]["type"] == "one_hop" and r["metadata"]["entities"][0] not in committed_names)
+    row = next(
+        r
+        for r in load_qa(seed1_world / "test.jsonl")
+        if r["metadata"]["popular"]
+        and r["metadata"]["type"] == "one_hop"
+        and r["metadata"]["entities"][0] not in committed_names
+    )
     assert reader_answer(reader, row["question"]) == row["golden_answers"][0]  # no documents: from memory
     assert reader_answer(committed, row["question"]) == "unknown"  # data/toy's reader knows nothing of this world
-    other = next(r for r in load_qa(COMMITTED / "test.jsonl") if r["metadata"]["popular"]
-                 and r["metadata"]["entities"][0] not in world["types"])
+    other = next(
+        r
+        for r in load_qa(COMMITTED / "test.jsonl")
+        if r["metadata"]["popular"] and r["metadata"]["entities"][0] not in world["types"]
+    )
     assert reader_answer(committed, other["question"]) == other["golden_answers"][0]
     assert reader_answer(reader, other["question"]) == "unknown"
 
@@ -424,29 +493,41 @@ def test_whatever_reads_a_world_takes_its_folder():
 
 
 def test_model_code_imports_the_toy_world_not_the_reverse():
+    """common.llm never imports the toy world, not even lazily; common.toy_lm is built on common.toy; common.models,
+    the one place that knows every backend, imports common.llm at module level and the toy world only when a toy
+    name or spec is asked for; no other common module imports any of them."""
     import ast
     import subprocess
     import sys
     from pathlib import Path
 
     common, edges = Path(toy.__file__).parent, {}
-    for name in ("llm", "toy", "toy_lm", "data", "metrics", "retrieval", "runs"):
-        for statement in ast.parse((common / f"{name}.py").read_text(encoding="utf-8")).body:
+    for path in sorted(common.glob("*.py")):
+        for statement in ast.parse(path.read_text(encoding="utf-8")).body:
             where = getattr(statement, "name", "")  # the top-level function holding a lazy import, "" at module level
             for node in ast.walk(statement):
                 modules = [a.name for a in node.names] if isinstance(node, ast.Import) else []
                 if isinstance(node, ast.ImportFrom) and node.module:
                     modules = [node.module] + [f"common.{a.name}" for a in node.names if node.module == "common"]
-                for target in {m.split(".")[1] for m in modules if m.startswith("common.")} & {"llm", "toy", "toy_lm"}:
-                    edges.setdefault((name, target), set()).add(where)
-    assert edges == {("toy_lm", "toy"): {""},  # the model's vocabulary is its world's
-                     ("llm", "toy_lm"): {"load_model_and_tokenizer"},  # the "toy-lm" name, imported when asked for
-                     ("llm", "toy"): {"make_llm"}}  # the "toy" LLM spec, likewise
-    code = ("import sys, common.toy\n"
-            "assert not {'torch', 'transformers', 'common.llm', 'common.toy_lm'} & set(sys.modules)\n"
-            "import common.toy_lm\nassert 'common.llm' not in sys.modules")
-    out = subprocess.run([sys.executable, "-c", code], cwd=common.parent, capture_output=True, text=True)
-    assert out.returncode == 0, out.stderr[-2000:]
+                watched = {"llm", "models", "toy", "toy_lm"}
+                for target in {m.split(".")[1] for m in modules if m.startswith("common.")} & watched:
+                    edges.setdefault((path.stem, target), set()).add(where)
+    assert {"llm", "models", "toy", "toy_lm", "runs"} <= {p.stem for p in common.glob("*.py")}  # all were read
+    assert edges == {
+        ("toy_lm", "toy"): {""},  # the model's vocabulary is its world's
+        ("models", "llm"): {""},  # hub ids, folders, endpoints
+        ("models", "toy_lm"): {"load_model_and_tokenizer"},  # the "toy-lm" name, imported when asked for
+        ("models", "toy"): {"make_llm"},  # the "toy" LLM spec, likewise
+    }
+    toy_first = (
+        "import sys, common.toy\n"
+        "assert not {'torch', 'transformers', 'common.llm', 'common.toy_lm'} & set(sys.modules)\n"
+        "import common.toy_lm\nassert not {'common.llm', 'common.models'} & set(sys.modules)"
+    )
+    models_first = "import sys, common.models\nassert not {'common.toy', 'common.toy_lm'} & set(sys.modules)"
+    for code in (toy_first, models_first):  # each in a fresh interpreter
+        out = subprocess.run([sys.executable, "-c", code], cwd=common.parent, capture_output=True, text=True)
+        assert out.returncode == 0, out.stderr[-2000:]
 
 
 def test_cli_writes_a_world(tmp_path, capsys):
@@ -466,3 +547,155 @@ def test_world_renaming_is_a_typed_bijection_sending_searched_names_to_non_popul
     assert toy.world_renaming(world, random.Random(3), [star]) == toy.world_renaming(world, random.Random(3), [star])
     text = f"{star} was born in 1931 ."
     assert toy.apply_mapping(toy.apply_mapping([text], forward), inverse) == [text]  # years kept, round trip exact
+
+
+# ---------------------------------------------------------------- the RL side of renaming, and the oracle teachers
+
+
+def one_hop_row(rows=None):
+    """A not-popular, answerable one-hop training question of the committed world."""
+    rows = rows or load_qa(COMMITTED / "train.jsonl")
+    return next(
+        r
+        for r in rows
+        if r["metadata"]["type"] == "one_hop" and r["metadata"]["answerable"] and not r["metadata"]["popular"]
+    )
+
+
+class RecordingRetriever:
+    """search(queries, k): one hit per query naming its first word, recording what it was sent."""
+
+    def __init__(self):
+        self.calls = []
+
+    def search(self, queries, k):
+        self.calls.append((list(queries), k))
+        hit = lambda q: {"id": "7", "title": q.split()[0], "text": f"{q} here .", "contents": f'"{q}"\n{q} here .'}
+        return [[dict(hit(q), score=0.5)] for q in queries]
+
+
+class RecordingLLM:
+    """chat(messages_lists, **sampling): replies with the last message's content, recording what it was sent."""
+
+    def __init__(self):
+        self.calls = []
+
+    def chat(self, messages_lists, **sampling):
+        self.calls.append((messages_lists, sampling))
+        return [f"{m[-1]['content']} ." for m in messages_lists]
+
+
+def test_a_renamed_row_searches_in_real_names_and_reads_renamed_documents():
+    world = toy.load_world(str(COMMITTED))
+    row = one_hop_row()
+    renamed = toy.renamed_row(row, world, random.Random(0))
+    forward, inverse = renamed["rename"]
+    head, query = row["metadata"]["entities"][0], row["metadata"]["sub_queries"][0]
+    assert forward[head] != head and inverse[forward[head]] == head
+    seen = toy.apply_mapping([query], forward)[0]  # the query as the policy writes it, in the row's names
+    plain = {"question": "who ?", "golden_answers": ["x"], "metadata": {}}
+    retriever = RecordingRetriever()
+    env = toy.RenamingEnv(retriever)
+    found = env.search([seen, query], 1, [renamed, plain])
+    assert retriever.calls == [([query, query], 1)]  # both reach the corpus in real names
+    real = retriever.search([query], 1)[0]
+    assert found[1] == real  # an unrenamed row passes through unchanged
+    [hit] = found[0]
+    assert (
+        hit["title"] == forward[head]
+        and hit["text"] == f"{seen} here ."
+        and hit["contents"] == f'"{seen}"\n{seen} here .'
+    )
+    assert hit["id"] == "7" and hit["score"] == 0.5  # only the texts are renamed
+    assert head not in " ".join((hit["title"], hit["text"], hit["contents"])).split()
+    assert env.search([], 1, []) == []
+
+
+def test_a_renamed_row_chats_in_real_names_and_reads_renamed_replies():
+    world = toy.load_world(str(COMMITTED))
+    row = one_hop_row()
+    renamed = toy.renamed_row(row, world, random.Random(1))
+    forward, _ = renamed["rename"]
+    llm = RecordingLLM()
+    env = toy.RenamingEnv(RecordingRetriever(), llm)
+    system = {"role": "system", "content": "be short"}
+    asked = [[system, {"role": "user", "content": renamed["question"]}], [{"role": "user", "content": "who ? x"}]]
+    plain = {"question": "who ? x", "golden_answers": ["x"], "metadata": {}}
+    replies = env.chat(asked, [renamed, plain], temperature=0.3, max_tokens=7)
+    [(sent, sampling)] = llm.calls
+    assert sampling == {"temperature": 0.3, "max_tokens": 7}
+    assert sent == [[system, {"role": "user", "content": row["question"]}], asked[1]]  # real names, roles kept
+    assert replies == [f"{renamed['question']} .", "who ? x ."]  # the reply comes forward; the plain one unchanged
+    assert renamed["question"] != row["question"]
+    assert env.chat([], [], temperature=0.0) == [] and len(llm.calls) == 1  # nothing to ask: no call
+
+
+def test_rename_rows_renames_only_with_a_world_and_keeps_popular_rows():
+    world = toy.load_world(str(COMMITTED))
+    rows = load_qa(COMMITTED / "train.jsonl")[:40]
+    assert any(r["metadata"]["popular"] for r in rows) and not all(r["metadata"]["popular"] for r in rows)
+    assert all(a is b for a, b in zip(toy.rename_rows(rows, None, random.Random(0), 1.0), rows))
+    assert all(a is b for a, b in zip(toy.rename_rows(rows, world, random.Random(0), 0.0), rows))
+    every = toy.rename_rows(rows, world, random.Random(0), 1.0)
+    for before, after in zip(rows, every):
+        assert (
+            (after is before) if before["metadata"]["popular"] else ("rename" in after and after["id"] == before["id"])
+        )
+    some = toy.rename_rows(rows, world, random.Random(0), 0.5)
+    renamed = [r for r in some if "rename" in r]
+    assert 0 < len(renamed) < sum(not r["metadata"]["popular"] for r in rows)
+    again = toy.rename_rows(rows, world, random.Random(0), 0.5)
+    assert [r["question"] for r in again] == [r["question"] for r in some]  # seeded
+
+
+def test_world_or_none(tmp_path):
+    assert toy.world_or_none(str(COMMITTED)) is toy.load_world(str(COMMITTED))  # the cached world (--data_dir)
+    assert toy.world_or_none(COMMITTED)["entities"] == toy.load_world(str(COMMITTED))["entities"]
+    assert toy.world_or_none(tmp_path) is None  # real data: no world, no renaming
+
+
+def oracle_row(qtype="two_hop", popular_hops=(False, False)):
+    """A hand-made question: zekil -directed_by-> mipon -born_in-> tuvia (comparison: zekil vs mipon)."""
+    entities = ["zekil", "mipon", "tuvia"] if qtype != "one_hop" else ["zekil", "mipon"]
+    hops = len(entities) - 1 if qtype != "comparison" else 2
+    meta = dict(type=qtype, hops=hops, entities=entities, popular=all(popular_hops), popular_hops=list(popular_hops),
+                sub_queries=["zekil directed", "mipon born"][:hops])  # fmt: skip
+    return {"question": "q ?", "golden_answers": [entities[-1]], "metadata": meta}
+
+
+def oracle(row, agent, ctx=None, prefix="", noise=0.0):
+    base = dict(docs=[], acc=[], used={}, forced=False)
+    return toy.oracle_c3po(row, agent, base | (ctx or {}), prefix, random.Random(0), noise)
+
+
+def test_oracle_c3po_router():
+    assert oracle(oracle_row(), "router") == "[Planning]"
+    assert oracle(oracle_row("one_hop", (False,)), "router") == "[Retrieval] zekil directed"
+    assert oracle(oracle_row("one_hop", (True,)), "router") == "[No Retrieval]"
+    assert oracle(oracle_row(popular_hops=(True, True)), "router") == "[No Retrieval]"
+    assert oracle(oracle_row(), "router", prefix="[Retrieval]") == " zekil directed"  # the forced root's query
+    assert oracle(oracle_row(), "router", noise=1.0) == "[Planning]"  # noise misleads the filter and the DM only
+
+
+def test_oracle_c3po_filter_keeps_the_hop_documents_unless_noisy():
+    docs = [{"title": "zekil"}, {"title": "zekel"}, {"title": "mipon"}, {"title": "tuvia"}]  # tuvia: the answer
+    assert oracle(oracle_row(), "filter", {"docs": docs}) == "Thought: keep 1, 3 .\nAction: [1, 3]"
+    assert (
+        oracle(oracle_row(), "filter", {"docs": docs}, noise=1.0) == "Thought: keep 1, 2, 3, 4 .\nAction: [1, 2, 3, 4]"
+    )
+    assert oracle(oracle_row(), "filter", {"docs": docs[1:2]}) == "Thought: none relevant .\nAction: []"
+    comparison = oracle_row("comparison")  # heads: the two compared entities
+    assert oracle(comparison, "filter", {"docs": docs}) == "Thought: keep 1, 3 .\nAction: [1, 3]"
+
+
+def test_oracle_c3po_decision_maker_asks_for_the_next_missing_hop():
+    row, zekil, mipon = oracle_row(), {"title": "zekil"}, {"title": "mipon"}
+    step = lambda n, q: f"Thought: need step {n} .\nAction: [Retrieval] {q}"
+    done = "Thought: done .\nAction: [LLM]"
+    assert oracle(row, "dm") == step(1, "zekil directed")
+    assert oracle(row, "dm", {"acc": [zekil]}) == step(2, "mipon born")
+    assert oracle(row, "dm", {"acc": [zekil, mipon]}) == done
+    assert oracle(row, "dm", {"acc": [zekil], "used": {"mipon born": 1}}) == done  # asked already: no repeat
+    assert oracle(oracle_row(popular_hops=(True, False)), "dm") == step(2, "mipon born")  # memory: no retrieval
+    assert oracle(row, "dm", {"forced": True}) == done
+    assert oracle(row, "dm", noise=1.0) == done  # noise: stops early

@@ -9,6 +9,7 @@ By hand, for a sequence ids with loss_mask 1 on the action tokens j (prompt and 
   log pi(ids[j] | ids[:j]) = log_softmax(logits[j - 1])[ids[j]]   (the logits at the state before token j)
   V(s_j) = head . h[j - 1]                                       (the last hidden state at the state before token j)
 """
+
 import copy
 import inspect
 
@@ -104,6 +105,7 @@ def spy(monkeypatch, module, name, retain=()):
         out = real(*args, **kwargs)
         calls.append(dict(bound.arguments, out=out))
         return out
+
     monkeypatch.setattr(module, name, wrapper)
     return calls
 
@@ -122,8 +124,10 @@ def smartrag_episodes(rewards=(-0.2, 2.0, 0.5)):
     """Two episodes: a search then a forced answer ([Answer] is part of the state), and a direct answer."""
     search = dict(prompt_ids=[40, 41, 42], forced_ids=[], action_ids=[43, 44, 45], reward=rewards[0])
     answer = dict(prompt_ids=[40, 41, 42, 46, 47], forced_ids=[48], action_ids=[49, 50], reward=rewards[1])
-    return [{"turns": [search, answer]},
-            {"turns": [dict(prompt_ids=[51, 52], forced_ids=[], action_ids=[53, 54, 55, 56], reward=rewards[2])]}]
+    return [
+        {"turns": [search, answer]},
+        {"turns": [dict(prompt_ids=[51, 52], forced_ids=[], action_ids=[53, 54, 55, 56], reward=rewards[2])]},
+    ]
 
 
 def smartrag_update(tokenizer, model, ref, episodes, optimizer, beta=0.0, **kw):
@@ -134,10 +138,15 @@ def smartrag_update(tokenizer, model, ref, episodes, optimizer, beta=0.0, **kw):
 
 def smartrag_by_hand(policy, ref, weight, seqs):
     """Per sequence, at its action tokens: log-probs under the policy and the reference, and V(s) before each token."""
-    return [dict(logp=at_actions(next_token_logp(lm_logits(policy, s["ids"]), s["ids"]), s["loss_mask"]),
-                 ref=at_actions(next_token_logp(lm_logits(ref, s["ids"]), s["ids"]), s["loss_mask"]),
-                 value=at_actions(hidden_values(policy, s["ids"], weight), s["loss_mask"]),
-                 columns=tuple(j - 1 for j, m in enumerate(s["loss_mask"]) if m)) for s in seqs]
+    return [
+        dict(
+            logp=at_actions(next_token_logp(lm_logits(policy, s["ids"]), s["ids"]), s["loss_mask"]),
+            ref=at_actions(next_token_logp(lm_logits(ref, s["ids"]), s["ids"]), s["loss_mask"]),
+            value=at_actions(hidden_values(policy, s["ids"], weight), s["loss_mask"]),
+            columns=tuple(j - 1 for j, m in enumerate(s["loss_mask"]) if m),
+        )
+        for s in seqs
+    ]
 
 
 def test_smartrag_gather_and_values_are_read_at_the_state_before_each_token(tiny):
@@ -218,8 +227,8 @@ def test_smartrag_kl_penalty_is_minus_beta_times_old_minus_ref(tiny, monkeypatch
         returns, start = suffix_sums(rewards), 0
         for s, h in rows:
             n = len(h["logp"])
-            expected_ret.append(returns[start:start + n])
-            expected_adv.append([g - v for g, v in zip(returns[start:start + n], h["value"])])
+            expected_ret.append(returns[start : start + n])
+            expected_adv.append([g - v for g, v in zip(returns[start : start + n], h["value"])])
             start += n
     kl = [o - r for h in hand for o, r in zip(h["logp"], h["ref"])]
     assert abs(sum(kl)) > 1e-3  # the reference differs from the policy: a flipped or dropped KL term shows
@@ -236,8 +245,14 @@ def test_smartrag_advantages_are_whitened_per_minibatch(tiny, monkeypatch):
     model = smartrag.PolicyAndValue(policy)
     set_head(model.value_head)
     scored, losses = spy(monkeypatch, smartrag, "score_rollout"), spy(monkeypatch, smartrag, "ppo_losses")
-    smartrag_update(tokenizer, model, copy.deepcopy(policy), smartrag_episodes(),
-                    torch.optim.SGD(model.parameters(), lr=0.0), ppo_batch_size=2)
+    smartrag_update(
+        tokenizer,
+        model,
+        copy.deepcopy(policy),
+        smartrag_episodes(),
+        torch.optim.SGD(model.parameters(), lr=0.0),
+        ppo_batch_size=2,
+    )
     raw = torch.cat([torch.tensor(r) for r in rows_at(scored[0]["out"][0], scored[0]["mask"])])
     assert abs(raw.mean().item()) > 0.3  # not whitened already: the test can fail
     assert len(losses) == 2  # 3 sequences, minibatches of 2
@@ -254,8 +269,10 @@ def test_smartrag_a_positive_advantage_raises_the_log_prob_of_its_tokens(tiny):
     policy, tokenizer = copy.deepcopy(tiny[0]), tiny[1]
     model = smartrag.PolicyAndValue(policy)
     torch.nn.init.zeros_(model.value_head.weight)
-    episodes = [{"turns": [dict(prompt_ids=[40, 41, 42], forced_ids=[], action_ids=[43, 44, 45], reward=1.0)]},
-                {"turns": [dict(prompt_ids=[51, 52, 53], forced_ids=[], action_ids=[54, 55, 56], reward=-1.0)]}]
+    episodes = [
+        {"turns": [dict(prompt_ids=[40, 41, 42], forced_ids=[], action_ids=[43, 44, 45], reward=1.0)]},
+        {"turns": [dict(prompt_ids=[51, 52, 53], forced_ids=[], action_ids=[54, 55, 56], reward=-1.0)]},
+    ]
     seqs = smartrag.sequences_of(episodes)
     before = [at_actions(next_token_logp(lm_logits(policy, s["ids"]), s["ids"]), s["loss_mask"]) for s in seqs]
     smartrag_update(tokenizer, model, copy.deepcopy(policy), episodes, torch.optim.SGD(model.parameters(), lr=1e-2))
@@ -278,6 +295,7 @@ def test_smartrag_value_loss_trains_the_critic(tiny):
     episodes = smartrag_episodes()
     seqs = smartrag.sequences_of(episodes)
     returns = [[-0.2 + 2.0] * 3, [2.0] * 2, [0.5] * 4]  # Monte Carlo: the env rewards from each action on
+
     def mse():
         errors = []
         for s, g in zip(seqs, returns):
@@ -286,39 +304,69 @@ def test_smartrag_value_loss_trains_the_critic(tiny):
                 values = model(ids, torch.ones_like(ids))[1][0].tolist()
             errors += [(v - x) ** 2 for v, x in zip(at_actions(values, s["loss_mask"]), g)]
         return sum(errors) / len(errors)
+
     optimizer, ref, curve = torch.optim.Adam(model.parameters(), lr=1e-2), copy.deepcopy(policy), [mse()]
     for _ in range(3):
         smartrag_update(tokenizer, model, ref, episodes, optimizer)
         curve.append(mse())
     assert model.value_head.weight.abs().sum() > 0
-    assert curve[0] == pytest.approx((3 * 1.8 ** 2 + 2 * 2.0 ** 2 + 4 * 0.5 ** 2) / 9)  # V = 0 at the start
+    assert curve[0] == pytest.approx((3 * 1.8**2 + 2 * 2.0**2 + 4 * 0.5**2) / 9)  # V = 0 at the start
     assert curve[1] < curve[0] and curve[3] < curve[1], curve
 
 
 # ---------------------------------------------------------------- c3po.py
 def c3po_samples(credits=(1.0, 0.0, 0.5)):
     """Three agent-node samples of different lengths (the batch pads and length-sorts them)."""
-    return [dict(ids=[40, 41, 42, 43, 44, 45], loss_mask=[0, 0, 0, 1, 1, 1], credit=credits[0], agent="router"),
-            dict(ids=[46, 47, 48, 49], loss_mask=[0, 0, 1, 1], credit=credits[1], agent="filter"),
-            dict(ids=[50, 51, 52, 53, 54], loss_mask=[0, 1, 1, 1, 1], credit=credits[2], agent="dm")]
+    return [
+        dict(ids=[40, 41, 42, 43, 44, 45], loss_mask=[0, 0, 0, 1, 1, 1], credit=credits[0], agent="router"),
+        dict(ids=[46, 47, 48, 49], loss_mask=[0, 0, 1, 1], credit=credits[1], agent="filter"),
+        dict(ids=[50, 51, 52, 53, 54], loss_mask=[0, 1, 1, 1, 1], credit=credits[2], agent="dm"),
+    ]
 
 
 def c3po_args(**kw):
-    return c3po.apply_preset(c3po.Args(**{"top_k": 2, "max_documents": 10, "gamma": 1.0, "lam": 1.0, "kl_coef": 0.0,
-                                          "micro_batch_size": 2, "ppo_batch_size": 8, "ppo_epochs": 1,
-                                          "forced_weight": 1.0, **kw}))
+    return c3po.apply_preset(
+        c3po.Args(
+            **{
+                "top_k": 2,
+                "max_documents": 10,
+                "gamma": 1.0,
+                "lam": 1.0,
+                "kl_coef": 0.0,
+                "micro_batch_size": 2,
+                "ppo_batch_size": 8,
+                "ppo_epochs": 1,
+                "forced_weight": 1.0,
+                **kw,
+            }
+        )
+    )
 
 
 def c3po_update(tokenizer, policy, value, ref, samples, optimizers, **kw):
-    return c3po.ppo_update(Accelerator(cpu=True), policy, value, ref, optimizers, schedulers_for(optimizers), samples,
-                           tokenizer, c3po_args(**kw))
+    return c3po.ppo_update(
+        Accelerator(cpu=True),
+        policy,
+        value,
+        ref,
+        optimizers,
+        schedulers_for(optimizers),
+        samples,
+        tokenizer.pad_token_id,
+        c3po_args(**kw),
+    )
 
 
 def c3po_by_hand(policy, ref, weight, samples):
-    return [dict(logp=at_actions(next_token_logp(lm_logits(policy, s["ids"]), s["ids"]), s["loss_mask"]),
-                 ref=at_actions(next_token_logp(lm_logits(ref, s["ids"]), s["ids"]), s["loss_mask"]),
-                 value=at_actions(hidden_values(policy, s["ids"], weight), s["loss_mask"]),
-                 columns=tuple(j - 1 for j, m in enumerate(s["loss_mask"]) if m)) for s in samples]
+    return [
+        dict(
+            logp=at_actions(next_token_logp(lm_logits(policy, s["ids"]), s["ids"]), s["loss_mask"]),
+            ref=at_actions(next_token_logp(lm_logits(ref, s["ids"]), s["ids"]), s["loss_mask"]),
+            value=at_actions(hidden_values(policy, s["ids"], weight), s["loss_mask"]),
+            columns=tuple(j - 1 for j, m in enumerate(s["loss_mask"]) if m),
+        )
+        for s in samples
+    ]
 
 
 def test_c3po_gather_is_the_log_prob_of_the_next_token(tiny):
@@ -334,7 +382,7 @@ def test_c3po_gather_is_the_log_prob_of_the_next_token(tiny):
     for r, s in enumerate(samples):
         n = len(s["ids"])
         by_hand = next_token_logp(lm_logits(policy, s["ids"]), s["ids"])
-        assert logp[r, :n - 1].tolist() == pytest.approx(by_hand, abs=1e-5)
+        assert logp[r, : n - 1].tolist() == pytest.approx(by_hand, abs=1e-5)
         assert values[r, :n].tolist() == pytest.approx(hidden_values(policy, s["ids"], weight), abs=1e-5)
     assert nonzero_columns(mask) == sorted(h["columns"] for h in c3po_by_hand(policy, policy, weight, samples))
 
@@ -424,8 +472,10 @@ def test_c3po_a_positive_advantage_raises_the_log_prob_of_its_tokens(tiny):
     policy, tokenizer = copy.deepcopy(tiny[0]), tiny[1]
     value = c3po.ValueModel(policy)
     torch.nn.init.zeros_(value.head.weight)
-    samples = [dict(ids=[40, 41, 42, 43, 44, 45], loss_mask=[0, 0, 0, 1, 1, 1], credit=1.0, agent="router"),
-               dict(ids=[51, 52, 53, 54, 55, 56], loss_mask=[0, 0, 0, 1, 1, 1], credit=0.0, agent="dm")]
+    samples = [
+        dict(ids=[40, 41, 42, 43, 44, 45], loss_mask=[0, 0, 0, 1, 1, 1], credit=1.0, agent="router"),
+        dict(ids=[51, 52, 53, 54, 55, 56], loss_mask=[0, 0, 0, 1, 1, 1], credit=0.0, agent="dm"),
+    ]
     logp = lambda s: at_actions(next_token_logp(lm_logits(policy, s["ids"]), s["ids"]), s["loss_mask"])
     before = [logp(s) for s in samples]
     optimizers = [torch.optim.SGD(m.parameters(), lr=1e-2) for m in (policy, value)]
@@ -451,6 +501,7 @@ def test_c3po_value_loss_trains_the_critic(tiny):
                 values = value(ids, torch.ones_like(ids))[0].tolist()
             errors += [(v - s["credit"]) ** 2 for v in at_actions(values, s["loss_mask"])]
         return sum(errors) / len(errors)
+
     optimizers = [torch.optim.Adam(m.parameters(), lr=1e-2) for m in (policy, value)]
     ref, curve = copy.deepcopy(policy), [mse()]
     for _ in range(3):
