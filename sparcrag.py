@@ -1,15 +1,14 @@
 # Paper: SPARC-RAG: Adaptive Sequential–Parallel Scaling with Context Management for Retrieval-Augmented Generation (anonymous ACL submission, no arXiv id) — docs: docs/sparcrag.md
 """SPARC-RAG: depth (rounds) and width (branches) of RAG scaled around one shared note; DPO on process-level preferences.
 
-One backbone plays every agent with its own prompt [§3.2, App. D]. In each round of Algorithm 1 the Query Rewriter
-writes W complementary sub-queries in one call, each naming its retriever (bm25 or dense); each opens an isolated
-branch that retrieves top-k passages, has the Context Manager fold them into a copy of the global note, answers the
-original question from that note (Answer Generator) and judges the answer (Answer Evaluator: STOP or CONTINUE). The
-Context Manager then selects the best branch and merges the branch notes, winner first, into the new global note (the
-only write to the shared context); the loop ends on the winner's STOP or at depth D. Tuning [§3.4]: preference pairs
-from the model's own runs, rewrite sets of higher combined gold-paragraph recall over lower ones and stop decisions
-that match the answer's correctness over the opposite ones ("continue" over a wrong "stop" weighted lambda = 2),
-trained by weighted DPO with LoRA against the adapter-disabled model.
+One backbone plays every agent [§3.2, App. D]. Each round of Algorithm 1, the Query Rewriter writes W complementary
+sub-queries in one call, each naming its retriever (bm25 or dense); each opens an isolated branch that retrieves,
+lets the Context Manager fold the passages into a copy of the global note, answers the question from that note
+(Answer Generator) and judges the answer (Answer Evaluator: STOP or CONTINUE). The Context Manager then selects the
+best branch and merges the notes, winner first, into the new global note, the only write to the shared context; the
+loop ends on the winner's STOP or at depth D. Tuning [§3.4]: pairs from the model's own runs (rewrite sets of higher
+gold-paragraph recall over lower ones; decisions matching the answer's correctness over the opposite, a continue over
+a wrong stop weighted lambda = 2), trained by weighted DPO with LoRA against the adapter-disabled model.
 
     python sparcrag.py --train --run_name sparcrag        # toy world: warm-up SFT, pair collection, DPO, evaluations
     python sparcrag.py --eval --model runs/sparcrag/dpo     # the tuned system (adaptive depth) on the toy test split
@@ -102,10 +101,11 @@ class Args:
     top_k: int | None = field(default=None, metadata={"help": "passages per retrieval [App. A.3: 6]"})
     temperature: float | None = field(default=None, metadata={"help": "generation modules [App. A.4: 0.5]"})
     max_new_tokens: int | None = field(default=None, metadata={"help": "tokens per agent call [App. A.4: 600]"})
+    evaluator_max_tokens: int | None = field(default=None, metadata={"help": "tokens per evaluator call [A.4: 600]"})
     dense_only: bool = field(default=False, metadata={"help": "every query dense (the Tab. 6 ablation)"})
+    format_tokens: bool | None = field(default=None, metadata={"help": "the output formats' tags as single tokens"})
     bootstrap_with_q0: bool = field(default=False, metadata={"help": "round 1: one dense path on q0 (spec §9.3)"})
     gen_batch_size: int = field(default=512, metadata={"help": "prompts per generate call (memory only)"})
-    eval_batch: int = field(default=512, metadata={"help": "questions advancing together in an evaluation"})
     # preference pairs [§3.4]
     n_samples: int = field(default=4, metadata={"help": "samples per state (spec §5.3-5.4 [R]: 4)"})
     sample_temperature: float = field(default=1.0, metadata={"help": "sampling temperature of the pairs (spec: 1)"})
@@ -147,17 +147,19 @@ PRESETS = {  # values for the fields left at None; any flag overrides them
         "model": "toy-lm",
         "llm": "toy",
         "templates": "compact",
-        "n_train": 600,
-        "depth": 6,
+        "n_train": 400,
+        "depth": 4,
         "untuned_depth": 4,
         "top_k": 3,
         "temperature": 0.0,
-        "max_new_tokens": 80,
+        "max_new_tokens": 64,
+        "evaluator_max_tokens": 8,
+        "format_tokens": True,
         "correct_by": "em",
-        "dpo_lr": 1e-3,
+        "dpo_lr": 1e-4,
         "micro_batch_size": 16,
         "warmup": "teacher",
-        "sft_steps": 1200,
+        "sft_steps": 800,
         "augment_p": 1.0,
         "dpo_augment_p": 1.0,
     },
@@ -173,6 +175,8 @@ PRESETS = {  # values for the fields left at None; any flag overrides them
         "top_k": 6,
         "temperature": 0.5,
         "max_new_tokens": 600,
+        "evaluator_max_tokens": 600,
+        "format_tokens": False,
         "correct_by": "acc",
         "dpo_lr": 5e-5,
         "micro_batch_size": 1,
@@ -332,6 +336,9 @@ TEMPLATES = {
     },
 }
 STOP, CONTINUE = "STOP", "CONTINUE"
+SFT_SHARES = {"rewrite": 0.75, "evaluate": 0.25}
+FORMAT_TOKENS = ["<queries>", "</queries>", "</item>", "<strategy>", "</strategy>", "<query>", "</query>", "[END]"]
+FORMAT_TOKENS += ["<decision>", "</decision>", "<think>", "</think>"] + [f'<item rank="{i}">' for i in range(1, 9)]
 TRAINED = ("rewrite", "evaluate")  # [§3.4] the roles the preference pairs tune
 
 
@@ -375,9 +382,8 @@ def clean_answer(text):
 
 
 def parse_rewrites(text, width, fallback=None):
-    """[(strategy, query)] of a rewrite output (spec §8.2): items sorted by rank, a strategy other than bm25 or dense
-    read as dense, empty and repeated (strategy, query) items dropped, the first `width` kept and padded with
-    (dense, fallback) to exactly `width`; fallback None pads nothing (an unparsed set retrieves nothing, spec §5.3)."""
+    """[(strategy, query)] of a rewrite (spec §8.2): items by rank, strategy bm25 or else dense, empty and repeated
+    items dropped, the first `width` padded with (dense, fallback); no fallback, no padding (spec §5.3)."""
     found = []
     for i, m in enumerate(re.finditer(TAG.format("item"), strip_end(text), flags=FLAGS)):
         rank = re.search(r'rank\s*=\s*"?\s*(\d+)', m.group(0))
@@ -451,16 +457,16 @@ def jaccard_avg(sets):
 
 
 # --------------------------------------------------------------------------- 4. agents, retrievers, the trace
-def policy_role(model, tokenizer, args, temperature):
+def policy_role(model, tokenizer, args, temperature, max_tokens=None):
     """A role played by the backbone: one generate call (per gen_batch_size) for all requests; T 0 is greedy."""
 
     def chat(requests, seed=0):
         prompts = chat_prompts(tokenizer, [[{"role": "user", "content": r["prompt"]}] for r in requests])
         model.eval()
-        sampling, texts = {"do_sample": temperature > 0, "temperature": temperature or 1.0, "stop": ["[END]"]}, []
-        for s in range(0, len(prompts), args.gen_batch_size):
-            batch = prompts[s : s + args.gen_batch_size]
-            texts += generate(model, tokenizer, batch, args.max_new_tokens, seed=seed + s, **sampling).texts
+        sampling = {"do_sample": temperature > 0, "temperature": temperature or 1.0, "stop": ["[END]"]}
+        texts, n, size = [], max_tokens or args.max_new_tokens, args.gen_batch_size
+        for s in range(0, len(prompts), size):
+            texts += generate(model, tokenizer, prompts[s : s + size], n, seed=seed + s, **sampling).texts
         return texts
 
     return chat
@@ -476,13 +482,12 @@ def llm_role(llm, args, temperature):
     return chat
 
 
-def make_ctx(policy, tokenizer, llm, retrievers, args, trained=None):
-    """What a rollout needs: the backbone of each role, a token counter, the retrievers. The trained roles are the
-    backbone (or `trained`, the warm-up teacher); the others `llm`, else the backbone too [§4.2]. [App. A.4]:
-    generation at `temperature`, the Answer Evaluator greedy; [App. A.5]: naive answers at 0.7."""
+def make_ctx(policy, tokenizer, retrievers, llm, args, trained=None):
+    """The backbone of each role (the trained roles: the model or `trained`, the teacher; the others: `llm`, else
+    the model too [§4.2]; T: `temperature`, the evaluator greedy [App. A.4], naive answers 0.7 [App. A.5])."""
     other = (lambda t: policy_role(policy, tokenizer, args, t)) if llm is None else (lambda t: llm_role(llm, args, t))
     roles = {"rewrite": policy_role(policy, tokenizer, args, args.temperature)}
-    roles |= {"evaluate": policy_role(policy, tokenizer, args, 0.0)} | (trained or {})
+    roles |= {"evaluate": policy_role(policy, tokenizer, args, 0.0, args.evaluator_max_tokens)} | (trained or {})
     roles |= {role: other(args.temperature) for role in ("update", "answer", "select", "merge")}
     roles |= {"naive": other(0.7), "confidence": other(0.0)}
 
@@ -538,12 +543,12 @@ def new_run(row):
 
 # --------------------------------------------------------------------------- 5. Algorithm 1, batched [§3.3]
 def sparc_rag(rows, ctx, width, depth, early_exit=True, seed=0):
-    """Algorithm 1 for a batch of questions advancing together, one call per role per round for the branches of
-    every live question. One run per row: answer, rounds, cost, the trace of every agent call, and a snapshot per
-    round (a fixed-depth run of depth D holds the runs of every depth up to D)."""
+    """Algorithm 1 for questions advancing together, one call per role per round for all live branches. One run per
+    row: answer, rounds, cost, the trace of every agent call, a snapshot per round (depth t of a fixed-depth run)."""
     runs = [new_run(r) for r in rows]  # m^(0) = "" [Alg. 1 L1]
     live = list(runs)
-    for t in range(1, depth + 1):  # [L2]
+    quiet = not PartialState().is_local_main_process or len(rows) < 50
+    for t in tqdm(range(1, depth + 1), desc="rounds", leave=False, disable=quiet):  # [L2]
         branches = distribute(ctx, live, width, t, seed + 10 * t)  # Phase 1 [L3-4]
         explore(ctx, branches, t, seed + 10 * t)  # Phase 2 [L5-10]
         aggregate(ctx, live, branches, t, seed + 10 * t)  # Phase 3 [L11-13]
@@ -573,7 +578,6 @@ def explore(ctx, branches, t, seed):
     args, tpl = ctx["args"], ctx["tpl"]
     found = retrieve(ctx["retrievers"], [(b["strategy"], b["query"]) for b in branches], args.top_k, args.dense_only)
     for b, hits in zip(branches, found):  # r_k <- Retrieve(q_k, C)
-        b["hits"] = hits
         b["run"]["cost"]["retrievals"] += 1
         b["run"]["retrieved"].append((t, [h["id"] for h in hits]))
         b["q0"], b["passages"] = b["run"]["row"]["question"], format_passages(hits)
@@ -617,10 +621,9 @@ def aggregate(ctx, live, branches, t, seed):
 
 # --------------------------------------------------------------------------- 6. the naive baselines [App. A.5]
 def naive(rows, ctx, system, n, seed=0):
-    """The naive baselines (spec §6.5): Vanilla RAG, dense top-k on q0 and one answer from the passages; Parallel,
-    n answers at T 0.7 and a majority vote by exact match; Sequential, an answer and a self-evaluated confidence,
-    retried below 0.7 for at most n attempts, the most confident answer kept. The answer prompt is the Answer
-    Generator's with the passages as notes (spec §9.34)."""
+    """Vanilla RAG (dense top-k on q0, one answer), Parallel (n answers at T 0.7, a majority vote by EM), Sequential
+    (answer and self-evaluated confidence, retried below 0.7, n attempts, the most confident kept) (spec §6.5);
+    the answer prompt is the Answer Generator's with passages for notes (spec §9.34)."""
     tpl, runs = ctx["tpl"], [new_run(r) | {"rounds": 1} for r in rows]
     found = retrieve(ctx["retrievers"], [("dense", r["question"]) for r in rows], ctx["args"].top_k)
     for run, hits in zip(runs, found):
@@ -635,16 +638,15 @@ def naive(rows, ctx, system, n, seed=0):
             votes = Counter(normalize_answer(a) for a in answers[i * copies : (i + 1) * copies])
             run["answer"] = next(a for a in answers[i * copies :] if normalize_answer(a) == votes.most_common(1)[0][0])
         return runs
-    live, best = list(runs), Counter()
+    live = list(runs)
     for attempt in range(1, n + 1):
         answers = call_role(ctx, "naive", attempt, [req(run, run["prompt"]) for run in live], seed + attempt)
         fill = lambda run, a: tpl["confidence"].format(note=run["passages"], query=run["row"]["question"], answer=a)
         requests = [req(run, fill(run, a)) for run, a in zip(live, answers)]
         scores = call_role(ctx, "confidence", attempt, requests, seed + attempt)
-        for run, a, c in zip(live, answers, scores):
-            run["rounds"] = attempt
-            if c > best[id(run)] or attempt == 1:
-                best[id(run)], run["answer"] = c, a
+        for run, a, c in zip(live, answers, scores):  # the first of the most confident answers
+            run["best"] = max(run.get("best", (-1.0, 0, "")), (c, -attempt, a))
+            run["rounds"], run["answer"] = attempt, run["best"][2]
         live = [run for run, c in zip(live, scores) if c < 0.7]
     return runs
 
@@ -659,9 +661,9 @@ def rewrite_pair(recalls):
 
 
 def evaluator_pair(decisions, correct, lam, synthesize=False):
-    """(chosen, rejected, weight): the first sampled decision that matches the answer's correctness (STOP if
-    correct) over the first opposite one; weight lam when CONTINUE beats a wrong STOP, else 1 [§3.4, Answer
-    Evaluator]. A missing side: None, or with `synthesize` a missing chosen side is the canonical response (-1)."""
+    """(chosen, rejected, weight): the first decision matching the answer's correctness (STOP if correct) over the
+    first opposite one, weight lam for CONTINUE over a wrong STOP, else 1 [§3.4]; a side missing: None (synthesize:
+    a missing chosen side is the canonical response, index -1)."""
     good = STOP if correct else CONTINUE
     chosen = next((i for i, d in enumerate(decisions) if d == good), -1 if synthesize else None)
     rejected = next((i for i, d in enumerate(decisions) if d != good), None)
@@ -670,18 +672,12 @@ def evaluator_pair(decisions, correct, lam, synthesize=False):
 
 def states_of(runs, role):
     """(trace entry, run) of every call of a role in the runs, once per prompt."""
-    seen = {}
-    for run in runs:
-        for entry in run["trace"]:
-            if entry["role"] == role:
-                seen.setdefault(entry["prompt"], (entry, run))
-    return list(seen.values())
+    return list({e["prompt"]: (e, run) for run in runs for e in run["trace"] if e["role"] == role}.values())
 
 
 def build_pairs(runs, ctx, sample, args):
-    """Preference pairs from the traces of the base model's own runs [§3.4]: for each logged Rewriter input, n
-    sampled rewrite sets ranked by the combined recall of the gold paragraphs over their W retrievals; for each
-    logged Evaluator input, n sampled decisions labelled by the correctness of that branch's answer."""
+    """Pairs from the traces of the base model's runs [§3.4]: per logged Rewriter input, n sampled rewrite sets by
+    the combined recall of their W retrievals; per logged Evaluator input, n decisions by the answer's correctness."""
     rewrites = [(e, r) for e, r in states_of(runs, "rewrite") if r["row"]["metadata"].get("supporting_doc_ids")]
     evaluations = states_of(runs, "evaluate")
     texts = sample([e["prompt"] for e, _ in rewrites + evaluations], args.n_samples)
@@ -722,9 +718,8 @@ def sequence_logps(model, ids, loss_mask, attention):
 
 
 def dpo_loss(pi_chosen, pi_rejected, ref_chosen, ref_rejected, weights, beta, reference_free=False):
-    """Weighted DPO, the batch mean of w * -log sigmoid(beta * margin) (not divided by the sum of w, spec §9.14);
-    margin = log pi(y+) - log pi(y-) as the paper prints it, minus the same for the reference by default. Returns
-    the loss and beta * margin (the implicit reward margins)."""
+    """Weighted DPO: the batch mean (not over the sum of w, spec §9.14) of w * -log sigmoid(beta * margin), margin =
+    log pi(y+) - log pi(y-) as printed, minus the reference's by default; and beta * margin (the reward margins)."""
     margin = pi_chosen - pi_rejected  # [§3.4, Eq. L_AE]
     if not reference_free:
         margin = margin - (ref_chosen - ref_rejected)  # DPO's reference (spec §5.5 [R], header item 6)
@@ -750,9 +745,8 @@ def batch_tensors(seqs, pad_id, device):
 
 # --------------------------------------------------------------------------- 9. the toy warm-up (header item 2)
 def teacher_rewrite(request, rng, args):
-    """The toy teacher's rewrite set: the metadata sub-queries of the facts not yet in the note whose subject the
-    question or the note names, then fillers (the question; a fact by the other retriever); with probability
-    teacher_duplicate the second item asks the first fact again (a near-duplicate)."""
+    """The toy teacher's rewrites: the sub-queries (metadata) of the facts not in the note whose subject is named,
+    then a named subject alone, the question; with p teacher_duplicate item 2 repeats item 1 by dense."""
     run, width = request["run"], request["info"]["width"]
     meta, q0 = run["row"]["metadata"], run["row"]["question"]
     seen, noted = set(re.findall(r"\w+", f"{q0} {run['note']}".lower())), set(re.findall(r"\w+", run["note"].lower()))
@@ -761,7 +755,7 @@ def teacher_rewrite(request, rng, args):
     todo = [("bm25", q) for h, a, q in facts if h in seen and not {h, a} <= noted]
     if todo and rng.random() < args.teacher_duplicate:
         todo = [todo[0], ("dense", todo[0][1])]
-    fillers = [("dense", q0), ("bm25", q0)] + [(s, q) for q in meta["sub_queries"] for s in ("bm25", "dense")]
+    fillers = [("dense", h) for h in heads if h in seen] + [("dense", q0)]  # another granularity, the question
     return format_rewrites(list(dict.fromkeys(todo + fillers))[:width])
 
 
@@ -783,10 +777,10 @@ def warmup_examples(rows, policy, tokenizer, llm, retrievers, args):
     """(prompt, output) pairs of the trained roles from the teacher's fixed-depth runs, at each warm-up width."""
     widths = [int(w) for w in args.warmup_widths.split(",")]
     teacher = {role: teacher_role(role, args, args.seed + i) for i, role in enumerate(TRAINED)}
-    ctx, examples = make_ctx(policy, tokenizer, llm, retrievers, args, teacher), []
+    ctx, examples = make_ctx(policy, tokenizer, retrievers, llm, args, teacher), []
     for i, width in enumerate(widths):
         for run in sparc_rag(rows[i :: len(widths)], ctx, width, args.untuned_depth, early_exit=False):
-            examples += [{"prompt": e["prompt"], "output": e["output"]} for e in run["trace"] if e["role"] in TRAINED]
+            examples += [{k: e[k] for k in ("role", "prompt", "output")} for e in run["trace"] if e["role"] in TRAINED]
     return examples
 
 
@@ -799,10 +793,12 @@ def sft(accelerator, model, tokenizer, examples, args, world):
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, schedule)
     model, optimizer = accelerator.prepare(model, optimizer)
     model.train()
+    pools = [[e for e in examples if e["role"] == role] for role in TRAINED]  # each batch: both roles, in shares
+    shares = [round(args.sft_batch_size * SFT_SHARES[role]) for role in TRAINED]
+    rename = lambda x: rename_entities(x, world, rng, popular="keep")  # simplification: header item 3
     for step in range(args.sft_steps):
-        batch = rng.sample(examples, min(args.sft_batch_size, len(examples)))
+        batch = [e for pool, n in zip(pools, shares) for e in rng.sample(pool, min(n, len(pool)))]
         texts = [[e["prompt"], e["output"]] for e in batch[accelerator.process_index :: accelerator.num_processes]]
-        rename = lambda x: rename_entities(x, world, rng, popular="keep")  # simplification: header item 3
         texts = [rename(x) if world and rng.random() < args.augment_p else x for x in texts]
         seqs = [encode(tokenizer, *x) for x in texts]
         ids, mask, attention = batch_tensors(seqs, tokenizer.pad_token_id, accelerator.device)
@@ -843,16 +839,14 @@ def dpo_train(accelerator, model, tokenizer, pairs, args, world, log):
     model = add_lora(model, lora | {"target_modules": ["q_proj", "k_proj", "v_proj", "o_proj"]})
     for p in model.parameters():  # never Adam on bf16 weights: the adapters train in fp32
         p.data = p.data.float() if p.requires_grad else p.data
-    steps = args.dpo_epochs * -(-len(pairs) // args.dpo_batch_size)
+    steps = -(-args.dpo_epochs * len(pairs) // args.dpo_batch_size)
     optimizer = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=args.dpo_lr, weight_decay=0.0)
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: 1 - s / steps)
     model, optimizer = accelerator.prepare(model, optimizer)
-    for step in range(steps):
-        if step % -(-len(pairs) // args.dpo_batch_size) == 0:
-            order = rng.sample(range(len(pairs)), len(pairs))  # a new epoch
-        batch = order[: args.dpo_batch_size]
-        order = order[args.dpo_batch_size :]
-        mine = [pairs[i] for i in batch[accelerator.process_index :: accelerator.num_processes]]
+    epochs = [pairs[i] for _ in range(args.dpo_epochs) for i in rng.sample(range(len(pairs)), len(pairs))]
+    for step in range(steps):  # batches in order through the shuffled epochs
+        batch = epochs[step * args.dpo_batch_size : (step + 1) * args.dpo_batch_size]
+        mine = batch[accelerator.process_index :: accelerator.num_processes]
         model.train()
         optimizer.zero_grad()
         stats = Counter()
@@ -911,15 +905,12 @@ def summarize(records, rows):
 
 
 def evaluate(ctx, rows, width, depth, early_exit, system="sparcrag", predictions=None):
-    """A system on the rows, eval_batch questions advancing together; `predictions`: one json line per question."""
-    start, args, runs = time.time(), ctx["args"], []
-    quiet = not PartialState().is_local_main_process
-    for s in tqdm(range(0, len(rows), args.eval_batch), desc=f"eval {system}", leave=False, disable=quiet):
-        batch = rows[s : s + args.eval_batch]
-        if system == "sparcrag":
-            runs += sparc_rag(batch, ctx, width, depth, early_exit, args.seed + s)
-        else:
-            runs += naive(batch, ctx, system, args.naive_n, args.seed + s)
+    """A system on the rows, all advancing together; `predictions`: one json line per question."""
+    start, args = time.time(), ctx["args"]
+    if system == "sparcrag":
+        runs = sparc_rag(rows, ctx, width, depth, early_exit, args.seed)
+    else:
+        runs = naive(rows, ctx, system, args.naive_n, args.seed)
     records = [run_record(run, args) for run in runs]
     if predictions is not None and PartialState().is_main_process:
         write_jsonl(predictions, [prediction_of(run, rec) for run, rec in zip(runs, records)])
@@ -942,28 +933,27 @@ def brief(result):
 
 
 # --------------------------------------------------------------------------- 12. train / eval / ask
-def open_retrievers(args):
-    """The two retrievers the Query Rewriter chooses between [App. A.3], each index built once."""
+def frozen_parts(args):
+    """The two retrievers the Query Rewriter chooses between [App. A.3], each index built once, and the backbone of
+    the Context Manager and the Answer Generator: None (the trained backbone itself) or a frozen LLM."""
     dense = open_retriever(args.dense_index, args.corpus, args.encoder)
-    return {"dense": dense, "bm25": dense if args.dense_only else open_retriever(args.bm25_index, args.corpus, "bm25")}
-
-
-def build_llm(args):
-    """The Context Manager's and the Answer Generator's backbone: None (the backbone itself) or a frozen LLM."""
-    if args.llm == "policy":
-        return None
-    return make_llm(args.llm, **({"model": args.llm_model} if args.llm_model else {}))
+    bm25 = dense if args.dense_only else open_retriever(args.bm25_index, args.corpus, "bm25")
+    llm = None if args.llm == "policy" else make_llm(args.llm, **({"model": args.llm_model} if args.llm_model else {}))
+    return {"dense": dense, "bm25": bm25}, llm
 
 
 def load_policy(args, device, model_name=None):
-    """The backbone and its tokenizer; words of the output formats the tokenizer cannot read become tokens."""
+    """The backbone and its tokenizer; with format_tokens the output formats' tags become single tokens, and any
+    word of the formats the tokenizer cannot read becomes a token."""
     # fp32 master weights; without a warm-up only LoRA trains, so a GPU run keeps the frozen base in bf16
     dtype = torch.bfloat16 if device.type == "cuda" and args.warmup == "none" else torch.float32
     model, tokenizer = load_model_and_tokenizer(model_name or args.model, dtype=dtype, world=args.data_dir)
     formats = format_rewrites([("bm25", "query"), ("dense", "query")]) + "<decision>STOP</decision> CONTINUE"
-    if missing := unknown_words(tokenizer, formats):  # the toy-lm reads `item` as <unk>; byte-level BPE misses none
-        tokenizer.add_tokens([AddedToken(w, single_word=True, normalized=False) for w in missing])
-        model.resize_token_embeddings(len(tokenizer))
+    new = [t for t in FORMAT_TOKENS if t not in tokenizer.get_vocab()] if args.format_tokens else []
+    new += unknown_words(tokenizer, formats) if not new else []  # the toy-lm reads `item` as <unk>; BPE misses none
+    if new:  # simplification: single-token tags for a model trained from scratch (header item 4)
+        tokenizer.add_tokens([AddedToken(w, single_word=w.isalpha(), normalized=False) for w in new])
+        model.resize_token_embeddings(len(tokenizer), mean_resizing=False)
     return model.to(device), tokenizer
 
 
@@ -986,7 +976,7 @@ def warm_up(accelerator, args, out, rows, test_rows, llm, retrievers, world, res
         results["before_sft"] = state and state["before_sft"]
         return policy, tokenizer, state["steps"] if state else 0
     with accelerator.autocast():
-        ctx = make_ctx(policy, tokenizer, llm, retrievers, args)
+        ctx = make_ctx(policy, tokenizer, retrievers, llm, args)
         saved = out / "predictions_raw.jsonl"
         results["before_sft"] = evaluate(ctx, test_rows, args.width, args.untuned_depth, False, predictions=saved)
         accelerator.print(f"raw start (fixed depth {args.untuned_depth}) | {brief(results['before_sft'])}")
@@ -1010,13 +1000,13 @@ def train(args):
     set_seed(args.seed)
     train_rows = sample_rows(load_split(args.data_dir, "train", args.question_types), args.n_train, args.seed)
     test_rows = load_split(args.data_dir, "test", args.question_types)[: args.n_eval]
-    retrievers, llm, results = open_retrievers(args), build_llm(args), {}
+    (retrievers, llm), results = frozen_parts(args), {}
     toy = (args.augment_p or args.dpo_augment_p) and (Path(args.data_dir) / "world.json").is_file()
     world = load_world(args.data_dir) if toy else None  # simplification: toy renaming (header item 3)
     log = lambda record: append_metrics(out / "metrics.jsonl", record, accelerator.is_main_process)
     policy, tokenizer, n_sft = warm_up(accelerator, args, out, train_rows, test_rows, llm, retrievers, world, results)
     policy.name_or_path = str((out / "sft").resolve()) if args.warmup == "teacher" else args.model  # the LoRA base
-    ctx = make_ctx(policy, tokenizer, llm, retrievers, args)
+    ctx = make_ctx(policy, tokenizer, retrievers, llm, args)
     with accelerator.autocast():  # the untuned system: fixed depth [§4.5]; and with its own stop decisions (ours)
         fixed = out / "predictions_untuned.jsonl"
         results["before"] = evaluate(ctx, test_rows, args.width, args.untuned_depth, False, predictions=fixed)
@@ -1040,7 +1030,7 @@ def train(args):
         if accelerator.is_main_process:
             save_checkpoint(out / "dpo", policy, tokenizer, state)
     with accelerator.autocast():  # the tuned system: adaptive depth, capped at D_max [§4.5]
-        ctx = make_ctx(policy, tokenizer, llm, retrievers, args)
+        ctx = make_ctx(policy, tokenizer, retrievers, llm, args)
         tuned = out / "predictions_dpo.jsonl"
         results["after"] = evaluate(ctx, test_rows, args.width, args.depth, True, predictions=tuned)
     accelerator.print(f"tuned, adaptive (cap {args.depth}) | {brief(results['after'])}")
@@ -1060,7 +1050,7 @@ def run_eval(args):
     set_seed(args.seed)
     rows = load_split(args.data_dir, "test", args.question_types)[: args.n_eval]  # a bad data file fails first
     policy, tokenizer = load_policy(args, accelerator.device)
-    ctx = make_ctx(policy, tokenizer, build_llm(args), open_retrievers(args), args)
+    ctx = make_ctx(policy, tokenizer, *frozen_parts(args), args)
     with accelerator.autocast():
         saved = out / "predictions_eval.jsonl"
         result = evaluate(ctx, rows, args.width, args.depth, args.early_exit, args.system, saved)
@@ -1074,7 +1064,7 @@ def ask(args):
     policy, tokenizer = load_policy(args, make_accelerator().device)
     if unknown := unknown_words(tokenizer, args.ask):
         print(f"warning: words the model's tokenizer does not know (read as <unk>): {' '.join(unknown)}")
-    ctx = make_ctx(policy, tokenizer, build_llm(args), open_retrievers(args), args)
+    ctx = make_ctx(policy, tokenizer, *frozen_parts(args), args)
     row = {"id": "ask", "question": args.ask, "golden_answers": [""], "metadata": {}}
     run = sparc_rag([row], ctx, args.width, args.depth, args.early_exit, args.seed)[0]
     for e in run["trace"]:

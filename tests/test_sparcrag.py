@@ -4,12 +4,14 @@ scripted backbone on the spec's Anticimex example (branch isolation, the merge a
 fixed depth, calls and tokens per round), the naive baselines, the toy teacher, and end-to-end toy runs."""
 
 import itertools
+import json
 import math
 from collections import Counter
 from pathlib import Path
 
 import pytest
 import torch
+from conftest import check_contract
 
 import sparcrag
 from sparcrag import CONTINUE, STOP
@@ -509,13 +511,16 @@ def test_the_teacher_asks_the_open_facts_and_can_repeat_one():
     run = sparcrag.new_run({"question": "what is the birthplace of the director of zorvak ?", "metadata": meta})
     request = {"run": run, "info": {"width": 2}}
     parse = lambda args: sparcrag.parse_rewrites(
-        sparcrag.teacher_rewrite(request, __import__("random").Random(0), args), 2
+        sparcrag.teacher_rewrite(request, __import__("random").Random(0), args), request["info"]["width"]
     )
     clean, noisy = sparcrag.Args(teacher_duplicate=0.0), sparcrag.Args(teacher_duplicate=1.0)
-    assert parse(clean) == [("bm25", "zorvak directed"), ("dense", run["row"]["question"])]
+    assert parse(clean) == [("bm25", "zorvak directed"), ("dense", "zorvak")]  # the fact, the subject alone
     assert parse(noisy) == [("bm25", "zorvak directed"), ("dense", "zorvak directed")]  # a near-duplicate
     run["note"] = "zorvak is a film directed by velbo ."
-    assert parse(clean)[0] == ("bm25", "velbo born")  # the bridge is named now
+    assert parse(clean) == [("bm25", "velbo born"), ("dense", "zorvak")]  # the bridge is named now
+    request["info"]["width"] = 4
+    assert parse(clean)[2:] == [("dense", "velbo"), ("dense", run["row"]["question"])]
+    request["info"]["width"] = 2
     meta |= {
         "type": "comparison",
         "entities": ["a", "b", "a"],
@@ -534,3 +539,176 @@ def test_the_teacher_over_accepts_wrong_answers_at_its_rates():
     right = decide([{"run": run, "info": {"answer": "tuvia"}}] * 2000)
     rate = lambda replies: sum(sparcrag.parse_decision(r) == STOP for r in replies) / len(replies)
     assert rate(wrong) == pytest.approx(0.6, abs=0.04) and rate(right) == pytest.approx(0.9, abs=0.03)
+
+
+# ---------------------------------------------------------------- CLI and end to end on the toy world
+def run(args, capsys):
+    """sparcrag.main in this process; returns the captured stdout."""
+    capsys.readouterr()
+    sparcrag.main(args)
+    return capsys.readouterr().out
+
+
+TINY_LM = "toy-lm:layers=1,hidden=32,heads=2,kv_heads=2,intermediate=64"
+TINY = [
+    "--model",
+    TINY_LM,
+    "--n_train",
+    "12",
+    "--n_eval",
+    "6",
+    "--sft_steps",
+    "6",
+    "--sft_batch_size",
+    "8",
+    "--dpo_epochs",
+    "1",
+    "--untuned_depth",
+    "2",
+    "--depth",
+    "2",
+    "--max_new_tokens",
+    "96",
+    "--seed",
+    "0",
+]
+
+
+def test_toy_train_then_resume_then_eval_and_ask(tmp_path, capsys):
+    out = tmp_path / "run"
+    stdout = run(["--train", "--output_dir", str(out), *TINY], capsys)
+    results = check_contract(out, stdout)
+    assert results["train_steps"]["sft"] == 6 and results["train_steps"]["dpo"] >= 1 and results["n_eval"] == 6
+    assert {"before_sft", "before", "before_adaptive", "after"} <= set(results)
+    assert results["before"]["setting"] == {"system": "sparcrag", "width": 2, "depth": 2, "early_exit": False}
+    assert results["after"]["setting"]["early_exit"] and results["pairs"]
+    assert results["tokens_per_question"] == results["after"]["tokens"] > results["after"]["generated_tokens"] > 0
+    metrics = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+    assert [m["step"] for m in metrics if "step" in m] == list(range(1, results["train_steps"]["dpo"] + 1))
+    assert (out / "dpo" / "adapter_config.json").is_file() and (out / "sft" / "model.safetensors").is_file()
+    base = json.loads((out / "dpo" / "adapter_config.json").read_text())["base_model_name_or_path"]
+    assert Path(base) == (out / "sft").resolve()  # the adapter's base is the warmed-up model, not the raw toy-lm
+    for stage, key in (("raw", "before_sft"), ("untuned", "before"), ("dpo", "after")):
+        lines = [json.loads(line) for line in (out / f"predictions_{stage}.jsonl").read_text().splitlines()]
+        assert len(lines) == 6 and sum(r["f1"] for r in lines) / 6 == pytest.approx(results[key]["f1"])
+        assert {"id", "question", "golden_answers", "prediction", "trajectory", "rounds", "tokens"} <= set(lines[0])
+    with pytest.raises(SystemExit, match="pass --resume or another --run_name"):
+        run(["--train", "--output_dir", str(out), *TINY], capsys)
+    again = run(["--train", "--output_dir", str(out), "--resume", *TINY], capsys)  # neither SFT nor DPO redone
+    assert "sft step" not in again and "losses/dpo" not in again
+    assert check_contract(out, again)["after"]["f1"] == results["after"]["f1"]
+    evaluated = tmp_path / "eval"
+    stdout = run(
+        [
+            "--eval",
+            "--model",
+            str(out / "dpo"),
+            "--output_dir",
+            str(evaluated),
+            "--n_eval",
+            "6",
+            "--depth",
+            "2",
+            "--max_new_tokens",
+            "96",
+            "--seed",
+            "0",
+        ],
+        capsys,
+    )
+    after = check_contract(evaluated, stdout)["after"]
+    assert (after["f1"], after["tokens"]) == (results["after"]["f1"], results["after"]["tokens"])
+    with pytest.raises(SystemExit, match="training"):
+        run(["--eval", "--model", str(out / "dpo"), "--output_dir", str(out)], capsys)
+    stdout = run(["--ask", "what is the birthplace of qqzzyx ?", "--model", str(out / "dpo"), "--depth", "1"], capsys)
+    assert "warning: words the model's tokenizer does not know (read as <unk>): qqzzyx" in stdout
+    assert (
+        "round 1 rewrite:" in stdout
+        and "round 1 merge:" in stdout
+        and stdout.strip().splitlines()[-1].startswith("answer:")
+    )
+
+
+def test_eval_of_the_naive_baselines_and_a_flashrag_folder_without_metadata(tmp_path, capsys):
+    folder = tmp_path / "flashrag"
+    folder.mkdir()
+    rows = [json.loads(line) for line in (ROOT / "data/toy/test.jsonl").read_text().splitlines()[:4]]
+    keep = ("id", "question", "golden_answers")
+    (folder / "test.jsonl").write_text("".join(json.dumps({k: r[k] for k in keep}) + "\n" for r in rows))
+    from common.toy_lm import load_toy_lm
+
+    model, tokenizer = load_toy_lm(TINY_LM, world=ROOT / "data/toy")  # a saved model carries its vocabulary
+    model.save_pretrained(tmp_path / "model")
+    tokenizer.save_pretrained(tmp_path / "model")
+    flags = [
+        "--model",
+        str(tmp_path / "model"),
+        "--corpus",
+        str(ROOT / "data/toy/corpus.jsonl"),
+        "--llm",
+        "toy:data/toy",
+    ]
+    for system, calls in (("vanilla", 1), ("parallel", 3), ("sequential", None)):
+        out = tmp_path / system
+        stdout = run(
+            ["--eval", "--data_dir", str(folder), "--system", system, "--output_dir", str(out), *flags], capsys
+        )
+        results = check_contract(out, stdout)
+        assert results["n_eval"] == 4 and results["after"]["recall"] is None  # no gold paragraphs: no recall
+        assert results["retrievals_per_question"] == 1 and (
+            calls is None or results["llm_calls_per_question"] == calls
+        )
+    out = tmp_path / "sparc"
+    stdout = run(["--eval", "--data_dir", str(folder), "--output_dir", str(out), "--depth", "1", *flags], capsys)
+    assert check_contract(out, stdout)["llm_calls_per_question"] == 9
+
+
+@pytest.mark.parametrize(
+    "flags, message",
+    [
+        (["--train", "--preset", "nope"], "--preset must be one of"),
+        (["--train", "--correct_by", "x"], "--correct_by must be one of"),
+        (["--eval", "--system", "x"], "--system must be one of"),
+        (["--eval", "--width", "0"], "--width must be >= 1"),
+        (["--train", "--lam", "0.5"], "--lam must be >= 1"),
+        ([], "choose a mode"),
+        (["--ask", "who ?"], "--ask needs --model"),
+    ],
+)
+def test_bad_flags_are_clear_errors(flags, message):
+    with pytest.raises(SystemExit, match=message):
+        sparcrag.main(flags)
+
+
+def test_a_malformed_data_file_is_one_line_and_exit_code_2(tmp_path, capsys):
+    from common.runs import run_main
+
+    (tmp_path / "test.jsonl").write_text('{"id": 1, "question": "q", "golden_answers": ["a"]}\n{"id": 2,\n')
+    with pytest.raises(SystemExit) as exit_info:
+        run_main(sparcrag.main, ["--eval", "--data_dir", str(tmp_path), "--output_dir", str(tmp_path / "o")])
+    assert exit_info.value.code == 2
+    assert (
+        capsys.readouterr().err.strip() == f"error: {tmp_path / 'test.jsonl'}:2: not valid JSON (Expecting property "
+        "name enclosed in double quotes)"
+    )
+
+
+def test_paper_templates_run_a_few_steps(tmp_path, capsys):
+    flags = [*TINY, "--templates", "paper", "--n_train", "4", "--n_eval", "2", "--max_new_tokens", "40"]
+    stdout = run(["--train", "--output_dir", str(tmp_path / "paper"), *flags], capsys)
+    assert check_contract(tmp_path / "paper", stdout)["args"]["templates"] == "paper"
+
+
+def test_trains_on_a_freshly_generated_world_above_its_untrained_start(tmp_path, capsys):
+    """The tokenizer, the toy reader and the renaming come from --data_dir: a world of another seed trains."""
+    from common.toy import write_world
+
+    world = write_world(tmp_path / "world", seed=3, size=0.5)
+    out = tmp_path / "run"
+    flags = ["--n_train", "60", "--n_eval", "40", "--sft_steps", "150", "--untuned_depth", "2", "--depth", "2"]
+    stdout = run(["--train", "--data_dir", str(world), "--output_dir", str(out), "--seed", "0", *flags], capsys)
+    results = check_contract(out, stdout)
+    assert results["dataset"] == str(world) and results["args"]["llm"] == f"toy:{world}"
+    assert json.loads((out / "sft" / "run_state.json").read_text())["data_dir"] == str(world)
+    # the raw model never writes a rewrite or a decision: its queries fall back to the question, it never stops
+    assert results["before_sft"]["rounds"] == 2 and results["after"]["rounds"] < 2
