@@ -21,13 +21,12 @@ Deviations from the paper (each marked `# simplification:` where it lives):
 1. Toy world: the trained roles (Query Rewriter, Answer Evaluator) are a tiny toy-lm; the Context Manager and the Answer Generator are the toy reader (`--llm toy`, its note and answer modes), not the same backbone.
 2. Toy world: the untuned start is a warm-up SFT on an oracle teacher's traces (the raw toy-lm writes nothing valid), a teacher that over-accepts wrong answers and writes near-duplicate rewrites, as §5.2 and Fig. 7 describe base models.
 3. Toy world: warm-up SFT examples and DPO pairs get the toy world's consistent entity renaming (a tiny model learns to copy names only then).
-4. Toy preset: greedy rewrites (paper: temperature 0.5), top-3 passages (paper: 6), untuned fixed depth 4 and tuned cap 6 (paper: 6 and 8), compact templates, DPO learning rate 1e-3 (paper: 5e-5).
+4. Toy preset: greedy rewrites (paper: T 0.5), top-3 passages (paper: 6), depth 4 untuned and tuned (paper: 6 fixed, cap 8; Tab. 3's caption: 6), compact templates with single-token tags, DPO lr 1e-4 (paper: 5e-5).
 5. The Answer Evaluator's prompt is the spec's proposal (§4.6): the paper prints none.
 6. DPO's reference is the adapter-disabled model (TRL's sigmoid DPO); the paper's literal reference-free loss is --reference_free.
 7. Paper preset: BM25 and E5 over wiki-18 (the paper: Elasticsearch BM25 and BGE-large-en-v1.5 over IRCoT and DPR corpora).
-8. Cost: tokens of every role, toy reader included, counted with the trained model's tokenizer over chat-formatted prompts and completions; latency is batched wall time.
-9. Rewrite-group overlap (App. B.2) uses the branches' own retrieved sets, not a re-retrieval with the dense retriever.
-10. Correctness labels (evaluator pairs, incorrect acceptance) use EM in the toy preset: FlashRAG's acc finds "no" in "unknown".
+8. Cost: every role's tokens (toy reader included) in the trained model's tokenizer; latency is batched wall time; the rewrite-group overlap (App. B.2) uses the branches' own retrieved sets.
+9. Correctness labels (evaluator pairs, incorrect acceptance) use EM in the toy preset: FlashRAG's acc finds "no" in "unknown".
 """
 
 import random
@@ -108,7 +107,6 @@ class Args:
     gen_batch_size: int = field(default=512, metadata={"help": "prompts per generate call (memory only)"})
     # preference pairs [§3.4]
     n_samples: int = field(default=4, metadata={"help": "samples per state (spec §5.3-5.4 [R]: 4)"})
-    sample_temperature: float = field(default=1.0, metadata={"help": "sampling temperature of the pairs (spec: 1)"})
     lam: float = field(default=2.0, metadata={"help": "weight of continue over a wrong stop [§5.2: 2]"})
     correct_by: str | None = field(default=None, metadata={"help": "answer correctness: acc, em or f1 (>= 0.5)"})
     synthesize_missing: bool = field(default=False, metadata={"help": "missing side -> canonical decision (spec)"})
@@ -140,7 +138,7 @@ class Args:
 
 
 PRESETS = {  # values for the fields left at None; any flag overrides them
-    # simplification: the toy preset (header items 1-4, 10)
+    # simplification: the toy preset (header items 1-4, 9)
     "toy": {
         "data_dir": "data/toy",
         "encoder": "tfidf",
@@ -163,7 +161,7 @@ PRESETS = {  # values for the fields left at None; any flag overrides them
         "augment_p": 1.0,
         "dpo_augment_p": 1.0,
     },
-    "paper": {
+    "paper": {  # simplification: BM25 and E5 over wiki-18 (header item 7)
         "data_dir": "data/sparcrag",
         "encoder": "intfloat/e5-base-v2",
         "model": "Qwen/Qwen2.5-7B-Instruct",
@@ -204,11 +202,9 @@ def apply_preset(args):
     for name, allowed in (choices | {"system": ("sparcrag", "vanilla", "parallel", "sequential")}).items():
         if getattr(args, name) not in allowed:
             raise SystemExit(f"--{name} must be one of {sorted(allowed)}, got {getattr(args, name)!r}")
-    for name in ("width", "depth", "untuned_depth"):
+    for name in ("width", "depth", "untuned_depth", "lam"):  # lambda > 1 up-weights a wrong stop [§3.4]
         if getattr(args, name) < 1:
             raise SystemExit(f"--{name} must be >= 1, got {getattr(args, name)}")
-    if args.lam < 1:
-        raise SystemExit(f"--lam must be >= 1 (the paper: lambda > 1 up-weights a wrong stop), got {args.lam}")
     return args
 
 
@@ -284,7 +280,7 @@ You are an expert at combining contexts in a Retrieval Augmented Generation syst
 Combine the above notes into a single note that includes all information and is useful for final answer generation. Please ensure that the note includes all original text information useful for answering the question. End your response with the literal tag [END].
 Your response:"""
 
-# ours (spec §4.6): the paper describes the Answer Evaluator (inputs q0, q_t, a_t, m_t; STOP or CONTINUE on
+# simplification: ours (spec §4.6, header item 5): the paper describes the Answer Evaluator (inputs q0, q_t, a_t, m_t; STOP or CONTINUE on
 # correctness and grounding) but prints no prompt (header item 5)
 EVALUATOR_PROMPT = """\
 You are the answer evaluator in a Retrieval-Augmented Generation (RAG) system. Decide whether the candidate answer can be accepted as the final answer (STOP) or whether more retrieval and reasoning are needed (CONTINUE).
@@ -483,8 +479,7 @@ def llm_role(llm, args, temperature):
 
 
 def make_ctx(policy, tokenizer, retrievers, llm, args, trained=None):
-    """The backbone of each role (the trained roles: the model or `trained`, the teacher; the others: `llm`, else
-    the model too [§4.2]; T: `temperature`, the evaluator greedy [App. A.4], naive answers 0.7 [App. A.5])."""
+    """The backbone of each role [§4.2, App. A.4-A.5], a token counter and the retrievers (`trained`: the teacher)."""
     other = (lambda t: policy_role(policy, tokenizer, args, t)) if llm is None else (lambda t: llm_role(llm, args, t))
     roles = {"rewrite": policy_role(policy, tokenizer, args, args.temperature)}
     roles |= {"evaluate": policy_role(policy, tokenizer, args, 0.0, args.evaluator_max_tokens)} | (trained or {})
@@ -621,9 +616,8 @@ def aggregate(ctx, live, branches, t, seed):
 
 # --------------------------------------------------------------------------- 6. the naive baselines [App. A.5]
 def naive(rows, ctx, system, n, seed=0):
-    """Vanilla RAG (dense top-k on q0, one answer), Parallel (n answers at T 0.7, a majority vote by EM), Sequential
-    (answer and self-evaluated confidence, retried below 0.7, n attempts, the most confident kept) (spec §6.5);
-    the answer prompt is the Answer Generator's with passages for notes (spec §9.34)."""
+    """Vanilla RAG, Parallel (n answers at T 0.7, majority vote) and Sequential (retry below confidence 0.7)
+    (naive) baselines [App. A.5, spec §6.5]; the answer prompt is the Answer Generator's, passages as notes."""
     tpl, runs = ctx["tpl"], [new_run(r) | {"rounds": 1} for r in rows]
     found = retrieve(ctx["retrievers"], [("dense", r["question"]) for r in rows], ctx["args"].top_k)
     for run, hits in zip(runs, found):
@@ -653,17 +647,15 @@ def naive(rows, ctx, system, n, seed=0):
 
 # --------------------------------------------------------------------------- 7. preference pairs [§3.4; spec §5.3-5.4]
 def rewrite_pair(recalls):
-    """(chosen, rejected) sample indices: the highest and the lowest combined recall, the first index on ties;
-    None unless the chosen recall is strictly higher [§3.4, Query Rewriter]."""
+    """(chosen, rejected): the first highest- over the first lowest-recall sample if higher [§3.4], else None."""
     hi = max(range(len(recalls)), key=lambda i: (recalls[i], -i))
     lo = min(range(len(recalls)), key=lambda i: (recalls[i], i))
     return (hi, lo) if recalls[hi] > recalls[lo] else None
 
 
 def evaluator_pair(decisions, correct, lam, synthesize=False):
-    """(chosen, rejected, weight): the first decision matching the answer's correctness (STOP if correct) over the
-    first opposite one, weight lam for CONTINUE over a wrong STOP, else 1 [§3.4]; a side missing: None (synthesize:
-    a missing chosen side is the canonical response, index -1)."""
+    """(chosen, rejected, weight): the first decision matching the answer's correctness (STOP if correct)
+    over the first other one, weight lam for CONTINUE over a wrong STOP [§3.4]; missing: None (synthesize: -1)."""
     good = STOP if correct else CONTINUE
     chosen = next((i for i, d in enumerate(decisions) if d == good), -1 if synthesize else None)
     rejected = next((i for i, d in enumerate(decisions) if d != good), None)
@@ -699,8 +691,8 @@ def build_pairs(runs, ctx, sample, args):
 
 
 def sampler(model, tokenizer, args):
-    """sample(prompts, n): n texts per prompt from the backbone at the pairs' temperature (spec §5.3: T 1)."""
-    chat = policy_role(model, tokenizer, args, args.sample_temperature)
+    """sample(prompts, n): n texts per prompt from the backbone at temperature 1 (spec §5.3-5.4 [R])."""
+    chat = policy_role(model, tokenizer, args, 1.0)
 
     def sample(prompts, n, seed=0):
         texts = chat([{"prompt": p} for p in prompts for _ in range(n)], seed)
@@ -722,17 +714,17 @@ def dpo_loss(pi_chosen, pi_rejected, ref_chosen, ref_rejected, weights, beta, re
     log pi(y+) - log pi(y-) as printed, minus the reference's by default; and beta * margin (the reward margins)."""
     margin = pi_chosen - pi_rejected  # [§3.4, Eq. L_AE]
     if not reference_free:
-        margin = margin - (ref_chosen - ref_rejected)  # DPO's reference (spec §5.5 [R], header item 6)
+        margin = margin - (ref_chosen - ref_rejected)  # simplification: a reference (spec §5.5, header item 6)
     return (weights * F.softplus(-beta * margin)).mean(), beta * margin  # softplus(-x) = -log sigmoid(x)
 
 
 def encode(tokenizer, prompt, response):
-    """(ids, loss_mask) of one sequence, built as it is assembled: the chat prompt (0), then the response cut at
-    [END], then [END] and EOS (1) (spec §5.5)."""
+    """(ids, loss_mask) as assembled: chat prompt (0), response cut at [END], then [END] and EOS (1) (spec §5.5)."""
     prompt = chat_prompts(tokenizer, [[{"role": "user", "content": prompt}]])[0]
     prompt_ids = tokenizer(prompt, add_special_tokens=False)["input_ids"]
-    target = tokenizer(strip_end(response) + " [END]", add_special_tokens=False)["input_ids"]
-    target = target + [tokenizer.eos_token_id]
+    target = tokenizer(strip_end(response) + " [END]", add_special_tokens=False)["input_ids"] + [
+        tokenizer.eos_token_id
+    ]
     return prompt_ids + target, [0] * len(prompt_ids) + [1] * len(target)
 
 
@@ -760,8 +752,7 @@ def teacher_rewrite(request, rng, args):
 
 
 def teacher_role(role, args, seed):
-    """The warm-up teacher as the backbone of a trained role: rewrites from the metadata, or a STOP with
-    probability teacher_accept_correct or teacher_accept_wrong as the branch's answer is correct or not."""
+    """The warm-up teacher as a trained role's backbone: teacher_rewrite, or STOP at the rates of header item 2."""
     rng = random.Random(seed)
 
     def decide(r):
@@ -785,8 +776,7 @@ def warmup_examples(rows, policy, tokenizer, llm, retrievers, args):
 
 
 def sft(accelerator, model, tokenizer, examples, args, world):
-    """Cross-entropy on the teacher's outputs (loss_mask 1 on the output, [END] and EOS); AdamW, a linear warm-up,
-    linear decay to 0.1; each example renamed with probability augment_p (header item 3)."""
+    """Cross-entropy on the output, [END] and EOS (loss_mask 1); AdamW, warm-up, linear decay; toy renaming."""
     rng, warm = random.Random(args.seed), max(1, args.sft_steps // 20)
     optimizer = torch.optim.AdamW(model.parameters(), lr=args.sft_lr, betas=(0.9, 0.98), weight_decay=0.0)
     schedule = lambda s: min((s + 1) / warm, 1 - 0.9 * s / args.sft_steps)  # warm-up, then linear decay to 0.1
@@ -817,8 +807,7 @@ def sft(accelerator, model, tokenizer, examples, args, world):
 
 # --------------------------------------------------------------------------- 10. weighted DPO with LoRA [§3.4, App. A.4]
 def pair_tensors(micro, tokenizer, rng, world, args, device):
-    """(ids, loss_mask, attention) of the chosen sequences then the rejected ones, and the weights (B,); a pair is
-    renamed as one (toy renaming with probability dpo_augment_p, header item 3)."""
+    """(ids, loss_mask, attention) of the chosen then the rejected sequences, and the weights (B,)."""
     seqs = []
     for p in micro:
         texts = [p["prompt"], p["chosen"], p["rejected"]]
@@ -878,6 +867,7 @@ def run_record(run, args, upto=None):
     retrieved = [(t, set(map(str, ids))) for t, ids in run["retrieved"] if t <= rounds]
     judged = [(e["answer"], e["parsed"]) for e in run["trace"] if e["role"] == "evaluate" and e["t"] <= rounds]
     wrong = [d for a, d in judged if not is_correct(a, golds, args.correct_by)]
+    # simplification: the B.2 overlap of each round's own retrievals, not a dense re-retrieval (header item 8)
     overlaps = [o for r in range(1, rounds + 1) if (o := jaccard_avg([s for t, s in retrieved if t == r])) is not None]
     gold = run["row"]["metadata"].get("supporting_doc_ids")
     record = {"em": exact_match(answer, golds), "f1": f1_score(answer, golds), "acc": sub_exact_match(answer, golds)}
@@ -888,8 +878,7 @@ def run_record(run, args, upto=None):
 
 
 def summarize(records, rows):
-    """Means over questions (recall, overlap: over those that have one), the incorrect-acceptance rate (STOPs on
-    wrong branch answers / wrong branch answers judged, spec §9.32), avg = mean(acc, f1, em) [§4.1], by type."""
+    """Means (recall, overlap: where defined), incorrect acceptance (spec §9.32), avg [§4.1], by question type."""
 
     def mean(recs):
         out = {k: (sum(vs) / len(vs) if (vs := [r[k] for r in recs if r[k] is not None]) else None) for k in recs[0]}
@@ -934,8 +923,7 @@ def brief(result):
 
 # --------------------------------------------------------------------------- 12. train / eval / ask
 def frozen_parts(args):
-    """The two retrievers the Query Rewriter chooses between [App. A.3], each index built once, and the backbone of
-    the Context Manager and the Answer Generator: None (the trained backbone itself) or a frozen LLM."""
+    """The BM25 and dense retrievers [App. A.3], and the frozen LLM of the untrained roles (None: the backbone)."""
     dense = open_retriever(args.dense_index, args.corpus, args.encoder)
     bm25 = dense if args.dense_only else open_retriever(args.bm25_index, args.corpus, "bm25")
     llm = None if args.llm == "policy" else make_llm(args.llm, **({"model": args.llm_model} if args.llm_model else {}))
@@ -943,14 +931,11 @@ def frozen_parts(args):
 
 
 def load_policy(args, device, model_name=None):
-    """The backbone and its tokenizer; with format_tokens the output formats' tags become single tokens, and any
-    word of the formats the tokenizer cannot read becomes a token."""
+    """The backbone and tokenizer; format_tokens: the formats' tags as single tokens (a toy-lm has no `item`)."""
     # fp32 master weights; without a warm-up only LoRA trains, so a GPU run keeps the frozen base in bf16
     dtype = torch.bfloat16 if device.type == "cuda" and args.warmup == "none" else torch.float32
     model, tokenizer = load_model_and_tokenizer(model_name or args.model, dtype=dtype, world=args.data_dir)
-    formats = format_rewrites([("bm25", "query"), ("dense", "query")]) + "<decision>STOP</decision> CONTINUE"
     new = [t for t in FORMAT_TOKENS if t not in tokenizer.get_vocab()] if args.format_tokens else []
-    new += unknown_words(tokenizer, formats) if not new else []  # the toy-lm reads `item` as <unk>; BPE misses none
     if new:  # simplification: single-token tags for a model trained from scratch (header item 4)
         tokenizer.add_tokens([AddedToken(w, single_word=w.isalpha(), normalized=False) for w in new])
         model.resize_token_embeddings(len(tokenizer), mean_resizing=False)
@@ -968,11 +953,10 @@ def result_record(args, results, steps, wall, pairs=None):
 
 
 def warm_up(accelerator, args, out, rows, test_rows, llm, retrievers, world, results):
-    """The toy's untuned start (header item 2): the raw model's evaluation, the teacher's runs, SFT, sft/; a
-    resumed run loads sft/. Without a warm-up (the paper) the backbone as it is. Returns (model, tokenizer, steps)."""
+    """The toy's untuned start (header item 2): raw evaluation, teacher runs, SFT, sft/ (resumed: loaded)."""
     state = load_state(out / "sft") if args.warmup == "teacher" else None
     policy, tokenizer = load_policy(args, accelerator.device, str(out / "sft") if state else None)
-    if args.warmup == "none" or state:
+    if args.warmup == "none" or state:  # simplification: the toy's warm-up follows (header item 2)
         results["before_sft"] = state and state["before_sft"]
         return policy, tokenizer, state["steps"] if state else 0
     with accelerator.autocast():
@@ -991,8 +975,7 @@ def warm_up(accelerator, args, out, rows, test_rows, llm, retrievers, world, res
 
 
 def train(args):
-    """Warm-up (toy), the untuned system's evaluations, pairs from its runs on training questions, weighted DPO,
-    the tuned system's evaluation; --resume continues after the last saved stage (sft/, dpo/)."""
+    """Warm-up, the untuned system's evaluations, pairs from its runs, weighted DPO, the tuned evaluation."""
     start, out = time.time(), start_run(args, "sparcrag", stages=("sft", "dpo"))
     accelerator = make_accelerator(args.report_to, out)
     out.mkdir(parents=True, exist_ok=True)
@@ -1011,8 +994,7 @@ def train(args):
         fixed = out / "predictions_untuned.jsonl"
         results["before"] = evaluate(ctx, test_rows, args.width, args.untuned_depth, False, predictions=fixed)
         results["before_adaptive"] = evaluate(ctx, test_rows, args.width, args.depth, True)
-    accelerator.print(f"untuned, fixed depth {args.untuned_depth} | {brief(results['before'])}")
-    accelerator.print(f"untuned, adaptive (cap {args.depth}) | {brief(results['before_adaptive'])}")
+    accelerator.print("\n".join(f"untuned, {k} | {brief(results[k])}" for k in ("before", "before_adaptive")))
     if (state := load_state(out / "dpo")) is not None:  # resume: tuned
         policy, tokenizer = load_policy(args, accelerator.device, str(out / "dpo"))
     else:
