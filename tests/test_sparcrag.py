@@ -224,6 +224,15 @@ def test_fixed_depth_runs_every_round_and_the_next_rewrite_reads_the_merged_note
     assert "Old note: Anticimex is owned by EQT. EQT AB" in updates[2]  # round 2 branches read m^(1)
 
 
+def test_a_fixed_depth_run_holds_the_runs_of_every_smaller_depth():
+    """The W x D grid reads depth t off a deeper fixed-depth run (bench/sparcrag_grid.py): its round-t snapshot."""
+    deep = sparcrag.sparc_rag([ROW], scripted_ctx([]), width=2, depth=3, early_exit=False)[0]
+    for depth in (1, 2):
+        short = sparcrag.sparc_rag([ROW], scripted_ctx([]), width=2, depth=depth, early_exit=False)[0]
+        args = sparcrag.Args(correct_by="em")
+        assert sparcrag.run_record(deep, args, depth) == sparcrag.run_record(short, args)
+
+
 def test_never_stop_runs_to_the_cap_with_growing_tokens():
     calls = []
     ctx = scripted_ctx(scripted_roles(calls, evaluate=lambda p: "<decision>CONTINUE</decision>"))
