@@ -14,7 +14,7 @@ a wrong stop weighted lambda = 2), trained by weighted DPO with LoRA against the
     python sparcrag.py --eval --model runs/sparcrag/dpo     # the tuned system (adaptive depth) on the toy test split
     python sparcrag.py --eval --model runs/sparcrag/sft --early_exit false --depth 4 --width 1   # untuned, fixed W x D
     python bench/sparcrag_grid.py --model runs/sparcrag/sft     # W x D grid (untuned) beside the naive baselines
-    python sparcrag.py --ask "what is the birthplace of the director of fuvet ?" --model runs/sparcrag/dpo
+    python sparcrag.py --ask "what is the birthplace of the director of poli ?" --model runs/sparcrag/dpo
     accelerate launch sparcrag.py --train --preset paper --data_dir DATA --bm25_index IDX1 --dense_index IDX2
 
 Deviations from the paper (each marked `# simplification:` where it lives):

@@ -719,5 +719,14 @@ def test_trains_on_a_freshly_generated_world_above_its_untrained_start(tmp_path,
     results = check_contract(out, stdout)
     assert results["dataset"] == str(world) and results["args"]["llm"] == f"toy:{world}"
     assert json.loads((out / "sft" / "run_state.json").read_text())["data_dir"] == str(world)
-    # the raw model never writes a rewrite or a decision: its queries fall back to the question, it never stops
-    assert results["before_sft"]["rounds"] == 2 and results["after"]["rounds"] < 2
+
+    # the raw model writes no valid rewrite: every query falls back to the question (dense), and it never stops; the
+    # warmed-up one writes its own sub-queries and decisions (150 steps teach the formats, not yet the copying of
+    # names: docs/sparcrag.md); "score": the share of first-round rewrite items that are not the fallback
+    def fallback_share(stage):
+        lines = [json.loads(line) for line in (out / f"predictions_{stage}.jsonl").read_text().splitlines()]
+        first = [(r["question"], item) for r in lines for item in r["trajectory"].split(" ; ")[0][12:].split(" | ")]
+        return sum(item == f"dense {q}" for q, item in first) / len(first)
+
+    assert fallback_share("raw") == 1.0 and fallback_share("untuned") < 0.5 and fallback_share("dpo") < 0.5
+    assert results["before_sft"]["rounds"] == 2 and results["before"]["incorrect_acceptance"] > 0.5
