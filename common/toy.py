@@ -39,6 +39,12 @@ Toy reader protocol (ToyReader.chat; the environment's physics, deterministic, s
      "<answer> unknown </answer>"). All links stated -> "<answer> x </answer>".
    - plan: one line per sub-goal, "step 1 : find the director of zorvak .", "step 2 : find the birthplace of the
      director of zorvak ." (known bridges are filled in), and a last "step n : answer the question .".
+   - note (the words "updated note" or "single note", as in SPARC-RAG's context manager): a query-aware note, the
+     passage sentences of the prompt along the question's links, exact names only (a near name's statement is
+     dropped), the most recent statement of a fact kept, each once ("" when none; popular facts are followed
+     through memory but not written).
+   - confidence (the word "confidence"): "1.0" when the reader can answer the question from the prompt and its
+     memory, else "0.0" (a self-evaluated confidence).
 The reader never sees gold answers or question metadata.
 """
 
@@ -124,6 +130,8 @@ COMPARISONS = {  # (type, year relation) -> question template; {0}, {1} are the 
 HOP_TYPES = {1: "one_hop", 2: "two_hop", 3: "three_hop"}
 HATNOTE = "often confused with {0} ."
 PLAN_WORDS = re.compile(r"\b(roadmap|plan|plans|planning|sub-goals?|subgoals?|decompos\w*)\b")
+NOTE_WORDS = re.compile(r"\b(updated|single) note\b")
+CONFIDENCE_WORDS = re.compile(r"\bconfidence\b")
 UNKNOWN = "unknown"
 ONSETS, VOWELS, CODAS = "bdfgklmnprstvz", "aeiou", ("", "", "n", "r", "l", "k", "x", "s")
 FORMAT_WORDS = """a an the of in on at to by for from with about into over after before between and or but not no yes
@@ -645,7 +653,11 @@ class ToyReader:
             return self.think(text, question)
         if PLAN_WORDS.search(text):
             return self.plan(text, question)
+        if NOTE_WORDS.search(text):
+            return self.note(text, question) + (" [END]" if "[end]" in text else "")
         answer = self.answer(self.read_facts(text), question) if question else UNKNOWN
+        if CONFIDENCE_WORDS.search(text):
+            answer = "0.0" if answer == UNKNOWN else "1.0"
         answer = f"<answer> {answer} </answer>" if "<answer>" in text else answer
         return answer + " [END]" if "[end]" in text else answer
 
@@ -742,6 +754,28 @@ class ToyReader:
             if (head, rel) not in stated:
                 return f"<think> {RELATIONS[rel][2].format(h=head, t=tail)} </think>"
         return f"<answer> {self.answer(facts, question)} </answer>"
+
+    def note(self, text, question):
+        """A query-aware note: the statements of the text along the question's links, exact names, each once."""
+        if not question:
+            return ""
+        kind, rels, names = question
+        said = {(h, r): t for h, r, t in self.read_facts(text)}  # the most recent statement of each fact
+        kept = []
+        if kind == "chain":
+            head = names[0]
+            for rel in rels:
+                tail = said.get((head, rel))
+                if tail is not None:
+                    kept.append((head, rel, tail))
+                elif head in self.world["popular"]:  # followed through memory, not written
+                    tail = self.world["memory"].get((head, rel))
+                if tail is None:
+                    break
+                head = tail
+        else:
+            kept = [(n, rels[0], said[(n, rels[0])]) for n in names if (n, rels[0]) in said]
+        return " ".join(RELATIONS[r][2].format(h=h, t=t) for h, r, t in kept)
 
     def plan(self, text, question):
         """A roadmap: one 'step i : find ... .' line per needed fact, then 'step n : answer the question .'."""

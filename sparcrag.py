@@ -1,0 +1,1073 @@
+# Paper: SPARC-RAG: Adaptive Sequential–Parallel Scaling with Context Management for Retrieval-Augmented Generation (anonymous ACL submission, no arXiv id) — docs: docs/sparcrag.md
+"""SPARC-RAG: depth (rounds) and width (branches) of RAG scaled around one shared note; DPO on process-level preferences.
+
+One backbone plays every agent [§3.2, App. D]. Each round of Algorithm 1, the Query Rewriter writes W complementary
+sub-queries in one call, each naming its retriever (bm25 or dense); each opens an isolated branch that retrieves,
+lets the Context Manager fold the passages into a copy of the global note, answers the question from that note
+(Answer Generator) and judges the answer (Answer Evaluator: STOP or CONTINUE). The Context Manager then selects the
+best branch and merges the notes, winner first, into the new global note, the only write to the shared context; the
+loop ends on the winner's STOP or at depth D. Tuning [§3.4]: pairs from the model's own runs (rewrite sets of higher
+gold-paragraph recall over lower ones; decisions matching the answer's correctness over the opposite, a continue over
+a wrong stop weighted lambda = 2), trained by weighted DPO with LoRA against the adapter-disabled model.
+
+    python sparcrag.py --train --run_name sparcrag        # toy world: warm-up SFT, pair collection, DPO, evaluations
+    python sparcrag.py --eval --model runs/sparcrag/dpo     # the tuned system (adaptive depth) on the toy test split
+    python sparcrag.py --eval --model runs/sparcrag/sft --early_exit false --depth 4 --width 1   # untuned, fixed W x D
+    python bench/sparcrag_grid.py --model runs/sparcrag/sft     # W x D grid (untuned) beside the naive baselines
+    python sparcrag.py --ask "what is the birthplace of the director of poli ?" --model runs/sparcrag/dpo
+    accelerate launch sparcrag.py --train --preset paper --data_dir DATA --bm25_index IDX1 --dense_index IDX2
+
+Deviations from the paper (each marked `# simplification:` where it lives):
+1. Toy world: the trained roles (Query Rewriter, Answer Evaluator) are a tiny toy-lm; the Context Manager and the Answer Generator are the toy reader (`--llm toy`, its note and answer modes), not the same backbone.
+2. Toy world: the untuned start is a warm-up SFT on an oracle teacher's traces (the raw toy-lm writes nothing valid), a teacher that over-accepts wrong answers and writes near-duplicate rewrites, as §5.2 and Fig. 7 describe base models.
+3. Toy world: warm-up SFT examples and DPO pairs get the toy world's consistent entity renaming (a tiny model learns to copy names only then).
+4. Toy preset: greedy rewrites (paper: T 0.5), top-3 passages (paper: 6), depth 4 untuned and tuned (paper: 6 fixed, cap 8; Tab. 3's caption: 6), compact templates with single-token tags, DPO lr 1e-4 (paper: 5e-5).
+5. The Answer Evaluator's prompt is the spec's proposal (§4.6): the paper prints none.
+6. DPO's reference is the adapter-disabled model (TRL's sigmoid DPO); the paper's literal reference-free loss is --reference_free.
+7. Paper preset: BM25 and E5 over wiki-18 (the paper: Elasticsearch BM25 and BGE-large-en-v1.5 over IRCoT and DPR corpora).
+8. Cost: every role's tokens (toy reader included) in the trained model's tokenizer; latency is batched wall time; the rewrite-group overlap (App. B.2) uses the branches' own retrieved sets.
+9. Correctness labels (evaluator pairs, incorrect acceptance) use EM in the toy preset: FlashRAG's acc finds "no" in "unknown".
+"""
+
+import random
+import re
+import time
+from collections import Counter, defaultdict
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+from accelerate import PartialState
+from accelerate.utils import gather_object
+from tokenizers import AddedToken
+from tqdm import tqdm
+from transformers import HfArgumentParser, set_seed
+
+from common.data import load_split, sample_rows, write_jsonl
+from common.llm import add_lora, chat_prompts, generate, right_pad, unknown_words
+from common.metrics import exact_match, f1_score, normalize_answer, sub_exact_match
+from common.models import load_model_and_tokenizer, make_llm
+from common.retrieval import open_retriever
+from common.runs import (
+    append_metrics,
+    load_state,
+    make_accelerator,
+    refuse_training_results,
+    run_main,
+    save_checkpoint,
+    start_run,
+    write_results,
+)
+from common.toy import load_world, rename_entities  # toy renaming (header item 3)
+
+
+@dataclass
+class Args:
+    # experiment
+    preset: str = field(default="toy", metadata={"help": "toy (built-in toy world, tiny model, CPU) or paper"})
+    train: bool = field(default=False, metadata={"help": "warm-up (toy), preference pairs, DPO, evaluations"})
+    eval: bool = field(default=False, metadata={"help": "evaluate --model (a checkpoint or the untrained start)"})
+    ask: str = field(default="", metadata={"help": "answer one question with --model and print every agent call"})
+    output_dir: str | None = field(default=None, metadata={"help": "default: runs/<run_name>; --eval: <model>/eval"})
+    run_name: str | None = field(default=None, metadata={"help": "a training run's name: sparcrag__<seed>__<time>"})
+    resume: bool = field(default=False, metadata={"help": "continue the run --run_name / --output_dir"})
+    report_to: str = field(default="none", metadata={"help": "tracker", "choices": ["none", "tensorboard", "wandb"]})
+    seed: int = field(default=42, metadata={"help": "seed of models, sampling and data order [App. A.4: 42]"})
+    # data, retrievers, models
+    data_dir: str | None = field(default=None, metadata={"help": "folder with train/test jsonl (FlashRAG QA)"})
+    corpus: str | None = field(default=None, metadata={"help": "corpus jsonl (default: data_dir/corpus.jsonl)"})
+    bm25_index: str = field(default="", metadata={"help": "saved BM25 folder (empty: built over --corpus) [App. A.3]"})
+    dense_index: str = field(default="", metadata={"help": "saved dense retriever folder [App. A.2: BGE-large]"})
+    encoder: str | None = field(default=None, metadata={"help": "dense encoder when --dense_index is empty"})
+    model: str | None = field(default=None, metadata={"help": "the backbone [§4.2: Qwen2.5-7B-Instruct]"})
+    llm: str | None = field(
+        default=None,
+        metadata={
+            "help": "Context Manager and Answer Generator: policy (the "
+            "same backbone, §4.2), toy, hf:<name>, http(s)://.../v1"
+        },
+    )
+    llm_model: str = field(default="", metadata={"help": "served model name when --llm is an endpoint URL"})
+    templates: str | None = field(default=None, metadata={"help": "paper (App. D verbatim) or compact"})
+    n_train: int | None = field(default=None, metadata={"help": "training questions (None: all)"})
+    n_eval: int | None = field(default=None, metadata={"help": "test questions evaluated (None: all) [§4.1: 500]"})
+    question_types: str | None = field(default=None, metadata={"help": "comma-separated metadata types"})
+    # Algorithm 1 [§3.3, §4.5, App. A.3-A.4]
+    width: int = field(default=2, metadata={"help": "W, branches per round [§4.5: 2]"})
+    depth: int | None = field(default=None, metadata={"help": "D_max, rounds at most [§4.5: 8]"})
+    untuned_depth: int | None = field(default=None, metadata={"help": "fixed depth of the untuned system [§4.5: 6]"})
+    early_exit: bool = field(default=True, metadata={"help": "stop on the winner's STOP (false: fixed depth) [§4.5]"})
+    top_k: int | None = field(default=None, metadata={"help": "passages per retrieval [App. A.3: 6]"})
+    temperature: float | None = field(default=None, metadata={"help": "generation modules [App. A.4: 0.5]"})
+    max_new_tokens: int | None = field(default=None, metadata={"help": "tokens per agent call [App. A.4: 600]"})
+    evaluator_max_tokens: int | None = field(default=None, metadata={"help": "tokens per evaluator call [A.4: 600]"})
+    dense_only: bool = field(default=False, metadata={"help": "every query dense (the Tab. 6 ablation)"})
+    format_tokens: bool | None = field(default=None, metadata={"help": "the output formats' tags as single tokens"})
+    bootstrap_with_q0: bool = field(default=False, metadata={"help": "round 1: one dense path on q0 (spec §9.3)"})
+    gen_batch_size: int = field(default=512, metadata={"help": "prompts per generate call (memory only)"})
+    # preference pairs [§3.4]
+    n_samples: int = field(default=4, metadata={"help": "samples per state (spec §5.3-5.4 [R]: 4)"})
+    lam: float = field(default=2.0, metadata={"help": "weight of continue over a wrong stop [§5.2: 2]"})
+    correct_by: str | None = field(default=None, metadata={"help": "answer correctness: acc, em or f1 (>= 0.5)"})
+    synthesize_missing: bool = field(default=False, metadata={"help": "missing side -> canonical decision (spec)"})
+    # DPO with LoRA [App. A.4]
+    beta: float = field(default=0.1, metadata={"help": "DPO beta [App. A.4: 0.1]"})
+    reference_free: bool = field(default=False, metadata={"help": "the paper's equation as printed: no reference"})
+    lora_r: int = field(default=16, metadata={"help": "LoRA rank [App. A.4: 16]"})
+    lora_alpha: int = field(default=32, metadata={"help": "LoRA alpha [App. A.4: 32]"})
+    lora_dropout: float = field(default=0.05, metadata={"help": "LoRA dropout [App. A.4: 0.05]"})
+    dpo_lr: float | None = field(default=None, metadata={"help": "DPO learning rate [App. A.4: 5e-5 (LoRA)]"})
+    dpo_epochs: int = field(default=3, metadata={"help": "DPO epochs [App. A.4: 3]"})
+    dpo_batch_size: int = field(default=16, metadata={"help": "pairs per update [App. A.4: effective 16]"})
+    micro_batch_size: int | None = field(default=None, metadata={"help": "pairs per forward (accumulation)"})
+    max_length: int = field(default=8192, metadata={"help": "longest pair sequence kept [App. A.4: 8192]"})
+    # toy warm-up: the untuned start (header item 2)
+    warmup: str | None = field(default=None, metadata={"help": "none (the paper) or teacher (toy: oracle SFT)"})
+    warmup_widths: str = field(default="1,2,4", metadata={"help": "widths of the teacher's runs (W in the prompt)"})
+    teacher_accept_correct: float = field(default=0.9, metadata={"help": "teacher: P(STOP | correct answer)"})
+    teacher_accept_wrong: float = field(default=0.6, metadata={"help": "teacher: P(STOP | wrong answer)"})
+    teacher_duplicate: float = field(default=0.5, metadata={"help": "teacher: P(near-duplicate rewrite set)"})
+    sft_steps: int | None = field(default=None, metadata={"help": "warm-up SFT steps"})
+    sft_lr: float = field(default=2e-3, metadata={"help": "warm-up SFT learning rate"})
+    sft_batch_size: int = field(default=32, metadata={"help": "warm-up SFT batch size"})
+    augment_p: float | None = field(default=None, metadata={"help": "toy: renaming probability of an SFT example"})
+    dpo_augment_p: float | None = field(default=None, metadata={"help": "toy: renaming probability of a DPO pair"})
+    # the naive baselines [App. A.5]
+    system: str = field(default="sparcrag", metadata={"help": "sparcrag, vanilla, parallel or sequential (naive)"})
+    naive_n: int = field(default=3, metadata={"help": "answers (parallel) or attempts (sequential) [App. A.5: D=3]"})
+
+
+PRESETS = {  # values for the fields left at None; any flag overrides them
+    # simplification: the toy preset (header items 1-4, 9)
+    "toy": {
+        "data_dir": "data/toy",
+        "encoder": "tfidf",
+        "model": "toy-lm",
+        "llm": "toy",
+        "templates": "compact",
+        "n_train": 400,
+        "depth": 4,
+        "untuned_depth": 4,
+        "top_k": 3,
+        "temperature": 0.0,
+        "max_new_tokens": 64,
+        "evaluator_max_tokens": 8,
+        "format_tokens": True,
+        "correct_by": "em",
+        "dpo_lr": 1e-4,
+        "micro_batch_size": 16,
+        "warmup": "teacher",
+        "sft_steps": 800,
+        "augment_p": 1.0,
+        "dpo_augment_p": 1.0,
+    },
+    "paper": {  # simplification: BM25 and E5 over wiki-18 (header item 7)
+        "data_dir": "data/sparcrag",
+        "encoder": "intfloat/e5-base-v2",
+        "model": "Qwen/Qwen2.5-7B-Instruct",
+        "llm": "policy",
+        "templates": "paper",
+        "n_train": None,
+        "depth": 8,
+        "untuned_depth": 6,
+        "top_k": 6,
+        "temperature": 0.5,
+        "max_new_tokens": 600,
+        "evaluator_max_tokens": 600,
+        "format_tokens": False,
+        "correct_by": "acc",
+        "dpo_lr": 5e-5,
+        "micro_batch_size": 1,
+        "warmup": "none",
+        "sft_steps": 0,
+        "augment_p": 0.0,
+        "dpo_augment_p": 0.0,
+    },
+}
+
+
+def apply_preset(args):
+    """Fill the fields left at None from the preset and check the choices."""
+    if args.preset not in PRESETS:
+        raise SystemExit(f"--preset must be one of {sorted(PRESETS)}, got {args.preset!r}")
+    for key, value in PRESETS[args.preset].items():
+        if getattr(args, key) is None:
+            setattr(args, key, value)
+    args.corpus = args.corpus or str(Path(args.data_dir) / "corpus.jsonl")
+    if args.llm == "toy":  # the toy reader of the world being trained on
+        args.llm = f"toy:{args.data_dir}"
+    if args.output_dir is None and args.eval:  # next to the model, never over a training run
+        args.output_dir = str(Path(args.model) / "eval") if Path(args.model).is_dir() else "runs/sparcrag-eval"
+    choices = {"templates": TEMPLATES, "correct_by": ("acc", "em", "f1"), "warmup": ("none", "teacher")}
+    for name, allowed in (choices | {"system": ("sparcrag", "vanilla", "parallel", "sequential")}).items():
+        if getattr(args, name) not in allowed:
+            raise SystemExit(f"--{name} must be one of {sorted(allowed)}, got {getattr(args, name)!r}")
+    for name in ("width", "depth", "untuned_depth", "lam"):  # lambda > 1 up-weights a wrong stop [§3.4]
+        if getattr(args, name) < 1:
+            raise SystemExit(f"--{name} must be >= 1, got {getattr(args, name)}")
+    return args
+
+
+# --------------------------------------------------------------------------- 1. prompts [App. D; spec §4]
+CONTEXT_MANAGER_PROMPT = """\
+Act as the context manager for a Retrieval-Augmented Generation (RAG) system. Your job is to maintain a single, up-to-date note that contains all the information relevant to answering the original query. Please ensure that the note includes all original text information useful for answering the question.
+Steps:
+- Based on the retrieved documents, supplement the notes with content not yet included but useful for answering the question.
+- Resolve conflicts: if statements disagree, keep the most reliable or recent version.
+End your response with the literal tag [END].
+Original query: {query}
+Old note: {note}
+New information: {new_context}
+Updated note:"""
+
+ANSWER_GENERATOR_PROMPT = """\
+Answer the question based on the given notes.
+Output ONLY the exact answer in as few words as possible.
+Do not include the question, reasoning, or any extra text.
+End your response with the literal tag [END].
+The following are given notes:
+{note}
+Question: {query}
+Answer:"""
+
+REWRITE_PROMPT = """\
+You are an intelligent assistant in a Retrieval-Augmented Generation (RAG) system. Your goal is to (a) diagnose retrieval needs for the current question and (b) produce exactly {N} rewritten queries, each paired with the most suitable retrieval strategy for that specific rewrite.
+Information:
+- Original Query: {query}
+- Current Query: {current_query}
+- Context: {context}
+Available Retrieval Strategies:
+- bm25 (sparse / lexical): Prioritizes exact token and phrase matches.
+- dense (semantic / vector similarity): Matches by meaning despite paraphrases.
+Instructions:
+1. Use the context to reflect on what is missing to answer the query. Think about both the big picture and the small atomic facts that might need verification.
+2. Generate exactly {N} rewritten queries.
+ - Do not just paraphrase – each query should explore a different angle, granularity, or fact.
+ - Avoid near-duplicates.
+ - Each query must serve a distinct retrieval purpose.
+3. For each query, select the most suitable retrieval strategy:
+ - Use bm25 when exact names, phrases, or quoted terms matter; remove “wh” words.
+ - Use dense when searching for meanings, definitions, or related concepts.
+Output Format (strict):
+1. First provide your analysis and rationale in a <think> block, including per-item strategy justification.
+2. Then output exactly {N} query rewrites using the following structure:
+```
+<queries>
+<item rank="1"><strategy>bm25|dense</strategy>
+<query>...</query>
+</item>
+<item rank="2"><strategy>bm25|dense</strategy>
+<query>...</query>
+</item>
+...
+<item rank="{N}"><strategy>bm25|dense</strategy>
+<query>...</query>
+</item>
+</queries>
+```
+3. End your response with the literal tag [END].
+Output:"""
+
+ANSWER_SELECTION_PROMPT = """\
+Question: {question}
+All Generated Answers:
+{answer_blocks}
+Based on all the answers and reasoning provided, select the best answer. Consider accuracy and relevance to the question. Give the final answer directly. Then, provide a direct, concise, and accurate answer inside <answer> </answer> tags. End your response with the literal tag [END].
+Final answer:"""
+
+CONTEXT_MERGING_PROMPT = """\
+You are an expert at combining contexts in a Retrieval Augmented Generation system for answering question {question}. Here are several notes: {reasoning_list}.
+Combine the above notes into a single note that includes all information and is useful for final answer generation. Please ensure that the note includes all original text information useful for answering the question. End your response with the literal tag [END].
+Your response:"""
+
+# simplification: ours (spec §4.6, header item 5): the paper describes the Answer Evaluator (inputs q0, q_t, a_t, m_t; STOP or CONTINUE on
+# correctness and grounding) but prints no prompt (header item 5)
+EVALUATOR_PROMPT = """\
+You are the answer evaluator in a Retrieval-Augmented Generation (RAG) system. Decide whether the candidate answer can be accepted as the final answer (STOP) or whether more retrieval and reasoning are needed (CONTINUE).
+Accept only if both conditions hold:
+1. Correctness: the candidate answer directly and completely answers the original query, not only the current query.
+2. Grounding: the facts needed to support the candidate answer are explicitly stated in the note.
+Otherwise, reject.
+Original query: {query}
+Current query: {current_query}
+Note: {note}
+Candidate answer: {answer}
+Give a one-sentence justification, then output your decision as <decision>STOP</decision> or <decision>CONTINUE</decision>. End your response with the literal tag [END].
+Evaluation:"""
+
+# ours (spec §9.34): the self-evaluation of the Sequential (Naive) baseline [App. A.5], which the paper does not print
+CONFIDENCE_PROMPT = """\
+The following are given documents:
+{note}
+Question: {query}
+Answer: {answer}
+How likely is the answer to be correct? Output only a confidence score between 0 and 1. End your response with the literal tag [END].
+Confidence:"""
+
+TEMPLATES = {
+    "paper": {
+        "update": CONTEXT_MANAGER_PROMPT,
+        "answer": ANSWER_GENERATOR_PROMPT,
+        "rewrite": REWRITE_PROMPT,
+        "select": ANSWER_SELECTION_PROMPT,
+        "merge": CONTEXT_MERGING_PROMPT,
+        "evaluate": EVALUATOR_PROMPT,
+        "confidence": CONFIDENCE_PROMPT,
+    },
+    # simplification: the toy preset's compact set, the same fields, tags and output formats without the prose
+    "compact": {
+        "update": "keep what answers the query , end with [END] . original query : {query} old note : {note} "
+        "new information : {new_context} updated note :",
+        "answer": "answer the question based on the notes , end with [END] . notes : {note} question : {query} answer :",
+        "rewrite": "write {N} queries , each with a strategy bm25 or dense , end with [END] . original query : {query} "
+        "current query : {current_query} context : {context} output :",
+        "select": "question : {question} answers : {answer_blocks} select the best answer in <answer> </answer> , "
+        "end with [END] . final answer :",
+        "merge": "combine the notes into a single note for {question} , end with [END] . notes : {reasoning_list} "
+        "your response :",
+        "evaluate": "decide stop or continue , end with [END] . original query : {query} current query : "
+        "{current_query} note : {note} answer : {answer} decision :",
+        "confidence": "give a confidence from 0 to 1 , end with [END] . documents : {note} question : {query} "
+        "answer : {answer} confidence :",
+    },
+}
+STOP, CONTINUE = "STOP", "CONTINUE"
+SFT_SHARES = {"rewrite": 0.75, "evaluate": 0.25}
+FORMAT_TOKENS = ["<queries>", "</queries>", "</item>", "<strategy>", "</strategy>", "<query>", "</query>", "[END]"]
+FORMAT_TOKENS += ["<decision>", "</decision>", "<think>", "</think>"] + [f'<item rank="{i}">' for i in range(1, 9)]
+TRAINED = ("rewrite", "evaluate")  # [§3.4] the roles the preference pairs tune
+
+
+def format_passages(hits):
+    """{new_context}: `Title: t` / `Text: x` per passage, blank lines between (spec §4.7, DeepNote's format)."""
+    return "\n\n".join(f"Title: {h['title']}\nText: {h['text']}" for h in hits)
+
+
+def format_answer_blocks(branches):
+    """{answer_blocks}: the answer, evaluation and note of each branch, 1-based (spec §4.7; Alg. 1 L12 passes e_k)."""
+    block = "Answer {0}: {1[answer]}\nEvaluation {0}: {1[decision]}\nReasoning {0}: {1[note]}"
+    return "\n\n".join(block.format(k, b) for k, b in enumerate(branches, 1))
+
+
+def format_notes(notes):
+    """{reasoning_list}: `Note i: ...`, the winner's note first (spec §4.7: ContextMerge(m'_k*, others))."""
+    return "\n".join(f"Note {i}: {note}" for i, note in enumerate(notes, 1))
+
+
+def format_rewrites(items):
+    """A rewrite set in the Rewrite prompt's output format (without the <think> block), ending with [END]."""
+    item = '<item rank="{}"><strategy>{}</strategy>\n<query>{}</query>\n</item>\n'
+    body = "".join(item.format(i, s, q) for i, (s, q) in enumerate(items, 1))
+    return f"<queries>\n{body}</queries> [END]"
+
+
+# --------------------------------------------------------------------------- 2. parsing (spec §2.0, §3.4, §8.2-8.3)
+END = re.compile(r"\[\s*end\s*\]", re.IGNORECASE)
+TAG = r"<\s*{0}\b[^>]*>(.*?)<\s*/\s*{0}\s*>"  # spacing tolerated: the toy tokenizer decodes `< query >`
+FLAGS = re.DOTALL | re.IGNORECASE
+
+
+def strip_end(text):
+    """The text before the first [END], without <think> blocks (an unclosed one runs to the end) [R]."""
+    return re.sub(r"<\s*think\s*>.*?(<\s*/\s*think\s*>|$)", " ", END.split(text, maxsplit=1)[0], flags=FLAGS).strip()
+
+
+def clean_answer(text):
+    """The Answer Generator's answer: the first non-empty line before [END] (spec §2.2)."""
+    return next((line.strip() for line in strip_end(text).splitlines() if line.strip()), "")
+
+
+def parse_rewrites(text, width, fallback=None):
+    """[(strategy, query)] of a rewrite (spec §8.2): items by rank, strategy bm25 or else dense, empty and repeated
+    items dropped, the first `width` padded with (dense, fallback); no fallback, no padding (spec §5.3)."""
+    found = []
+    for i, m in enumerate(re.finditer(TAG.format("item"), strip_end(text), flags=FLAGS)):
+        rank = re.search(r'rank\s*=\s*"?\s*(\d+)', m.group(0))
+        strategy = re.search(TAG.format("strategy"), m.group(1), flags=FLAGS)
+        query = re.search(TAG.format("query"), m.group(1), flags=FLAGS)
+        strategy = "bm25" if strategy and strategy.group(1).strip().lower() == "bm25" else "dense"
+        query = " ".join(query.group(1).split()) if query else ""
+        found.append((int(rank.group(1)) if rank else i + 1, i, strategy, query))
+    items = []
+    for _, _, strategy, query in sorted(found):
+        if query and (strategy, normalize_answer(query)) not in [(s, normalize_answer(q)) for s, q in items]:
+            items.append((strategy, query))
+    return items[:width] + ([] if fallback is None else [("dense", fallback)] * (width - len(items[:width])))
+
+
+def parse_decision(text):
+    """STOP or CONTINUE: the last <decision> tag, else the last bare word, else CONTINUE (never stop by default)."""
+    tags = re.findall(r"<\s*decision\s*>\s*(stop|continue)\s*<\s*/\s*decision\s*>", text, flags=re.IGNORECASE)
+    words = tags or re.findall(r"\b(stop|continue)\b", text, flags=re.IGNORECASE)
+    return words[-1].upper() if words else CONTINUE
+
+
+def select_branch(text, answers, decisions):
+    """k* from the Answer Selection output (spec §3.4): the branch whose answer equals the last <answer> text
+    (normalised), else the best token-F1 one, else the first STOP branch, else 0; the lowest k on ties."""
+    text = END.split(text, maxsplit=1)[0]  # what a stop at [END] leaves
+    tags = re.findall(TAG.format("answer"), text, flags=FLAGS)
+    chosen = normalize_answer(tags[-1] if tags else strip_end(text))
+    if chosen in (same := [normalize_answer(a) for a in answers]):
+        return same.index(chosen)
+    scores = [f1_score(a, chosen) if chosen else 0.0 for a in answers]
+    return scores.index(max(scores)) if max(scores) > 0 else next((k for k, d in enumerate(decisions) if d == STOP), 0)
+
+
+def parse_confidence(text):
+    """The first number of a self-evaluation, clipped to [0, 1], else 0 (the Sequential (Naive) baseline)."""
+    m = re.search(r"\d*\.?\d+", strip_end(text))
+    return min(max(float(m.group(0)), 0.0), 1.0) if m else 0.0
+
+
+PARSE = {  # what the rollout reads from each agent's output; `info` is what the request carried
+    "rewrite": lambda text, info: parse_rewrites(text, info["width"], info["fallback"]),
+    "update": lambda text, info: strip_end(text),
+    "answer": lambda text, info: clean_answer(text),
+    "evaluate": lambda text, info: parse_decision(text),
+    "select": lambda text, info: select_branch(text, info["answers"], info["decisions"]),
+    "merge": lambda text, info: strip_end(text),
+    "naive": lambda text, info: clean_answer(text),
+    "confidence": lambda text, info: parse_confidence(text),
+}
+
+
+# --------------------------------------------------------------------------- 3. metrics [§4.1; spec §6.4]
+def is_correct(answer, golds, by):
+    """The correctness label of an answer: acc (a gold inside the answer), em, or f1 >= 0.5 (spec §9.12)."""
+    if by == "f1":
+        return f1_score(answer, golds) >= 0.5
+    return bool((exact_match if by == "em" else sub_exact_match)(answer, golds))
+
+
+def paragraph_recall(retrieved_ids, gold_ids):
+    """|retrieved ∩ gold| / |gold| (spec §6.4); None without gold paragraphs."""
+    gold = set(map(str, gold_ids or []))
+    return len(gold & set(map(str, retrieved_ids))) / len(gold) if gold else None
+
+
+def jaccard_avg(sets):
+    """Mean pairwise Jaccard overlap of retrieved sets [App. B.2]; None for fewer than two sets."""
+    pairs = [(a, b) for i, a in enumerate(sets) for b in sets[i + 1 :]]
+    return sum(len(a & b) / max(len(a | b), 1) for a, b in pairs) / len(pairs) if pairs else None
+
+
+# --------------------------------------------------------------------------- 4. agents, retrievers, the trace
+def policy_role(model, tokenizer, args, temperature, max_tokens=None):
+    """A role played by the backbone: one generate call (per gen_batch_size) for all requests; T 0 is greedy."""
+
+    def chat(requests, seed=0):
+        prompts = chat_prompts(tokenizer, [[{"role": "user", "content": r["prompt"]}] for r in requests])
+        model.eval()
+        sampling = {"do_sample": temperature > 0, "temperature": temperature or 1.0, "stop": ["[END]"]}
+        texts, n, size = [], max_tokens or args.max_new_tokens, args.gen_batch_size
+        for s in range(0, len(prompts), size):
+            texts += generate(model, tokenizer, prompts[s : s + size], n, seed=seed + s, **sampling).texts
+        return texts
+
+    return chat
+
+
+def llm_role(llm, args, temperature):
+    """A role played by a frozen LLM (`--llm`: the toy reader, a local model or an endpoint)."""
+
+    def chat(requests, seed=0):
+        messages = [[{"role": "user", "content": r["prompt"]}] for r in requests]
+        return llm.chat(messages, temperature=temperature, max_tokens=args.max_new_tokens, stop=["[END]"], seed=seed)
+
+    return chat
+
+
+def make_ctx(policy, tokenizer, retrievers, llm, args, trained=None):
+    """The backbone of each role [§4.2, App. A.4-A.5], a token counter and the retrievers (`trained`: the teacher)."""
+    other = (lambda t: policy_role(policy, tokenizer, args, t)) if llm is None else (lambda t: llm_role(llm, args, t))
+    roles = {"rewrite": policy_role(policy, tokenizer, args, args.temperature)}
+    roles |= {"evaluate": policy_role(policy, tokenizer, args, 0.0, args.evaluator_max_tokens)} | (trained or {})
+    roles |= {role: other(args.temperature) for role in ("update", "answer", "select", "merge")}
+    roles |= {"naive": other(0.7), "confidence": other(0.0)}
+
+    def count(prompts, outputs):  # simplification: every role in the backbone's tokenizer (header item 8)
+        chats = chat_prompts(tokenizer, [[{"role": "user", "content": p}] for p in prompts])
+        ins, outs = (tokenizer(list(texts), add_special_tokens=False)["input_ids"] for texts in (chats, outputs))
+        return [len(i) for i in ins], [len(o) for o in outs]
+
+    return {"roles": roles, "count": count, "retrievers": retrievers, "args": args, "tpl": TEMPLATES[args.templates]}
+
+
+WH_WORDS = {"what", "where", "when", "who", "whom", "whose", "which", "why", "how"}  # [App. A.3], spec §9.21
+
+
+def retrieve(retrievers, items, top_k, dense_only=False):
+    """Top-k passages for each (strategy, query), one search call per strategy; BM25 drops wh-words [App. A.3]."""
+    hits = [None] * len(items)
+    for strategy in ("bm25", "dense"):
+        picked = [i for i, (s, _) in enumerate(items) if ("dense" if dense_only else s) == strategy]
+        queries = [items[i][1] for i in picked]
+        if strategy == "bm25":
+            queries = [" ".join(w for w in q.split() if w.lower() not in WH_WORDS) or q for q in queries]
+        for i, found in zip(picked, retrievers[strategy].search(queries, top_k) if picked else []):
+            hits[i] = found
+    return hits
+
+
+def req(run, prompt, k=None, **info):
+    """A request to an agent: its question's run, the branch k, the prompt, and what the parser and trace keep."""
+    return {"run": run, "k": k, "prompt": prompt, "info": info}
+
+
+def call_role(ctx, role, t, requests, seed=0):
+    """One batched call of an agent for all requests: the parsed outputs. Every call is traced in its run (prompt,
+    output, parse: the preference builder reads the traces) and costed (tokens in and out, §4.1)."""
+    if not requests:
+        return []
+    texts = ctx["roles"][role](requests, seed)
+    n_in, n_out = ctx["count"]([r["prompt"] for r in requests], texts)
+    parsed = [PARSE[role](text, r["info"]) for r, text in zip(requests, texts)]
+    for r, text, p, a, b in zip(requests, texts, parsed, n_in, n_out):
+        r["run"]["cost"].update(llm_calls=1, tokens=a + b, generated_tokens=b)
+        entry = {"t": t, "role": role, "k": r["k"], "prompt": r["prompt"], "output": text, "parsed": p}
+        r["run"]["trace"].append(entry | r["info"])
+    return parsed
+
+
+def new_run(row):
+    """One question's state: the global note m, the current query q_t, the answer, cost, trace, retrieved ids."""
+    run = {"row": row, "note": "", "query": row["question"], "answer": "", "rounds": 0, "stopped": False}
+    return run | {"trace": [], "cost": Counter(), "retrieved": [], "snapshots": []}
+
+
+# --------------------------------------------------------------------------- 5. Algorithm 1, batched [§3.3]
+def sparc_rag(rows, ctx, width, depth, early_exit=True, seed=0):
+    """Algorithm 1 for questions advancing together, one call per role per round for all live branches. One run per
+    row: answer, rounds, cost, the trace of every agent call, a snapshot per round (depth t of a fixed-depth run)."""
+    runs = [new_run(r) for r in rows]  # m^(0) = "" [Alg. 1 L1]
+    live = list(runs)
+    quiet = not PartialState().is_local_main_process or len(rows) < 50
+    for t in tqdm(range(1, depth + 1), desc="rounds", leave=False, disable=quiet):  # [L2]
+        branches = distribute(ctx, live, width, t, seed + 10 * t)  # Phase 1 [L3-4]
+        explore(ctx, branches, t, seed + 10 * t)  # Phase 2 [L5-10]
+        aggregate(ctx, live, branches, t, seed + 10 * t)  # Phase 3 [L11-13]
+        live = [run for run in live if not (early_exit and run["stopped"])]  # exit on e_k* = STOP [L14-15]
+        if not live:
+            break
+    return runs  # a run still live at D_max returns its last winner's answer [§3.3]
+
+
+def distribute(ctx, live, width, t, seed):
+    """Phase 1: the Query Rewriter writes W (strategy, sub-query) items per question in one call [L4, §3.2]; each
+    item opens a branch. q_t is the question in round 1, then the last winner's sub-query (spec §9.10)."""
+    if ctx["args"].bootstrap_with_q0 and t == 1:  # spec §9.3 variant: round 1 is one dense path on q0
+        items = [[("dense", run["row"]["question"])] for run in live]
+    else:
+        fill = lambda run: {"N": width, "query": run["row"]["question"], "current_query": run["query"]}
+        prompts = [ctx["tpl"]["rewrite"].format(context=run["note"], **fill(run)) for run in live]
+        requests = [req(run, p, width=width, fallback=run["query"]) for run, p in zip(live, prompts)]
+        items = call_role(ctx, "rewrite", t, requests, seed)
+    opened = [(run, k, s, q) for run, its in zip(live, items) for k, (s, q) in enumerate(its)]
+    return [{"run": run, "k": k, "strategy": s, "query": q} for run, k, s, q in opened]
+
+
+def explore(ctx, branches, t, seed):
+    """Phase 2: every branch retrieves [L7], folds its passages into its own copy of the global note m^(t-1) [L8],
+    answers q0 from that note [L9] and judges the answer [L10]; branches never see each other."""
+    args, tpl = ctx["args"], ctx["tpl"]
+    found = retrieve(ctx["retrievers"], [(b["strategy"], b["query"]) for b in branches], args.top_k, args.dense_only)
+    for b, hits in zip(branches, found):  # r_k <- Retrieve(q_k, C)
+        b["run"]["cost"]["retrievals"] += 1
+        b["run"]["retrieved"].append((t, [h["id"] for h in hits]))
+        b["q0"], b["passages"] = b["run"]["row"]["question"], format_passages(hits)
+    ask = lambda role, b, **fields: req(b["run"], tpl[role].format(query=b["q0"], **fields), b["k"], **fields)
+    requests = [ask("update", b, note=b["run"]["note"], new_context=b["passages"]) for b in branches]
+    for b, m in zip(branches, call_role(ctx, "update", t, requests, seed)):  # m'_k <- MemUpdate(m^(t-1), r_k)
+        b["note"] = m
+    for b, a in zip(branches, call_role(ctx, "answer", t, [ask("answer", b, note=b["note"]) for b in branches], seed)):
+        b["answer"] = a  # a_k <- AnsGenerate(q0, m'_k)
+    requests = [ask("evaluate", b, current_query=b["query"], note=b["note"], answer=b["answer"]) for b in branches]
+    for b, e in zip(branches, call_role(ctx, "evaluate", t, requests, seed)):  # e_k <- EvaluateAns(a_k, m'_k)
+        b["decision"] = e
+
+
+def aggregate(ctx, live, branches, t, seed):
+    """Phase 3: the Context Manager selects the best branch k* [L12] and merges the branch notes, the winner's first,
+    into the new global note m^(t) [L13]: the only write to the shared context. One branch: its note, no calls."""
+    of = defaultdict(list)
+    for b in branches:
+        of[id(b["run"])].append(b)
+    many = [run for run in live if len(of[id(run)]) > 1]
+    requests = []
+    for run in many:
+        bs, q0 = of[id(run)], run["row"]["question"]
+        prompt = ctx["tpl"]["select"].format(question=q0, answer_blocks=format_answer_blocks(bs))
+        requests.append(req(run, prompt, answers=[b["answer"] for b in bs], decisions=[b["decision"] for b in bs]))
+    picks = dict(zip(map(id, many), call_role(ctx, "select", t, requests, seed)))  # k* <- SelectBest
+    winner = {id(run): of[id(run)][picks.get(id(run), 0)] for run in live}
+    requests = []
+    for run in many:  # ContextMerge(m'_k*, {m'_k}_k!=k*)
+        notes = [winner[id(run)]["note"]] + [b["note"] for b in of[id(run)] if b is not winner[id(run)]]
+        prompt = ctx["tpl"]["merge"].format(question=run["row"]["question"], reasoning_list=format_notes(notes))
+        requests.append(req(run, prompt))
+    merged = dict(zip(map(id, many), call_role(ctx, "merge", t, requests, seed)))
+    for run in live:  # copy on write: m^(t) replaces m^(t-1); q_t+1 is the winner's sub-query (spec §9.10)
+        w = winner[id(run)]
+        run.update(note=merged.get(id(run), w["note"]), query=w["query"], answer=w["answer"], rounds=t)
+        run["stopped"] = w["decision"] == STOP
+        run["snapshots"].append({**run["cost"], "answer": w["answer"], "n_retrieved": len(run["retrieved"])})
+
+
+# --------------------------------------------------------------------------- 6. the naive baselines [App. A.5]
+def naive(rows, ctx, system, n, seed=0):
+    """Vanilla RAG, Parallel (n answers at T 0.7, majority vote) and Sequential (retry below confidence 0.7)
+    (naive) baselines [App. A.5, spec §6.5]; the answer prompt is the Answer Generator's, passages as notes."""
+    tpl, runs = ctx["tpl"], [new_run(r) | {"rounds": 1} for r in rows]
+    found = retrieve(ctx["retrievers"], [("dense", r["question"]) for r in rows], ctx["args"].top_k)
+    for run, hits in zip(runs, found):
+        run["cost"]["retrievals"] += 1
+        run["retrieved"].append((1, [h["id"] for h in hits]))
+        run["passages"] = format_passages(hits)
+        run["prompt"] = tpl["answer"].format(note=run["passages"], query=run["row"]["question"])
+    if system != "sequential":
+        copies = n if system == "parallel" else 1
+        answers = call_role(ctx, "naive", 1, [req(run, run["prompt"]) for run in runs for _ in range(copies)], seed)
+        for i, run in enumerate(runs):
+            votes = Counter(normalize_answer(a) for a in answers[i * copies : (i + 1) * copies])
+            run["answer"] = next(a for a in answers[i * copies :] if normalize_answer(a) == votes.most_common(1)[0][0])
+        return runs
+    live = list(runs)
+    for attempt in range(1, n + 1):
+        answers = call_role(ctx, "naive", attempt, [req(run, run["prompt"]) for run in live], seed + attempt)
+        fill = lambda run, a: tpl["confidence"].format(note=run["passages"], query=run["row"]["question"], answer=a)
+        requests = [req(run, fill(run, a)) for run, a in zip(live, answers)]
+        scores = call_role(ctx, "confidence", attempt, requests, seed + attempt)
+        for run, a, c in zip(live, answers, scores):  # the first of the most confident answers
+            run["best"] = max(run.get("best", (-1.0, 0, "")), (c, -attempt, a))
+            run["rounds"], run["answer"] = attempt, run["best"][2]
+        live = [run for run, c in zip(live, scores) if c < 0.7]
+    return runs
+
+
+# --------------------------------------------------------------------------- 7. preference pairs [§3.4; spec §5.3-5.4]
+def rewrite_pair(recalls):
+    """(chosen, rejected): the first highest- over the first lowest-recall sample if higher [§3.4], else None."""
+    hi = max(range(len(recalls)), key=lambda i: (recalls[i], -i))
+    lo = min(range(len(recalls)), key=lambda i: (recalls[i], i))
+    return (hi, lo) if recalls[hi] > recalls[lo] else None
+
+
+def evaluator_pair(decisions, correct, lam, synthesize=False):
+    """(chosen, rejected, weight): the first decision matching the answer's correctness (STOP if correct)
+    over the first other one, weight lam for CONTINUE over a wrong STOP [§3.4]; missing: None (synthesize: -1)."""
+    good = STOP if correct else CONTINUE
+    chosen = next((i for i, d in enumerate(decisions) if d == good), -1 if synthesize else None)
+    rejected = next((i for i, d in enumerate(decisions) if d != good), None)
+    return None if chosen is None or rejected is None else (chosen, rejected, lam if good == CONTINUE else 1.0)
+
+
+def states_of(runs, role):
+    """(trace entry, run) of every call of a role in the runs, once per prompt."""
+    return list({e["prompt"]: (e, run) for run in runs for e in run["trace"] if e["role"] == role}.values())
+
+
+def build_pairs(runs, ctx, sample, args):
+    """Pairs from the traces of the base model's runs [§3.4]: per logged Rewriter input, n sampled rewrite sets by
+    the combined recall of their W retrievals; per logged Evaluator input, n decisions by the answer's correctness."""
+    rewrites = [(e, r) for e, r in states_of(runs, "rewrite") if r["row"]["metadata"].get("supporting_doc_ids")]
+    evaluations = states_of(runs, "evaluate")
+    texts = sample([e["prompt"] for e, _ in rewrites + evaluations], args.n_samples)
+    groups = [[parse_rewrites(t, e["width"]) for t in ts] for (e, _), ts in zip(rewrites, texts)]  # unparsed: []
+    flat = [item for group in groups for items in group for item in items]
+    found = iter(retrieve(ctx["retrievers"], flat, args.top_k, args.dense_only))
+    pairs, pick = [], lambda ts, i, j: {"chosen": ts[i], "rejected": ts[j]}
+    for (entry, run), group, ts in zip(rewrites, groups, texts):
+        union = [[h["id"] for _ in items for h in next(found)] for items in group]  # R(y): the items' union
+        recalls = [paragraph_recall(ids, run["row"]["metadata"]["supporting_doc_ids"]) for ids in union]
+        if got := rewrite_pair(recalls):
+            pairs.append({"role": "rewrite", "prompt": entry["prompt"], "weight": 1.0} | pick(ts, *got))
+    for (entry, run), ts in zip(evaluations, texts[len(rewrites) :]):
+        correct = is_correct(entry["answer"], run["row"]["golden_answers"], args.correct_by)
+        if got := evaluator_pair([parse_decision(t) for t in ts], correct, args.lam, args.synthesize_missing):
+            canonical = ts + [f"<decision>{STOP if correct else CONTINUE}</decision>"]  # index -1
+            pairs.append({"role": "evaluate", "prompt": entry["prompt"], "weight": got[2]} | pick(canonical, *got[:2]))
+    return pairs
+
+
+def sampler(model, tokenizer, args):
+    """sample(prompts, n): n texts per prompt from the backbone at temperature 1 (spec §5.3-5.4 [R])."""
+    chat = policy_role(model, tokenizer, args, 1.0)
+
+    def sample(prompts, n, seed=0):
+        texts = chat([{"prompt": p} for p in prompts for _ in range(n)], seed)
+        return [texts[i : i + n] for i in range(0, len(texts), n)]
+
+    return sample
+
+
+# --------------------------------------------------------------------------- 8. losses
+def sequence_logps(model, ids, loss_mask, attention):
+    """log pi(y | x): the sum of the response tokens' log-probs, (B,); the logits at position i score token i + 1."""
+    logits = model(input_ids=ids, attention_mask=attention).logits[:, :-1].float()  # (B, T-1, V)
+    logp = torch.log_softmax(logits, dim=-1).gather(-1, ids[:, 1:, None]).squeeze(-1)  # (B, T-1)
+    return (logp * loss_mask[:, 1:]).sum(-1)  # (B,)
+
+
+def dpo_loss(pi_chosen, pi_rejected, ref_chosen, ref_rejected, weights, beta, reference_free=False):
+    """Weighted DPO: the batch mean (not over the sum of w, spec §9.14) of w * -log sigmoid(beta * margin), margin =
+    log pi(y+) - log pi(y-) as printed, minus the reference's by default; and beta * margin (the reward margins)."""
+    margin = pi_chosen - pi_rejected  # [§3.4, Eq. L_AE]
+    if not reference_free:
+        margin = margin - (ref_chosen - ref_rejected)  # simplification: a reference (spec §5.5, header item 6)
+    return (weights * F.softplus(-beta * margin)).mean(), beta * margin  # softplus(-x) = -log sigmoid(x)
+
+
+def encode(tokenizer, prompt, response):
+    """(ids, loss_mask) as assembled: chat prompt (0), response cut at [END], then [END] and EOS (1) (spec §5.5)."""
+    prompt = chat_prompts(tokenizer, [[{"role": "user", "content": prompt}]])[0]
+    prompt_ids = tokenizer(prompt, add_special_tokens=False)["input_ids"]
+    target = tokenizer(strip_end(response) + " [END]", add_special_tokens=False)["input_ids"] + [
+        tokenizer.eos_token_id
+    ]
+    return prompt_ids + target, [0] * len(prompt_ids) + [1] * len(target)
+
+
+def batch_tensors(seqs, pad_id, device):
+    """(ids, loss_mask, attention) of (ids, mask) sequences, right-padded, each (B, T)."""
+    ids, masks = zip(*seqs)
+    tensors = right_pad(ids, pad_id), right_pad(masks, 0), right_pad([[1] * len(i) for i in ids], 0)
+    return tuple(x.to(device) for x in tensors)
+
+
+# --------------------------------------------------------------------------- 9. the toy warm-up (header item 2)
+def teacher_rewrite(request, rng, args):
+    """The toy teacher's rewrites: the sub-queries (metadata) of the facts not in the note whose subject is named,
+    then a named subject alone, the question; with p teacher_duplicate item 2 repeats item 1 by dense."""
+    run, width = request["run"], request["info"]["width"]
+    meta, q0 = run["row"]["metadata"], run["row"]["question"]
+    seen, noted = set(re.findall(r"\w+", f"{q0} {run['note']}".lower())), set(re.findall(r"\w+", run["note"].lower()))
+    heads = meta["entities"][:2] if meta["type"] in ("comparison", "yes_no") else meta["entities"][:-1]
+    facts = zip(heads, meta["sub_answers"], meta["sub_queries"])
+    todo = [("bm25", q) for h, a, q in facts if h in seen and not {h, a} <= noted]
+    if todo and rng.random() < args.teacher_duplicate:
+        todo = [todo[0], ("dense", todo[0][1])]
+    fillers = [("dense", h) for h in heads if h in seen] + [("dense", q0)]  # another granularity, the question
+    return format_rewrites(list(dict.fromkeys(todo + fillers))[:width])
+
+
+def teacher_role(role, args, seed):
+    """The warm-up teacher as a trained role's backbone: teacher_rewrite, or STOP at the rates of header item 2."""
+    rng = random.Random(seed)
+
+    def decide(r):
+        right = is_correct(r["info"]["answer"], r["run"]["row"]["golden_answers"], args.correct_by)
+        stop = rng.random() < (args.teacher_accept_correct if right else args.teacher_accept_wrong)
+        return f"<decision>{STOP if stop else CONTINUE}</decision> [END]"
+
+    act = (lambda r: teacher_rewrite(r, rng, args)) if role == "rewrite" else decide
+    return lambda requests, seed=0: [act(r) for r in requests]
+
+
+def warmup_examples(rows, policy, tokenizer, llm, retrievers, args):
+    """(prompt, output) pairs of the trained roles from the teacher's fixed-depth runs, at each warm-up width."""
+    widths = [int(w) for w in args.warmup_widths.split(",")]
+    teacher = {role: teacher_role(role, args, args.seed + i) for i, role in enumerate(TRAINED)}
+    ctx, examples = make_ctx(policy, tokenizer, retrievers, llm, args, teacher), []
+    for i, width in enumerate(widths):
+        for run in sparc_rag(rows[i :: len(widths)], ctx, width, args.untuned_depth, early_exit=False):
+            examples += [{k: e[k] for k in ("role", "prompt", "output")} for e in run["trace"] if e["role"] in TRAINED]
+    return examples
+
+
+def sft(accelerator, model, tokenizer, examples, args, world):
+    """Cross-entropy on the output, [END] and EOS (loss_mask 1); AdamW, warm-up, linear decay; toy renaming."""
+    rng, warm = random.Random(args.seed), max(1, args.sft_steps // 20)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=args.sft_lr, betas=(0.9, 0.98), weight_decay=0.0)
+    schedule = lambda s: min((s + 1) / warm, 1 - 0.9 * s / args.sft_steps)  # warm-up, then linear decay to 0.1
+    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, schedule)
+    model, optimizer = accelerator.prepare(model, optimizer)
+    model.train()
+    pools = [[e for e in examples if e["role"] == role] for role in TRAINED]  # each batch: both roles, in shares
+    shares = [round(args.sft_batch_size * SFT_SHARES[role]) for role in TRAINED]
+    rename = lambda x: rename_entities(x, world, rng, popular="keep")  # simplification: header item 3
+    for step in range(args.sft_steps):
+        batch = [e for pool, n in zip(pools, shares) for e in rng.sample(pool, min(n, len(pool)))]
+        texts = [[e["prompt"], e["output"]] for e in batch[accelerator.process_index :: accelerator.num_processes]]
+        texts = [rename(x) if world and rng.random() < args.augment_p else x for x in texts]
+        seqs = [encode(tokenizer, *x) for x in texts]
+        ids, mask, attention = batch_tensors(seqs, tokenizer.pad_token_id, accelerator.device)
+        logits = model(input_ids=ids, attention_mask=attention).logits[:, :-1].float()  # (B, T-1, V)
+        nll = F.cross_entropy(logits.flatten(0, 1), ids[:, 1:].flatten(), reduction="none").view_as(mask[:, 1:])
+        loss = (nll * mask[:, 1:]).sum() / mask[:, 1:].sum()  # (B, T-1) -> the mean over output tokens
+        optimizer.zero_grad()
+        accelerator.backward(loss)
+        accelerator.clip_grad_norm_(model.parameters(), 1.0)
+        optimizer.step()
+        scheduler.step()
+        if step % 100 == 0 or step + 1 == args.sft_steps:
+            accelerator.print(f"sft step {step + 1}/{args.sft_steps} | loss={loss.item():.4f}")
+    return accelerator.unwrap_model(model)
+
+
+# --------------------------------------------------------------------------- 10. weighted DPO with LoRA [§3.4, App. A.4]
+def pair_tensors(micro, tokenizer, rng, world, args, device):
+    """(ids, loss_mask, attention) of the chosen then the rejected sequences, and the weights (B,)."""
+    seqs = []
+    for p in micro:
+        texts = [p["prompt"], p["chosen"], p["rejected"]]
+        if world and rng.random() < args.dpo_augment_p:
+            texts = rename_entities(texts, world, rng, popular="keep")
+        seqs.append((encode(tokenizer, texts[0], texts[1]), encode(tokenizer, texts[0], texts[2])))
+    tensors = batch_tensors([c for c, _ in seqs] + [r for _, r in seqs], tokenizer.pad_token_id, device)
+    return *tensors, torch.tensor([p["weight"] for p in micro], device=device)
+
+
+def dpo_train(accelerator, model, tokenizer, pairs, args, world, log):
+    """Weighted DPO on the combined rewriter and evaluator pairs in one run [§4.5]: LoRA on q/k/v/o, the reference
+    the same model with its adapter disabled, AdamW, linear decay, gradient clipping 1.0 (spec §9.16)."""
+    rng = random.Random(args.seed)
+    longest = lambda p: max(len(encode(tokenizer, p["prompt"], p[y])[0]) for y in ("chosen", "rejected"))
+    pairs = [p for p in pairs if longest(p) <= args.max_length]
+    lora = {"r": args.lora_r, "lora_alpha": args.lora_alpha, "lora_dropout": args.lora_dropout}
+    model = add_lora(model, lora | {"target_modules": ["q_proj", "k_proj", "v_proj", "o_proj"]})
+    for p in model.parameters():  # never Adam on bf16 weights: the adapters train in fp32
+        p.data = p.data.float() if p.requires_grad else p.data
+    steps = -(-args.dpo_epochs * len(pairs) // args.dpo_batch_size)
+    optimizer = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=args.dpo_lr, weight_decay=0.0)
+    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: 1 - s / steps)
+    model, optimizer = accelerator.prepare(model, optimizer)
+    epochs = [pairs[i] for _ in range(args.dpo_epochs) for i in rng.sample(range(len(pairs)), len(pairs))]
+    for step in range(steps):  # batches in order through the shuffled epochs
+        batch = epochs[step * args.dpo_batch_size : (step + 1) * args.dpo_batch_size]
+        mine = batch[accelerator.process_index :: accelerator.num_processes]
+        model.train()
+        optimizer.zero_grad()
+        stats = Counter()
+        for m in range(0, len(mine), args.micro_batch_size):
+            micro = mine[m : m + args.micro_batch_size]
+            ids, mask, attention, weights = pair_tensors(micro, tokenizer, rng, world, args, accelerator.device)
+            with torch.no_grad(), accelerator.unwrap_model(model).disable_adapter():  # pi_ref
+                ref = sequence_logps(model, ids, mask, attention).chunk(2)  # (B,) chosen, (B,) rejected
+            pi = sequence_logps(model, ids, mask, attention).chunk(2)
+            loss, rewards = dpo_loss(*pi, *ref, weights, args.beta, args.reference_free)
+            accelerator.backward(loss * len(micro) / len(mine))
+            stats.update({"losses/dpo": loss.item() * len(micro), "rewards/margin": rewards.sum().item()})
+            stats.update({"rewards/accuracy": (rewards > 0).sum().item(), "n": len(micro)})
+        accelerator.clip_grad_norm_(model.parameters(), 1.0)
+        optimizer.step()
+        scheduler.step()
+        record = {k: v / max(stats["n"], 1) for k, v in stats.items() if k != "n"} | {"step": step + 1}
+        log(record)
+        if (step + 1) % 20 == 0 or step + 1 == steps:
+            accelerator.print(" | ".join(f"{k}={v:.4g}" for k, v in record.items()))
+    return accelerator.unwrap_model(model), steps
+
+
+# --------------------------------------------------------------------------- 11. evaluation [§4.1, §5; spec §6.4]
+def run_record(run, args, upto=None):
+    """A question's scores and cost at its end, or after round `upto` of a fixed-depth run."""
+    snap = run["snapshots"][upto - 1] if upto else {**run["cost"], "answer": run["answer"]}
+    rounds, answer, golds = upto or run["rounds"], snap["answer"], run["row"]["golden_answers"]
+    retrieved = [(t, set(map(str, ids))) for t, ids in run["retrieved"] if t <= rounds]
+    judged = [(e["answer"], e["parsed"]) for e in run["trace"] if e["role"] == "evaluate" and e["t"] <= rounds]
+    wrong = [d for a, d in judged if not is_correct(a, golds, args.correct_by)]
+    # simplification: the B.2 overlap of each round's own retrievals, not a dense re-retrieval (header item 8)
+    overlaps = [o for r in range(1, rounds + 1) if (o := jaccard_avg([s for t, s in retrieved if t == r])) is not None]
+    gold = run["row"]["metadata"].get("supporting_doc_ids")
+    record = {"em": exact_match(answer, golds), "f1": f1_score(answer, golds), "acc": sub_exact_match(answer, golds)}
+    record["recall"] = paragraph_recall(set().union(*[s for _, s in retrieved]), gold)
+    record |= {k: snap.get(k, 0) for k in ("tokens", "generated_tokens", "llm_calls", "retrievals")}
+    record |= {"rounds": rounds, "wrong_judged": len(wrong), "wrong_stops": wrong.count(STOP)}
+    return record | {"overlap": sum(overlaps) / len(overlaps) if overlaps else None}
+
+
+def summarize(records, rows):
+    """Means (recall, overlap: where defined), incorrect acceptance (spec §9.32), avg [§4.1], by question type."""
+
+    def mean(recs):
+        out = {k: (sum(vs) / len(vs) if (vs := [r[k] for r in recs if r[k] is not None]) else None) for k in recs[0]}
+        stops, judged = out.pop("wrong_stops") * len(recs), out.pop("wrong_judged") * len(recs)
+        out["incorrect_acceptance"] = stops / judged if judged else None
+        return out | {"n": len(recs), "avg": (out["acc"] + out["f1"] + out["em"]) / 3}
+
+    groups = defaultdict(list)
+    for rec, row in zip(records, rows):
+        groups[str(row["metadata"].get("type"))].append(rec)
+    keep = ("f1", "em", "rounds", "recall", "tokens", "n")
+    return mean(records) | {"groups": {k: {m: v for m, v in mean(g).items() if m in keep} for k, g in groups.items()}}
+
+
+def evaluate(ctx, rows, width, depth, early_exit, system="sparcrag", predictions=None):
+    """A system on the rows, all advancing together; `predictions`: one json line per question."""
+    start, args = time.time(), ctx["args"]
+    if system == "sparcrag":
+        runs = sparc_rag(rows, ctx, width, depth, early_exit, args.seed)
+    else:
+        runs = naive(rows, ctx, system, args.naive_n, args.seed)
+    records = [run_record(run, args) for run in runs]
+    if predictions is not None and PartialState().is_main_process:
+        write_jsonl(predictions, [prediction_of(run, rec) for run, rec in zip(runs, records)])
+    setting = {"system": system, "width": width, "depth": depth, "early_exit": early_exit}
+    return summarize(records, rows) | {"setting": setting, "latency_s": (time.time() - start) / max(len(rows), 1)}
+
+
+def prediction_of(run, record):
+    """One line of predictions_<stage>.jsonl: golds, prediction, the rounds in short, scores and cost."""
+    show = lambda e: " | ".join(" ".join(i) for i in e["parsed"]) if e["role"] == "rewrite" else str(e["parsed"])
+    steps = [f"t{e['t']} {e['role']}: {show(e)}" for e in run["trace"] if e["role"] in ("rewrite", "evaluate")]
+    row, short = run["row"], {"prediction": run["answer"], "trajectory": " ; ".join(steps)}
+    return {"id": row.get("id"), "question": row["question"], "golden_answers": row["golden_answers"]} | short | record
+
+
+def brief(result):
+    """One log line of an evaluation."""
+    keys = ("f1", "em", "recall", "rounds", "tokens", "generated_tokens", "incorrect_acceptance", "overlap")
+    return " ".join(f"{k}={result[k]:.3f}" for k in keys if result.get(k) is not None)
+
+
+# --------------------------------------------------------------------------- 12. train / eval / ask
+def frozen_parts(args):
+    """The BM25 and dense retrievers [App. A.3], and the frozen LLM of the untrained roles (None: the backbone)."""
+    dense = open_retriever(args.dense_index, args.corpus, args.encoder)
+    bm25 = dense if args.dense_only else open_retriever(args.bm25_index, args.corpus, "bm25")
+    llm = None if args.llm == "policy" else make_llm(args.llm, **({"model": args.llm_model} if args.llm_model else {}))
+    return {"dense": dense, "bm25": bm25}, llm
+
+
+def load_policy(args, device, model_name=None):
+    """The backbone and tokenizer; format_tokens: the formats' tags as single tokens (a toy-lm has no `item`)."""
+    # fp32 master weights; without a warm-up only LoRA trains, so a GPU run keeps the frozen base in bf16
+    dtype = torch.bfloat16 if device.type == "cuda" and args.warmup == "none" else torch.float32
+    model, tokenizer = load_model_and_tokenizer(model_name or args.model, dtype=dtype, world=args.data_dir)
+    new = [t for t in FORMAT_TOKENS if t not in tokenizer.get_vocab()] if args.format_tokens else []
+    if new:  # simplification: single-token tags for a model trained from scratch (header item 4)
+        tokenizer.add_tokens([AddedToken(w, single_word=w.isalpha(), normalized=False) for w in new])
+        model.resize_token_embeddings(len(tokenizer), mean_resizing=False)
+    return model.to(device), tokenizer
+
+
+def result_record(args, results, steps, wall, pairs=None):
+    """The result contract (DESIGN: results.json); `before` is the untuned system at fixed depth [§4.5]."""
+    final = results.get("after") or results["before"]
+    costs = {f"{k}_per_question": final[k] for k in ("retrievals", "llm_calls", "generated_tokens", "tokens")}
+    record = {"method": "sparcrag", "mode": "train" if args.train else "eval", "preset": args.preset}
+    record |= {"seed": args.seed, "model": args.model, "dataset": args.data_dir, "n_eval": final["n"]}
+    record |= results | {"after": final} | costs | {"wall_s": round(wall, 1), "train_steps": steps, "pairs": pairs}
+    return record | {"args": asdict(args)}
+
+
+def warm_up(accelerator, args, out, rows, test_rows, llm, retrievers, world, results):
+    """The toy's untuned start (header item 2): raw evaluation, teacher runs, SFT, sft/ (resumed: loaded)."""
+    state = load_state(out / "sft") if args.warmup == "teacher" else None
+    policy, tokenizer = load_policy(args, accelerator.device, str(out / "sft") if state else None)
+    if args.warmup == "none" or state:  # simplification: the toy's warm-up follows (header item 2)
+        results["before_sft"] = state and state["before_sft"]
+        return policy, tokenizer, state["steps"] if state else 0
+    with accelerator.autocast():
+        ctx = make_ctx(policy, tokenizer, retrievers, llm, args)
+        saved = out / "predictions_raw.jsonl"
+        results["before_sft"] = evaluate(ctx, test_rows, args.width, args.untuned_depth, False, predictions=saved)
+        accelerator.print(f"raw start (fixed depth {args.untuned_depth}) | {brief(results['before_sft'])}")
+        examples = warmup_examples(rows, policy, tokenizer, llm, retrievers, args)
+    accelerator.print(f"warm-up: {len(examples)} teacher examples from {len(rows)} questions")
+    policy = sft(accelerator, policy, tokenizer, examples, args, world)
+    if accelerator.is_main_process:
+        state = {"before_sft": results["before_sft"], "steps": args.sft_steps, "data_dir": args.data_dir}
+        save_checkpoint(out / "sft", policy, tokenizer, state | {"args": asdict(args)})
+    accelerator.wait_for_everyone()
+    return policy, tokenizer, args.sft_steps
+
+
+def train(args):
+    """Warm-up, the untuned system's evaluations, pairs from its runs, weighted DPO, the tuned evaluation."""
+    start, out = time.time(), start_run(args, "sparcrag", stages=("sft", "dpo"))
+    accelerator = make_accelerator(args.report_to, out)
+    out.mkdir(parents=True, exist_ok=True)
+    accelerator.init_trackers(args.run_name, {k: "None" if v is None else v for k, v in asdict(args).items()})
+    set_seed(args.seed)
+    train_rows = sample_rows(load_split(args.data_dir, "train", args.question_types), args.n_train, args.seed)
+    test_rows = load_split(args.data_dir, "test", args.question_types)[: args.n_eval]
+    (retrievers, llm), results = frozen_parts(args), {}
+    toy = (args.augment_p or args.dpo_augment_p) and (Path(args.data_dir) / "world.json").is_file()
+    world = load_world(args.data_dir) if toy else None  # simplification: toy renaming (header item 3)
+    log = lambda record: append_metrics(out / "metrics.jsonl", record, accelerator.is_main_process)
+    policy, tokenizer, n_sft = warm_up(accelerator, args, out, train_rows, test_rows, llm, retrievers, world, results)
+    policy.name_or_path = str((out / "sft").resolve()) if args.warmup == "teacher" else args.model  # the LoRA base
+    ctx = make_ctx(policy, tokenizer, retrievers, llm, args)
+    with accelerator.autocast():  # the untuned system: fixed depth [§4.5]; and with its own stop decisions (ours)
+        fixed = out / "predictions_untuned.jsonl"
+        results["before"] = evaluate(ctx, test_rows, args.width, args.untuned_depth, False, predictions=fixed)
+        results["before_adaptive"] = evaluate(ctx, test_rows, args.width, args.depth, True)
+    accelerator.print("\n".join(f"untuned, {k} | {brief(results[k])}" for k in ("before", "before_adaptive")))
+    if (state := load_state(out / "dpo")) is not None:  # resume: tuned
+        policy, tokenizer = load_policy(args, accelerator.device, str(out / "dpo"))
+    else:
+        with accelerator.autocast():  # the base model's own runs on training questions [§3.4, spec §5.2]
+            mine = train_rows[accelerator.process_index :: accelerator.num_processes]
+            runs = sparc_rag(mine, ctx, args.width, args.untuned_depth, early_exit=False, seed=args.seed)
+            pairs = build_pairs(runs, ctx, sampler(policy, tokenizer, args), args)
+            pairs = [p for ps in gather_object([pairs]) for p in ps]
+        counts = dict(Counter(p["role"] for p in pairs) + Counter(f"weight_{p['weight']:g}" for p in pairs))
+        accelerator.print(f"pairs: {counts} from {len(train_rows)} training questions")
+        if not pairs:
+            raise SystemExit("no preference pair: every sampled rewrite set tied and every sampled decision agreed")
+        policy, steps = dpo_train(accelerator, policy, tokenizer, pairs, args, world, log)
+        state = {"pairs": counts, "steps": steps, "data_dir": args.data_dir, "args": asdict(args)}
+        if accelerator.is_main_process:
+            save_checkpoint(out / "dpo", policy, tokenizer, state)
+    with accelerator.autocast():  # the tuned system: adaptive depth, capped at D_max [§4.5]
+        ctx = make_ctx(policy, tokenizer, retrievers, llm, args)
+        tuned = out / "predictions_dpo.jsonl"
+        results["after"] = evaluate(ctx, test_rows, args.width, args.depth, True, predictions=tuned)
+    accelerator.print(f"tuned, adaptive (cap {args.depth}) | {brief(results['after'])}")
+    log({"stage": "eval"} | {k: results[k] for k in ("before", "before_adaptive", "after")})
+    accelerator.end_training()
+    steps = {"sft": n_sft, "dpo": state["steps"]}
+    record = result_record(args, results, steps, time.time() - start, state["pairs"])
+    write_results(out, record, accelerator.is_main_process)
+
+
+def run_eval(args):
+    """Evaluate --model as one system (--system, --width, --depth, --early_exit) on the test split."""
+    start, out = time.time(), Path(args.output_dir)
+    refuse_training_results(out)
+    accelerator = make_accelerator()
+    out.mkdir(parents=True, exist_ok=True)
+    set_seed(args.seed)
+    rows = load_split(args.data_dir, "test", args.question_types)[: args.n_eval]  # a bad data file fails first
+    policy, tokenizer = load_policy(args, accelerator.device)
+    ctx = make_ctx(policy, tokenizer, *frozen_parts(args), args)
+    with accelerator.autocast():
+        saved = out / "predictions_eval.jsonl"
+        result = evaluate(ctx, rows, args.width, args.depth, args.early_exit, args.system, saved)
+    accelerator.print(f"eval {result['setting']} | {brief(result)}")
+    record = result_record(args, {"before": result}, {"sft": 0, "dpo": 0}, time.time() - start)
+    write_results(out, record, accelerator.is_main_process)
+
+
+def ask(args):
+    """One question through Algorithm 1 with --model, printing every agent call."""
+    policy, tokenizer = load_policy(args, make_accelerator().device)
+    if unknown := unknown_words(tokenizer, args.ask):
+        print(f"warning: words the model's tokenizer does not know (read as <unk>): {' '.join(unknown)}")
+    ctx = make_ctx(policy, tokenizer, *frozen_parts(args), args)
+    row = {"id": "ask", "question": args.ask, "golden_answers": [""], "metadata": {}}
+    run = sparc_rag([row], ctx, args.width, args.depth, args.early_exit, args.seed)[0]
+    for e in run["trace"]:
+        who = e["role"] + ("" if e["k"] is None else str(e["k"] + 1))
+        print(f"round {e['t']} {who}: {' '.join(str(e['parsed']).split())}")
+    print(f"answer: {run['answer']} (rounds: {run['rounds']})")
+
+
+def main(argv=None):
+    """Parse the flags, fill the preset, dispatch on the mode."""
+    (args,) = HfArgumentParser(Args).parse_args_into_dataclasses(args=argv)
+    if args.ask and args.model is None:
+        raise SystemExit("--ask needs --model: a trained checkpoint (e.g. runs/<run_name>/dpo after --train)")
+    if args.data_dir is None and args.model and (state := load_state(args.model)):
+        args.data_dir = state.get("data_dir")  # a checkpoint remembers its world (tokenizer, reader, corpus)
+    apply_preset(args)
+    if not (args.train or args.eval or args.ask):
+        raise SystemExit('choose a mode: --train, --eval or --ask "question" (see --help)')
+    (train if args.train else run_eval if args.eval else ask)(args)
+
+
+if __name__ == "__main__":
+    run_main(main)

@@ -1,0 +1,732 @@
+"""SPARC-RAG: the spec's worked numbers (§8: parsers, SelectBest mapping, recall and Jaccard, preference pairs with
+the lambda weighting, the weighted DPO loss and its gradient, the masked sequence log-prob), Algorithm 1 with a
+scripted backbone on the spec's Anticimex example (branch isolation, the merge as the only write, STOP / depth cap /
+fixed depth, calls and tokens per round), the naive baselines, the toy teacher, and end-to-end toy runs."""
+
+import itertools
+import json
+import math
+from collections import Counter
+from pathlib import Path
+
+import pytest
+import torch
+from conftest import check_contract
+
+import sparcrag
+from sparcrag import CONTINUE, STOP
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+# ---------------------------------------------------------------- parsing (spec §8.2, §8.3, §3.4)
+def test_parse_rewrites_spec_example_and_padding():
+    text = (
+        '<think>EQT is the parent.</think><queries><item rank="1"><strategy>bm25</strategy>\n'
+        '<query>Anticimex parent company</query>\n</item><item rank="2"><strategy>Dense</strategy>\n'
+        "<query>EQT headquarters</query>\n</item></queries>"
+    )
+    assert sparcrag.parse_rewrites(text, 2, "q0") == [
+        ("bm25", "Anticimex parent company"),
+        ("dense", "EQT headquarters"),
+    ]
+    assert sparcrag.parse_rewrites("no items at all", 2, "q0") == [("dense", "q0"), ("dense", "q0")]
+    assert sparcrag.parse_rewrites("no items at all", 2) == []  # no fallback: an unparsed set retrieves nothing
+    assert sparcrag.parse_rewrites(text, 1, "q0") == [("bm25", "Anticimex parent company")]  # the first W kept
+    assert sparcrag.parse_rewrites(text, 3, "q0")[2] == ("dense", "q0")  # padded to exactly W
+
+
+def test_parse_rewrites_placeholder_strategy_rank_order_duplicates_and_toy_spacing():
+    items = [("bm25|dense", "a"), ("bm25", "b"), ("bm25", "b"), ("bm25", " "), ("dense", "b")]
+    text = "<queries>" + "".join(
+        f'<item rank="{5 - i}"><strategy>{s}</strategy><query>{q}</query></item>' for i, (s, q) in enumerate(items)
+    )
+    # sorted by rank (5 - i): dense b, (empty dropped), bm25 b, bm25 b (repeat dropped), the placeholder -> dense a
+    assert sparcrag.parse_rewrites(text, 4) == [("dense", "b"), ("bm25", "b"), ("dense", "a")]
+    decoded = '< queries > < item rank = " 1 " > < strategy > bm25 < / strategy > < query > velbo born < / query >'
+    decoded += ' < / item > < / queries > [ end ] < item rank = " 2 " > < query > after end < / query > < / item >'
+    assert sparcrag.parse_rewrites(decoded, 2, "q") == [("bm25", "velbo born"), ("dense", "q")]  # cut at [END]
+    assert sparcrag.format_rewrites([("bm25", "x y"), ("dense", "z")]).endswith("</queries> [END]")
+    assert sparcrag.parse_rewrites(sparcrag.format_rewrites([("bm25", "x y"), ("dense", "z")]), 2) == [
+        ("bm25", "x y"),
+        ("dense", "z"),
+    ]
+
+
+@pytest.mark.parametrize(
+    "text, decision",
+    [
+        ("The answer is grounded. <decision>stop</decision>", STOP),
+        ("I will not STOP yet. CONTINUE", CONTINUE),
+        ("", CONTINUE),
+        ("<decision>STOP</decision> on reflection <decision>CONTINUE</decision>", CONTINUE),
+        ("< decision > stop < / decision > [ end ]", STOP),
+        ("stopping is premature", CONTINUE),  # no bare word: never a stop by default
+    ],
+)
+def test_parse_decision(text, decision):
+    assert sparcrag.parse_decision(text) == decision
+
+
+@pytest.mark.parametrize(
+    "answers, decisions, text, k",
+    [
+        (["EQT", "Stockholm"], [CONTINUE, STOP], "So ... <answer> stockholm. </answer>", 1),
+        (["EQT", "Stockholm"], [CONTINUE, CONTINUE], "<answer>Stockholm, Sweden</answer>", 1),  # F1 0 and 0.667
+        (["EQT", "Oslo"], [CONTINUE, STOP], "<answer>Paris</answer>", 1),  # all F1 0: the first STOP branch
+        (["EQT", "Oslo"], [CONTINUE, CONTINUE], "<answer>Paris</answer>", 0),
+        (["EQT", "EQT"], [STOP, STOP], "<answer>EQT</answer>", 0),  # the lowest index
+        (["EQT", "Stockholm"], [STOP, STOP], "<answer>EQT</answer> no: <answer>Stockholm</answer> [END]", 1),
+        (["EQT", "Stockholm"], [STOP, STOP], "stockholm [END] <answer>EQT</answer>", 1),  # no tag before [END]
+    ],
+)
+def test_select_branch(answers, decisions, text, k):
+    assert sparcrag.select_branch(text, answers, decisions) == k
+
+
+def test_strip_end_clean_answer_and_confidence():
+    assert sparcrag.strip_end("<think>hmm [x]</think> note text [END] ignored") == "note text"
+    assert sparcrag.strip_end("<think> never closed [END]") == ""
+    assert sparcrag.clean_answer("\n  Stockholm \nSweden [END]") == "Stockholm"
+    assert sparcrag.clean_answer("tuvia [ end ]") == "tuvia"
+    assert [sparcrag.parse_confidence(t) for t in ("0.85 [END]", "1.0", "7", "sure", ".5")] == [
+        0.85,
+        1.0,
+        1.0,
+        0.0,
+        0.5,
+    ]
+
+
+# ---------------------------------------------------------------- metrics (spec §8.1, §9.12)
+def test_recall_jaccard_and_correctness():
+    assert sparcrag.paragraph_recall(["p1", "p3", "p4"], ["p1", "p2"]) == 0.5
+    assert sparcrag.paragraph_recall(["p1"], []) is None  # no gold: skipped, never divided by zero
+    assert sparcrag.paragraph_recall([3, 7], ["3"]) == 1.0  # ids compared as strings
+    assert sparcrag.jaccard_avg([{"p1", "p3"}, {"p1", "p4"}]) == pytest.approx(1 / 3)
+    assert sparcrag.jaccard_avg([{"p1", "p3"}, {"p2", "p5"}]) == 0
+    assert sparcrag.jaccard_avg([{"p1", "p3"}, {"p1", "p4"}, {"p2", "p5"}]) == pytest.approx(0.1111, abs=1e-4)
+    assert sparcrag.jaccard_avg([{"p1"}]) is None
+    assert sparcrag.is_correct("the Stockholm, Sweden", ["Stockholm"], "acc")
+    assert not sparcrag.is_correct("the Stockholm, Sweden", ["Stockholm"], "em")
+    assert sparcrag.is_correct("the Stockholm, Sweden", ["Stockholm"], "f1")  # F1 0.667 >= 0.5
+    assert sparcrag.is_correct("unknown", ["no"], "acc") and not sparcrag.is_correct("unknown", ["no"], "em")
+
+
+# ---------------------------------------------------------------- Algorithm 1 with a scripted backbone (spec §8.4)
+Q0 = "Where is Anticimex's parent company headquartered?"
+DOCS = {
+    "d1": "Anticimex is a Swedish pest control company owned by EQT.",
+    "d2": "EQT AB is an investment firm headquartered in Stockholm.",
+    "d3": "Rentokil is a pest control company.",
+}
+
+
+class SpyRetriever:
+    """Returns the document whose text shares the query's first word (else d3); records every query."""
+
+    def __init__(self):
+        self.queries = []
+
+    def search(self, queries, k):
+        self.queries += list(queries)
+        pick = lambda q: next((d for d, text in DOCS.items() if text.split()[0] == q.split()[0]), "d3")
+        return [[{"id": pick(q), "title": pick(q), "text": DOCS[pick(q)]}][:k] for q in queries]
+
+
+def scripted_roles(calls, evaluate=None, rewrite=None):
+    """The spec's scripted backbone, one function per role; every call recorded as (role, prompt)."""
+
+    def role(name, reply):
+        def chat(requests, seed=0):
+            calls.extend((name, r["prompt"]) for r in requests)
+            return [reply(r["prompt"]) for r in requests]
+
+        return chat
+
+    first = [("bm25", "Anticimex parent company owner"), ("dense", "EQT headquarters location")]
+    default_evaluate = lambda p: "<decision>CONTINUE</decision>" if "Candidate answer: EQT" in p else "<decision>STOP"
+    return {
+        "rewrite": role("rewrite", rewrite or (lambda p: sparcrag.format_rewrites(first))),
+        "update": role(
+            "update",
+            lambda p: (
+                "Anticimex is owned by EQT."
+                if DOCS["d1"] in p
+                else "EQT AB is headquartered in Stockholm."
+                if DOCS["d2"] in p
+                else "nothing [END]"
+            ),
+        ),
+        "answer": role("answer", lambda p: "EQT [END]" if "owned by EQT" in p.split("Question:")[0] else "Stockholm"),
+        "evaluate": role("evaluate", evaluate or (lambda p: default_evaluate(p) + "</decision> [END]")),
+        "select": role("select", lambda p: "Stockholm is supported. <answer>Stockholm</answer> [END]"),
+        "merge": role("merge", lambda p: "Anticimex is owned by EQT. EQT AB is headquartered in Stockholm. [END]"),
+    }
+
+
+def scripted_ctx(calls, width=2, **kw):
+    args = sparcrag.Args(top_k=1, **kw)
+    retrievers = {"bm25": SpyRetriever(), "dense": SpyRetriever()}
+    count = lambda prompts, outputs: ([len(p.split()) for p in prompts], [len(o.split()) for o in outputs])
+    roles = scripted_roles(calls, kw.pop("evaluate", None)) if isinstance(calls, list) else calls
+    return {"roles": roles, "count": count, "retrievers": retrievers, "args": args, "tpl": sparcrag.TEMPLATES["paper"]}
+
+
+ROW = {"id": "q", "question": Q0, "golden_answers": ["Stockholm"], "metadata": {"supporting_doc_ids": ["d1", "d2"]}}
+
+
+def test_one_round_of_branches_select_merge_and_stop():
+    calls = []
+    ctx = scripted_ctx(calls)
+    (run,) = sparcrag.sparc_rag([ROW], ctx, width=2, depth=3, early_exit=True)
+    assert run["answer"] == "Stockholm" and run["rounds"] == 1  # the winner said STOP: no second Rewriter call
+    assert Counter(role for role, _ in calls) == {
+        "rewrite": 1,
+        "update": 2,
+        "answer": 2,
+        "evaluate": 2,
+        "select": 1,
+        "merge": 1,
+    }  # 1 + 3W + 2 = 9 calls
+    assert run["cost"]["llm_calls"] == 9 and run["cost"]["retrievals"] == 2
+    updates = [p for role, p in calls if role == "update"]
+    assert all("Old note: \nNew information:" in p for p in updates)  # both branches read the same empty m^(0)
+    assert DOCS["d1"] in updates[0] and DOCS["d2"] not in updates[0]  # isolation: a branch sees only its passages
+    assert DOCS["d2"] in updates[1] and DOCS["d1"] not in updates[1]
+    assert ctx["retrievers"]["bm25"].queries == ["Anticimex parent company owner"]  # each item's own strategy
+    assert ctx["retrievers"]["dense"].queries == ["EQT headquarters location"]
+    answers = [p for role, p in calls if role == "answer"]
+    assert all(f"Question: {Q0}" in p and "EQT headquarters location" not in p for p in answers)  # q0, not q_k
+    evaluations = [p for role, p in calls if role == "evaluate"]
+    assert "Current query: Anticimex parent company owner" in evaluations[0]
+    assert "Note: Anticimex is owned by EQT." in evaluations[0] and "Candidate answer: EQT" in evaluations[0]
+    assert "Current query: EQT headquarters location" in evaluations[1] and "answer: Stockholm" in evaluations[1]
+    select = next(p for role, p in calls if role == "select")
+    assert "Answer 1: EQT\nEvaluation 1: CONTINUE\nReasoning 1: Anticimex is owned by EQT." in select
+    merge = next(p for role, p in calls if role == "merge")
+    assert "Note 1: EQT AB is headquartered in Stockholm.\nNote 2: Anticimex is owned by EQT." in merge  # winner first
+    assert run["note"] == "Anticimex is owned by EQT. EQT AB is headquartered in Stockholm."  # the merge output
+    traced = [(e["role"], e["parsed"]) for e in run["trace"]]
+    assert ("select", 1) in traced and ("evaluate", STOP) in traced and len(traced) == 9  # every call traced
+
+
+def test_fixed_depth_runs_every_round_and_the_next_rewrite_reads_the_merged_note():
+    calls = []
+    (run,) = sparcrag.sparc_rag([ROW], scripted_ctx(calls), width=2, depth=3, early_exit=False)
+    assert run["rounds"] == 3 and run["answer"] == "Stockholm"  # the winner's STOP is ignored
+    rewrites = [p for role, p in calls if role == "rewrite"]
+    assert len(rewrites) == 3 and "- Context: \n" in rewrites[0]
+    assert "- Context: Anticimex is owned by EQT. EQT AB is headquartered in Stockholm.\n" in rewrites[1]
+    assert "- Current Query: EQT headquarters location\n" in rewrites[1]  # q_t+1: the winner's sub-query
+    assert [s["llm_calls"] for s in run["snapshots"]] == [9, 18, 27]
+    updates = [p for role, p in calls if role == "update"]
+    assert "Old note: Anticimex is owned by EQT. EQT AB" in updates[2]  # round 2 branches read m^(1)
+
+
+def test_a_fixed_depth_run_holds_the_runs_of_every_smaller_depth():
+    """The W x D grid reads depth t off a deeper fixed-depth run (bench/sparcrag_grid.py): its round-t snapshot."""
+    deep = sparcrag.sparc_rag([ROW], scripted_ctx([]), width=2, depth=3, early_exit=False)[0]
+    for depth in (1, 2):
+        short = sparcrag.sparc_rag([ROW], scripted_ctx([]), width=2, depth=depth, early_exit=False)[0]
+        args = sparcrag.Args(correct_by="em")
+        assert sparcrag.run_record(deep, args, depth) == sparcrag.run_record(short, args)
+
+
+def test_never_stop_runs_to_the_cap_with_growing_tokens():
+    calls = []
+    ctx = scripted_ctx(scripted_roles(calls, evaluate=lambda p: "<decision>CONTINUE</decision>"))
+    (run,) = sparcrag.sparc_rag([ROW], ctx, width=2, depth=4, early_exit=True)
+    tokens = [s["tokens"] for s in run["snapshots"]]
+    assert run["rounds"] == 4 and run["answer"] == "Stockholm"  # the last round's winner answer
+    assert all(a < b for a, b in itertools.pairwise(tokens))
+    # tokens per question: the sum over the traced calls of whitespace tokens in and out
+    assert run["cost"]["tokens"] == sum(len(e["prompt"].split()) + len(e["output"].split()) for e in run["trace"])
+
+
+def test_the_stop_of_a_losing_branch_does_not_end_the_loop():
+    calls = []
+    evaluate = lambda p: (
+        "<decision>STOP</decision>" if "Candidate answer: EQT" in p else "<decision>CONTINUE</decision>"
+    )
+    (run,) = sparcrag.sparc_rag([ROW], scripted_ctx(scripted_roles(calls, evaluate)), 2, 3, early_exit=True)
+    assert run["rounds"] == 3  # branch 1 (EQT) said STOP, but the selector chose branch 2 (CONTINUE)
+
+
+@pytest.mark.parametrize("width, per_round", [(1, 4), (2, 9), (3, 12)])
+def test_calls_per_round_are_1_plus_3w_plus_2_when_w_exceeds_1(width, per_round):
+    calls = []
+    items = [("bm25", "Anticimex a"), ("dense", "EQT b"), ("dense", "Rentokil c")]
+    roles = scripted_roles(calls, rewrite=lambda p: sparcrag.format_rewrites(items))
+    (run,) = sparcrag.sparc_rag([ROW], scripted_ctx(roles), width=width, depth=2, early_exit=False)
+    assert run["cost"]["llm_calls"] == 2 * per_round and run["cost"]["retrievals"] == 2 * width
+    if width == 1:  # one branch: its note is the new global note, no Select or Merge call
+        assert "select" not in Counter(r for r, _ in calls) and run["note"] == "Anticimex is owned by EQT."
+
+
+def test_dense_only_and_the_round_one_bootstrap_variant():
+    calls = []
+    ctx = scripted_ctx(calls, dense_only=True)
+    sparcrag.sparc_rag([ROW], ctx, width=2, depth=1)
+    assert ctx["retrievers"]["bm25"].queries == [] and len(ctx["retrievers"]["dense"].queries) == 2
+    calls = []
+    ctx = scripted_ctx(calls, bootstrap_with_q0=True)
+    sparcrag.sparc_rag([ROW], ctx, width=2, depth=2, early_exit=False)
+    assert ctx["retrievers"]["dense"].queries[0] == Q0  # round 1: one dense path on q0, no Rewriter call
+    assert [r for r, _ in calls][:4] == ["update", "answer", "evaluate", "rewrite"]
+
+
+def test_bm25_queries_lose_their_wh_words():
+    spy = SpyRetriever()
+    sparcrag.retrieve({"bm25": spy, "dense": spy}, [("bm25", "Where is EQT based"), ("bm25", "what")], 1)
+    assert spy.queries == ["is EQT based", "what"]  # a query of wh-words only is kept as it is
+
+
+def test_questions_of_a_batch_share_one_call_per_role_per_round():
+    seen = Counter()
+
+    def counted(name, chat):
+        def call(requests, seed=0):
+            seen.update([name])
+            return chat(requests, seed)
+
+        return call
+
+    counted = {name: counted(name, chat) for name, chat in scripted_roles([]).items()}
+    runs = sparcrag.sparc_rag([ROW, dict(ROW, id="r")], scripted_ctx(counted), width=2, depth=2, early_exit=False)
+    assert seen == {"rewrite": 2, "update": 2, "answer": 2, "evaluate": 2, "select": 2, "merge": 2}
+    assert [r["rounds"] for r in runs] == [2, 2]
+
+
+# ---------------------------------------------------------------- preference pairs (spec §8.6)
+def test_rewriter_pair_is_max_over_min_recall():
+    gold = ["p1", "p2"]
+    samples = {"A": [{"p1", "p3"}, {"p1", "p4"}], "B": [{"p1", "p3"}, {"p2", "p5"}], "C": [{"p3", "p4"}, {"p3", "p5"}]}
+    recalls = [sparcrag.paragraph_recall(set().union(*sets), gold) for sets in samples.values()]
+    assert recalls == [0.5, 1.0, 0.0]
+    assert sparcrag.rewrite_pair(recalls) == (1, 2)  # B over C
+    assert sparcrag.jaccard_avg(samples["B"]) == 0 < sparcrag.jaccard_avg(samples["A"]) == pytest.approx(1 / 3)
+    assert sparcrag.rewrite_pair([0.5, 0.5, 0.5]) is None
+    assert sparcrag.rewrite_pair([0.5, 1.0, 1.0, 0.0, 0.0]) == (1, 3)  # first index on ties
+
+
+@pytest.mark.parametrize(
+    "decisions, correct, synthesize, pair",
+    [
+        ([STOP, STOP, CONTINUE], False, False, (2, 0, 2.0)),  # s1: continue over a wrong stop, weight lambda
+        ([STOP, CONTINUE], True, False, (0, 1, 1.0)),  # s2: stop over a wrong continue
+        ([STOP, STOP, STOP], False, False, None),  # s3: skipped by default
+        ([STOP, STOP, STOP], False, True, (-1, 0, 2.0)),  # s3 with the canonical CONTINUE
+        ([STOP, STOP], True, False, None),  # s4
+        ([STOP, STOP], True, True, None),
+    ],
+)
+def test_evaluator_pairs_and_the_lambda_weight(decisions, correct, synthesize, pair):
+    assert sparcrag.evaluator_pair(decisions, correct, 2.0, synthesize) == pair
+    if pair:  # w = lambda <=> chosen CONTINUE and rejected STOP <=> the answer was wrong
+        assert (pair[2] == 2.0) == (not correct)
+
+
+def test_build_pairs_reads_the_traces_of_a_hand_made_run():
+    gold = ["d1", "d2"]
+    run = {"row": {"question": Q0, "golden_answers": ["Stockholm"], "metadata": {"supporting_doc_ids": gold}}}
+    run["trace"] = [
+        {"t": 1, "role": "rewrite", "prompt": "RW", "width": 2, "fallback": Q0},
+        {"t": 1, "role": "rewrite", "prompt": "RW", "width": 2, "fallback": Q0},  # the same state twice: once
+        {"t": 1, "role": "evaluate", "prompt": "EV-wrong", "answer": "EQT"},
+        {"t": 1, "role": "evaluate", "prompt": "EV-right", "answer": "stockholm"},
+        {"t": 1, "role": "answer", "prompt": "AN"},
+    ]
+    rw = lambda *items: sparcrag.format_rewrites(items)
+    sampled = {
+        "RW": [
+            rw(("bm25", "Anticimex x"), ("dense", "Anticimex y")),
+            rw(("bm25", "Anticimex x"), ("bm25", "EQT y")),
+            "garbage",
+            rw(("dense", "Rentokil")),
+        ],
+        "EV-wrong": ["<decision>STOP</decision>", "<decision>STOP</decision>", "<decision>CONTINUE</decision>", "x"],
+        "EV-right": ["<decision>CONTINUE</decision>", "<decision>STOP</decision>", "stop", "continue"],
+    }
+    asked = []
+    sample = lambda prompts, n: (asked.append((list(prompts), n)), [sampled[p] for p in prompts])[1]
+    ctx = scripted_ctx([])
+    args = sparcrag.Args(n_samples=4, lam=2.0, correct_by="em", top_k=1)
+    pairs = sparcrag.build_pairs([run], ctx, sample, args)
+    assert asked == [(["RW", "EV-wrong", "EV-right"], 4)]  # one sampling call for all states
+    rewrite, wrong, right = pairs
+    # recalls 0.5, 1.0, 0 (unparsed: nothing retrieved), 0: the second set over the first zero one
+    assert rewrite == {
+        "role": "rewrite",
+        "prompt": "RW",
+        "weight": 1.0,
+        "chosen": sampled["RW"][1],
+        "rejected": "garbage",
+    }
+    assert wrong == {
+        "role": "evaluate",
+        "prompt": "EV-wrong",
+        "weight": 2.0,
+        "chosen": sampled["EV-wrong"][2],
+        "rejected": sampled["EV-wrong"][0],
+    }
+    assert right == {
+        "role": "evaluate",
+        "prompt": "EV-right",
+        "weight": 1.0,
+        "chosen": sampled["EV-right"][1],
+        "rejected": sampled["EV-right"][0],
+    }
+
+
+# ---------------------------------------------------------------- the weighted DPO loss (spec §8.7)
+def loss_of(pi, ref, w=1.0, free=False):
+    t = lambda x: torch.tensor([float(x)])
+    loss, _ = sparcrag.dpo_loss(t(pi[0]), t(pi[1]), t(ref[0]), t(ref[1]), t(w), 0.1, reference_free=free)
+    return loss.item()
+
+
+def test_dpo_loss_values():
+    assert loss_of((-10, -12), (-11, -11)) == pytest.approx(0.598139, abs=1e-6)
+    assert loss_of((-10, -12), (-11, -11), w=2) == pytest.approx(1.196278, abs=1e-6)
+    assert loss_of((-10, -12), (-9, -13)) == pytest.approx(0.798139, abs=1e-6)
+    assert loss_of((-10, -12), (-9, -13), w=2) == pytest.approx(1.596278, abs=1e-6)
+    assert loss_of((-10, -12), (-9, -13), free=True) == pytest.approx(0.598139, abs=1e-6)  # the paper's form
+    assert loss_of((-10, -12), (-10, -12)) == pytest.approx(math.log(2), abs=1e-6)  # policy = reference
+    assert loss_of((-12, -10), (-11, -11)) == pytest.approx(0.798139, abs=1e-6)  # swapped: the margin flips
+
+
+def test_dpo_batch_mean_is_not_normalised_by_the_weights_and_the_gradient():
+    pi = torch.tensor([-10.0, -10.0], requires_grad=True)
+    pi_rejected = torch.tensor([-12.0, -12.0], requires_grad=True)
+    ref, ref_rejected = torch.tensor([-11.0, -9.0]), torch.tensor([-11.0, -13.0])
+    loss, margins = sparcrag.dpo_loss(pi, pi_rejected, ref, ref_rejected, torch.tensor([2.0, 1.0]), 0.1)
+    assert loss.item() == pytest.approx(0.997208, abs=1e-6)  # (2 * 0.598139 + 0.798139) / 2
+    assert margins.tolist() == pytest.approx([0.2, -0.2])
+    loss.backward()
+    assert pi.grad[0].item() == pytest.approx(2 * -0.0450166 / 2, abs=1e-6)  # w = 2, mean over 2 pairs
+    assert pi_rejected.grad[0].item() == pytest.approx(2 * 0.0450166 / 2, abs=1e-6)
+    single = torch.tensor([-10.0], requires_grad=True)
+    sparcrag.dpo_loss(
+        single, torch.tensor([-12.0]), torch.tensor([-11.0]), torch.tensor([-11.0]), torch.tensor([1.0]), 0.1
+    )[0].backward()
+    assert single.grad.item() == pytest.approx(-0.0450166, abs=1e-6)
+
+
+# ---------------------------------------------------------------- sequence log-probs and masks (spec §8.8)
+class FixedLogits(torch.nn.Module):
+    """A model whose logits at every position are given (B, T, V) or a function of the input ids."""
+
+    def __init__(self, logits_of):
+        super().__init__()
+        self.logits_of = logits_of
+
+    def forward(self, input_ids, attention_mask):
+        return type("Out", (), {"logits": self.logits_of(input_ids)})()
+
+
+def test_sequence_logps_uniform_and_padding():
+    model = FixedLogits(lambda ids: torch.zeros(*ids.shape, 3))
+    for prompt_len in (1, 4):
+        ids = torch.tensor([[0] * prompt_len + [1, 2]])
+        mask = torch.tensor([[0] * prompt_len + [1, 1]])
+        value = sparcrag.sequence_logps(model, ids, mask, torch.ones_like(ids))
+        assert value.item() == pytest.approx(-2.197225, abs=1e-6)  # 2 * -ln 3, whatever the prompt length
+    padded = sparcrag.sequence_logps(
+        model, torch.tensor([[0, 1, 2, 0, 0]]), torch.tensor([[0, 1, 1, 0, 0]]), torch.tensor([[1, 1, 1, 0, 0]])
+    )
+    assert padded.item() == pytest.approx(-2.197225, abs=1e-6)
+
+
+def test_sequence_logps_scores_token_i_plus_1_with_the_logits_at_i():
+    def logits_of(ids):
+        out = torch.zeros(*ids.shape, 3)
+        out[0, 1] = torch.tensor([2.0, 0.0, -1.0])  # position 1 scores the token at position 2
+        return out
+
+    ids, mask = torch.tensor([[1, 1, 0, 2]]), torch.tensor([[0, 0, 1, 0]])  # only token 2 (id 0) is a response token
+    value = sparcrag.sequence_logps(FixedLogits(logits_of), ids, mask, torch.ones_like(ids))
+    assert value.item() == pytest.approx(-0.169846, abs=1e-6)  # log-softmax([2, 0, -1])[0]
+
+
+def test_encode_masks_exactly_the_response_end_tag_and_eos():
+    from common.toy_lm import load_toy_lm
+
+    _, tokenizer = load_toy_lm("toy-lm:layers=1,hidden=16,heads=2,kv_heads=2,intermediate=32")
+    ids, mask = sparcrag.encode(tokenizer, "decide stop or continue . answer : velbo", "< decision > stop [END] junk")
+    prompt = tokenizer(
+        sparcrag.chat_prompts(tokenizer, [[{"role": "user", "content": "decide stop or continue . answer : velbo"}]])[
+            0
+        ],
+        add_special_tokens=False,
+    )
+    n = len(prompt["input_ids"])
+    assert ids[:n] == prompt["input_ids"] and mask == [0] * n + [1] * (len(ids) - n)
+    assert tokenizer.decode(ids[n:]) == "< decision > stop [ end ] <eos>"  # cut at [END], then [END] and EOS
+
+
+def test_the_adapter_disabled_reference_equals_a_fresh_lora_model_so_the_first_loss_is_ln2():
+    from common.llm import add_lora
+    from common.toy_lm import load_toy_lm
+
+    model, tokenizer = load_toy_lm("toy-lm:layers=1,hidden=16,heads=2,kv_heads=2,intermediate=32")
+    ids, mask = (torch.tensor([x]) for x in sparcrag.encode(tokenizer, "answer : velbo", "< decision > stop"))
+    base = sparcrag.sequence_logps(model, ids, mask, torch.ones_like(ids))
+    model = add_lora(model, {"r": 4, "lora_alpha": 8, "target_modules": ["q_proj", "k_proj", "v_proj", "o_proj"]})
+    with torch.no_grad(), model.disable_adapter():
+        ref = sequence_logps = sparcrag.sequence_logps(model, ids, mask, torch.ones_like(ids))
+    pi = sparcrag.sequence_logps(model, ids, mask, torch.ones_like(ids))
+    assert torch.allclose(ref, base) and torch.allclose(pi, base)  # LoRA B starts at zero
+    loss, _ = sparcrag.dpo_loss(pi, pi - 1, sequence_logps, sequence_logps - 1, torch.ones(1), 0.1)
+    assert loss.item() == pytest.approx(math.log(2), abs=1e-6)
+
+
+# ---------------------------------------------------------------- the naive baselines (App. A.5) and the teacher
+def naive_ctx(answers, confidences=None):
+    calls = []
+
+    def role(name, replies):
+        it = iter(replies)
+        return lambda requests, seed=0: (calls.extend(name for _ in requests), [next(it) for _ in requests])[1]
+
+    ctx = scripted_ctx([])
+    ctx["roles"] = {"naive": role("naive", answers), "confidence": role("confidence", confidences or [])}
+    return ctx, calls
+
+
+def test_naive_parallel_majority_vote_and_vanilla():
+    ctx, calls = naive_ctx(["EQT", "stockholm", "Stockholm.", "x", "y", "x"])
+    runs = sparcrag.naive([ROW, dict(ROW, id="r")], ctx, "parallel", 3)
+    assert [r["answer"] for r in runs] == ["stockholm", "x"] and calls == ["naive"] * 6
+    assert ctx["retrievers"]["dense"].queries == [Q0, Q0]  # one dense retrieval on q0 per question
+    ctx, calls = naive_ctx(["a", "b"])
+    assert [r["answer"] for r in sparcrag.naive([ROW, ROW], ctx, "vanilla", 3)] == ["a", "b"]
+
+
+def test_naive_sequential_retries_below_0_7_and_keeps_the_most_confident():
+    ctx, calls = naive_ctx(["a1", "b1", "a2", "a3"], ["0.2", "0.9", "0.6", "0.3"])
+    runs = sparcrag.naive([ROW, dict(ROW, id="r")], ctx, "sequential", 3)
+    assert [(r["answer"], r["rounds"]) for r in runs] == [("a2", 3), ("b1", 1)]
+    assert calls == ["naive", "naive", "confidence", "confidence", "naive", "confidence", "naive", "confidence"]
+
+
+def test_the_teacher_asks_the_open_facts_and_can_repeat_one():
+    meta = {
+        "type": "two_hop",
+        "entities": ["zorvak", "velbo", "tuvia"],
+        "sub_answers": ["velbo", "tuvia"],
+        "sub_queries": ["zorvak directed", "velbo born"],
+    }
+    run = sparcrag.new_run({"question": "what is the birthplace of the director of zorvak ?", "metadata": meta})
+    request = {"run": run, "info": {"width": 2}}
+    parse = lambda args: sparcrag.parse_rewrites(
+        sparcrag.teacher_rewrite(request, __import__("random").Random(0), args), request["info"]["width"]
+    )
+    clean, noisy = sparcrag.Args(teacher_duplicate=0.0), sparcrag.Args(teacher_duplicate=1.0)
+    assert parse(clean) == [("bm25", "zorvak directed"), ("dense", "zorvak")]  # the fact, the subject alone
+    assert parse(noisy) == [("bm25", "zorvak directed"), ("dense", "zorvak directed")]  # a near-duplicate
+    run["note"] = "zorvak is a film directed by velbo ."
+    assert parse(clean) == [("bm25", "velbo born"), ("dense", "zorvak")]  # the bridge is named now
+    request["info"]["width"] = 4
+    assert parse(clean)[2:] == [("dense", "velbo"), ("dense", run["row"]["question"])]
+    request["info"]["width"] = 2
+    meta |= {
+        "type": "comparison",
+        "entities": ["a", "b", "a"],
+        "sub_answers": ["1931", "1940"],
+        "sub_queries": ["a born", "b born"],
+    }
+    run.update(note="", row={"question": "who was born first , a or b ?", "metadata": meta})
+    assert parse(clean) == [("bm25", "a born"), ("bm25", "b born")]  # complementary
+
+
+def test_the_teacher_over_accepts_wrong_answers_at_its_rates():
+    args = sparcrag.Args(teacher_accept_correct=0.9, teacher_accept_wrong=0.6, correct_by="em")
+    decide = sparcrag.teacher_role("evaluate", args, seed=0)
+    run = {"row": {"golden_answers": ["tuvia"]}}
+    wrong = decide([{"run": run, "info": {"answer": "unknown"}}] * 2000)
+    right = decide([{"run": run, "info": {"answer": "tuvia"}}] * 2000)
+    rate = lambda replies: sum(sparcrag.parse_decision(r) == STOP for r in replies) / len(replies)
+    assert rate(wrong) == pytest.approx(0.6, abs=0.04) and rate(right) == pytest.approx(0.9, abs=0.03)
+
+
+# ---------------------------------------------------------------- CLI and end to end on the toy world
+def run(args, capsys):
+    """sparcrag.main in this process; returns the captured stdout."""
+    capsys.readouterr()
+    sparcrag.main(args)
+    return capsys.readouterr().out
+
+
+TINY_LM = "toy-lm:layers=1,hidden=32,heads=2,kv_heads=2,intermediate=64"
+TINY = [
+    "--model",
+    TINY_LM,
+    "--n_train",
+    "12",
+    "--n_eval",
+    "6",
+    "--sft_steps",
+    "6",
+    "--sft_batch_size",
+    "8",
+    "--dpo_epochs",
+    "1",
+    "--untuned_depth",
+    "2",
+    "--depth",
+    "2",
+    "--max_new_tokens",
+    "96",
+    "--seed",
+    "0",
+]
+
+
+def test_toy_train_then_resume_then_eval_and_ask(tmp_path, capsys):
+    out = tmp_path / "run"
+    stdout = run(["--train", "--output_dir", str(out), *TINY], capsys)
+    results = check_contract(out, stdout)
+    assert results["train_steps"]["sft"] == 6 and results["train_steps"]["dpo"] >= 1 and results["n_eval"] == 6
+    assert {"before_sft", "before", "before_adaptive", "after"} <= set(results)
+    assert results["before"]["setting"] == {"system": "sparcrag", "width": 2, "depth": 2, "early_exit": False}
+    assert results["after"]["setting"]["early_exit"] and results["pairs"]
+    assert results["tokens_per_question"] == results["after"]["tokens"] > results["after"]["generated_tokens"] > 0
+    metrics = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+    assert [m["step"] for m in metrics if "step" in m] == list(range(1, results["train_steps"]["dpo"] + 1))
+    assert (out / "dpo" / "adapter_config.json").is_file() and (out / "sft" / "model.safetensors").is_file()
+    base = json.loads((out / "dpo" / "adapter_config.json").read_text())["base_model_name_or_path"]
+    assert Path(base) == (out / "sft").resolve()  # the adapter's base is the warmed-up model, not the raw toy-lm
+    for stage, key in (("raw", "before_sft"), ("untuned", "before"), ("dpo", "after")):
+        lines = [json.loads(line) for line in (out / f"predictions_{stage}.jsonl").read_text().splitlines()]
+        assert len(lines) == 6 and sum(r["f1"] for r in lines) / 6 == pytest.approx(results[key]["f1"])
+        assert {"id", "question", "golden_answers", "prediction", "trajectory", "rounds", "tokens"} <= set(lines[0])
+    with pytest.raises(SystemExit, match="pass --resume or another --run_name"):
+        run(["--train", "--output_dir", str(out), *TINY], capsys)
+    again = run(["--train", "--output_dir", str(out), "--resume", *TINY], capsys)  # neither SFT nor DPO redone
+    assert "sft step" not in again and "losses/dpo" not in again
+    assert check_contract(out, again)["after"]["f1"] == results["after"]["f1"]
+    evaluated = tmp_path / "eval"
+    stdout = run(
+        [
+            "--eval",
+            "--model",
+            str(out / "dpo"),
+            "--output_dir",
+            str(evaluated),
+            "--n_eval",
+            "6",
+            "--depth",
+            "2",
+            "--max_new_tokens",
+            "96",
+            "--seed",
+            "0",
+        ],
+        capsys,
+    )
+    after = check_contract(evaluated, stdout)["after"]
+    assert (after["f1"], after["tokens"]) == (results["after"]["f1"], results["after"]["tokens"])
+    with pytest.raises(SystemExit, match="training"):
+        run(["--eval", "--model", str(out / "dpo"), "--output_dir", str(out)], capsys)
+    stdout = run(["--ask", "what is the birthplace of qqzzyx ?", "--model", str(out / "dpo"), "--depth", "1"], capsys)
+    assert "warning: words the model's tokenizer does not know (read as <unk>): qqzzyx" in stdout
+    assert (
+        "round 1 rewrite:" in stdout
+        and "round 1 merge:" in stdout
+        and stdout.strip().splitlines()[-1].startswith("answer:")
+    )
+
+
+def test_eval_of_the_naive_baselines_and_a_flashrag_folder_without_metadata(tmp_path, capsys):
+    folder = tmp_path / "flashrag"
+    folder.mkdir()
+    rows = [json.loads(line) for line in (ROOT / "data/toy/test.jsonl").read_text().splitlines()[:4]]
+    keep = ("id", "question", "golden_answers")
+    (folder / "test.jsonl").write_text("".join(json.dumps({k: r[k] for k in keep}) + "\n" for r in rows))
+    from common.toy_lm import load_toy_lm
+
+    model, tokenizer = load_toy_lm(TINY_LM, world=ROOT / "data/toy")  # a saved model carries its vocabulary
+    model.save_pretrained(tmp_path / "model")
+    tokenizer.save_pretrained(tmp_path / "model")
+    flags = [
+        "--model",
+        str(tmp_path / "model"),
+        "--corpus",
+        str(ROOT / "data/toy/corpus.jsonl"),
+        "--llm",
+        "toy:data/toy",
+    ]
+    for system, calls in (("vanilla", 1), ("parallel", 3), ("sequential", None)):
+        out = tmp_path / system
+        stdout = run(
+            ["--eval", "--data_dir", str(folder), "--system", system, "--output_dir", str(out), *flags], capsys
+        )
+        results = check_contract(out, stdout)
+        assert results["n_eval"] == 4 and results["after"]["recall"] is None  # no gold paragraphs: no recall
+        assert results["retrievals_per_question"] == 1 and (
+            calls is None or results["llm_calls_per_question"] == calls
+        )
+    out = tmp_path / "sparc"
+    stdout = run(["--eval", "--data_dir", str(folder), "--output_dir", str(out), "--depth", "1", *flags], capsys)
+    assert check_contract(out, stdout)["llm_calls_per_question"] == 9
+
+
+@pytest.mark.parametrize(
+    "flags, message",
+    [
+        (["--train", "--preset", "nope"], "--preset must be one of"),
+        (["--train", "--correct_by", "x"], "--correct_by must be one of"),
+        (["--eval", "--system", "x"], "--system must be one of"),
+        (["--eval", "--width", "0"], "--width must be >= 1"),
+        (["--train", "--lam", "0.5"], "--lam must be >= 1"),
+        ([], "choose a mode"),
+        (["--ask", "who ?"], "--ask needs --model"),
+    ],
+)
+def test_bad_flags_are_clear_errors(flags, message):
+    with pytest.raises(SystemExit, match=message):
+        sparcrag.main(flags)
+
+
+def test_a_malformed_data_file_is_one_line_and_exit_code_2(tmp_path, capsys):
+    from common.runs import run_main
+
+    (tmp_path / "test.jsonl").write_text('{"id": 1, "question": "q", "golden_answers": ["a"]}\n{"id": 2,\n')
+    with pytest.raises(SystemExit) as exit_info:
+        run_main(sparcrag.main, ["--eval", "--data_dir", str(tmp_path), "--output_dir", str(tmp_path / "o")])
+    assert exit_info.value.code == 2
+    assert (
+        capsys.readouterr().err.strip() == f"error: {tmp_path / 'test.jsonl'}:2: not valid JSON (Expecting property "
+        "name enclosed in double quotes)"
+    )
+
+
+def test_paper_templates_run_a_few_steps(tmp_path, capsys):
+    flags = [*TINY, "--templates", "paper", "--n_train", "4", "--n_eval", "2", "--max_new_tokens", "40"]
+    stdout = run(["--train", "--output_dir", str(tmp_path / "paper"), *flags], capsys)
+    assert check_contract(tmp_path / "paper", stdout)["args"]["templates"] == "paper"
+
+
+def test_trains_on_a_freshly_generated_world_above_its_untrained_start(tmp_path, capsys):
+    """The tokenizer, the toy reader and the renaming come from --data_dir: a world of another seed trains."""
+    from common.toy import write_world
+
+    world = write_world(tmp_path / "world", seed=3, size=0.5)
+    out = tmp_path / "run"
+    flags = ["--n_train", "60", "--n_eval", "40", "--sft_steps", "150", "--untuned_depth", "2", "--depth", "2"]
+    stdout = run(["--train", "--data_dir", str(world), "--output_dir", str(out), "--seed", "0", *flags], capsys)
+    results = check_contract(out, stdout)
+    assert results["dataset"] == str(world) and results["args"]["llm"] == f"toy:{world}"
+    assert json.loads((out / "sft" / "run_state.json").read_text())["data_dir"] == str(world)
+
+    # the raw model writes no valid rewrite: every query falls back to the question (dense), and it never stops; the
+    # warmed-up one writes its own sub-queries and decisions (150 steps teach the formats, not yet the copying of
+    # names: docs/sparcrag.md); "score": the share of first-round rewrite items that are not the fallback
+    def fallback_share(stage):
+        lines = [json.loads(line) for line in (out / f"predictions_{stage}.jsonl").read_text().splitlines()]
+        first = [(r["question"], item) for r in lines for item in r["trajectory"].split(" ; ")[0][12:].split(" | ")]
+        return sum(item == f"dense {q}" for q, item in first) / len(first)
+
+    assert fallback_share("raw") == 1.0 and fallback_share("untuned") < 0.5 and fallback_share("dpo") < 0.5
+    assert results["before_sft"]["rounds"] == 2 and results["before"]["incorrect_acceptance"] > 0.5
