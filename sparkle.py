@@ -80,7 +80,7 @@ class Args:
     model: str | None = arg(None, "proxy: hub id, folder or toy-lm spec [§4.1: Qwen2.5-3B-Instruct]")
     llm: str | None = arg(None, "frozen LLM: toy, hf:<name>, http(s)://.../v1 [§4.1: Qwen2.5-7B-Instruct]")
     llm_model: str = arg("", "served model name when --llm is an endpoint URL")
-    templates: str | None = arg(None, "App. A prompts (impl strings), or compact", choices=["paper", "compact"])
+    templates: str | None = arg(None, "the App. A figures, or compact", choices=["paper", "compact"])
     n_train: int | None = arg(None, "training questions (None: all) [§D.3: 7,500]")
     n_eval: int | None = arg(None, "test questions evaluated (None: all) [§4.1: 1,000]")
     question_types: str | None = arg(None, "comma-separated metadata types to keep (empty: all)")

@@ -11,10 +11,10 @@ from types import SimpleNamespace
 
 import pytest
 import torch
+from conftest import check_contract
 
 import sparkle
 from common.retrieval import TfidfEncoder
-from conftest import check_contract
 
 ROOT = Path(__file__).resolve().parents[1]
 TINY_LM = "toy-lm:layers=1,hidden=32,heads=2,kv_heads=2,intermediate=64"
@@ -105,8 +105,8 @@ def test_parse_query_formulation():
     chain_text, query = sparkle.parse_qf(TABLE_8_QF, "q")
     assert chain_text == '<"The Promise (1995 Film)"; directed by; [unknown director]>'
     assert query == 'Who directed the film "The Promise" (1995)?'
-    compact = "step 1 : chain : < zorvak ; directed by ; [ unknown ] > step 2 : gap : the director step 3 : query : zorvak directed"
-    assert sparkle.parse_qf(compact, "q") == ("< zorvak ; directed by ; [ unknown ] >", "zorvak directed")
+    compact = "step 1 : chain : < zorvak ; directed by ; [ unknown ] > step 2 : gap : x step 3 : query : zorvak born"
+    assert sparkle.parse_qf(compact, "q") == ("< zorvak ; directed by ; [ unknown ] >", "zorvak born")
     assert sparkle.parse_qf("Step 1: Reasoning Chain: <a; b; c>\nStep 3: Retrieval Query: None.", "q")[1] is None
     assert sparkle.parse_qf("step 3 : query : nonesuch company founded", "q")[1] == "nonesuch company founded"
     assert sparkle.parse_qf("no steps at all", "who ?") == ("", "Question: who ?\nno steps at all")  # impl fallback
@@ -125,7 +125,9 @@ def test_parse_knowledge_integration_and_retrieval_decision():
     assert sparkle.parse_ki("I pick Radclyffe Hall born in Bournemouth", cands) == 1  # no <...>: the whole output
     assert sparkle.parse_ki("< radclyffe hall ; born in", cands) == 1  # unclosed triple: the whole output
     assert sparkle.parse_ki("<zorvak; directed by; velbo>", cands) is None  # no overlap with any candidate
-    assert sparkle.parse_ki("2", cands, direct=True) == 1 and sparkle.parse_ki("Document 3", cands, direct=True) is None
+    assert (
+        sparkle.parse_ki("2", cands, direct=True) == 1 and sparkle.parse_ki("Document 3", cands, direct=True) is None
+    )
     assert sparkle.parse_ki("none", cands, direct=True) is None and sparkle.parse_ki("x", [], direct=False) is None
     assert sparkle.parse_rd("Yes (retrieval is required)") and not sparkle.parse_rd("No (retrieval is not required)")
     assert sparkle.parse_rd("yes") and not sparkle.parse_rd("")
@@ -150,9 +152,10 @@ def test_templates_render_every_agent_in_both_sets():
         assert [m["role"] for m in messages] == ["user", "assistant"] and "<think>" in messages[0]["content"]
         assert "zorvak is a film directed by velbo ." in messages[0]["content"]
         assert "<search>" in sparkle.llm_messages(tpl, "no_rd", "q", path)[0]["content"]
-        for key, fields in (("rd", "context question history current"), ("qf", "question thoughts"),
-                            ("ki", "candidates question chain query"), ("qf_direct", "question thoughts"),
-                            ("ki_direct", "candidates question query"), ("rd_qf", "context question history current")):  # fmt: skip
+        fields_of = dict(rd="context question history current", qf="question thoughts", qf_direct="question thoughts",
+                         ki="candidates question chain query", ki_direct="candidates question query",
+                         rd_qf="context question history current")  # fmt: skip
+        for key, fields in fields_of.items():
             text = tpl[key].format(**{f: f"<{f}>" for f in fields.split()})
             assert all(f"<{f}>" in text for f in fields.split()), (name, key)
         assert sparkle.parse_rd(tpl["rd_yes"]) and not sparkle.parse_rd(tpl["rd_no"])
@@ -168,13 +171,17 @@ def test_gae_kl_reward_and_reward_clip():
     assert adv == pytest.approx([0.61088, 0.64303, 0.676875, 0.7125, 0.75], abs=1e-5)
     rewards = sparkle.token_rewards(0.75, [0.5, -0.2, 0.1], [0.0, 0.0, 0.0], 0.002)
     assert rewards == pytest.approx([-0.001, 0.0004, 0.7498])
-    assert sparkle.token_rewards(12.0, [0.0], [0.0], 0.002) == [10.0] and sparkle.token_rewards(-12, [0], [0], 0) == [-10]
+    assert sparkle.token_rewards(12.0, [0.0], [0.0], 0.002) == [10.0] and sparkle.token_rewards(-12, [0], [0], 0) == [
+        -10
+    ]
 
 
 @pytest.mark.parametrize("ratio, advantage, loss", [(1.3, 1.0, -1.2), (0.7, -1.0, 0.8), (1.1, 1.0, -1.1)])
 def test_clipped_surrogate(ratio, advantage, loss):
     new = torch.tensor([[math_log(ratio), 5.0]])
-    got, _ = sparkle.clipped_surrogate(new, torch.zeros(1, 2), torch.tensor([[advantage, 9.0]]), torch.tensor([[1.0, 0.0]]), 0.2)
+    got, _ = sparkle.clipped_surrogate(
+        new, torch.zeros(1, 2), torch.tensor([[advantage, 9.0]]), torch.tensor([[1.0, 0.0]]), 0.2
+    )
     assert got.tolist() == pytest.approx([loss])  # the masked token changes nothing
 
 
@@ -183,7 +190,12 @@ def math_log(x):
 
 
 def test_value_loss_clips_and_averages_per_operation():
-    v, old, g, mask = torch.tensor([[0.9, 0.0]]), torch.tensor([[0.5, 0.0]]), torch.tensor([[1.0, 0.0]]), torch.ones(1, 2)
+    v, old, g, mask = (
+        torch.tensor([[0.9, 0.0]]),
+        torch.tensor([[0.5, 0.0]]),
+        torch.tensor([[1.0, 0.0]]),
+        torch.ones(1, 2),
+    )
     assert 0.5 * sparkle.value_loss(v, old, g, mask[:, :1].expand(1, 2) * torch.tensor([[1.0, 0.0]]), 0.2).item() == (
         pytest.approx(0.045)
     )
@@ -205,8 +217,8 @@ class FakeLM(torch.nn.Module):
 
 
 def test_loss_mask_is_exactly_the_action_and_prompt_logits_get_no_gradient():
-    nodes = [dict(kind="root", parent=None), dict(kind="llm", parent=0), dict(kind="rd", parent=1, prompt_ids=[5, 6, 7],
-             action_ids=[8, 9]), dict(kind="leaf", parent=2, reward=0.5)]  # fmt: skip
+    op = dict(kind="rd", parent=1, prompt_ids=[5, 6, 7], action_ids=[8, 9])
+    nodes = [dict(kind="root", parent=None), dict(kind="llm", parent=0), op, dict(kind="leaf", parent=2, reward=0.5)]
     (sample,) = sparkle.op_samples([dict(nodes=nodes)])
     assert sample["ids"] == [5, 6, 7, 8, 9] and sample["loss_mask"] == [0, 0, 0, 1, 1] and sample["credit"] == 0.5
     ids, attention, mask = sparkle.batch_tensors([sample], 0, "cpu")
@@ -228,7 +240,10 @@ def test_ppo_update_whitens_over_the_rollout_with_the_population_variance(monkey
     model, tokenizer = load_toy_lm(TINY_LM)
     samples = [dict(ids=[4, 7, 8], loss_mask=[0, 1, 1], credit=0.75, agent="rd"),
                dict(ids=[4, 9, 10, 11], loss_mask=[0, 1, 1, 1], credit=0.5, agent="qf")]  # fmt: skip
-    hand = [dict(adv=[0.75, 0.75], ret=[0.0, 0.0], val=[0.0, 0.0]), dict(adv=[0.075, 1.0, 0.5], ret=[0.0] * 3, val=[0.0] * 3)]
+    hand = [
+        dict(adv=[0.75, 0.75], ret=[0.0, 0.0], val=[0.0, 0.0]),
+        dict(adv=[0.075, 1.0, 0.5], ret=[0.0] * 3, val=[0.0] * 3),
+    ]
     score, surrogate, seen = sparkle.score_samples, sparkle.clipped_surrogate, []
 
     def fake_score(*a):
@@ -274,7 +289,7 @@ class FakeEnv:
 
 
 def scripted(rd="no", log=None):
-    """act(requests, seed): forced texts as given; RD writes `rd` (a list: one per call), QF a query, KI candidate 1."""
+    """act(requests, seed): forced texts as given; RD writes `rd` (a list: one per call), QF a query, KI the first."""
     answers = iter(rd) if isinstance(rd, list) else None
 
     def act(requests, seed):
@@ -411,7 +426,9 @@ def test_the_oracle_teacher_solves_questions_under_every_ablation(toy, ablation)
     args = replace_args(args, ablation=ablation, teacher_noise=0.0)
     env = sparkle.environment(args) if ablation in ("no_ki", "direct_ki") else env
     trees = sparkle.rollout(rows, sparkle.teacher_actor(args, env.llm, 0), env, args, "standard")
-    f1 = [next(n for n in t["nodes"] if n["kind"] == "leaf")["f1"] for t in trees if t["row"]["metadata"]["answerable"]]
+    f1 = [
+        next(n for n in t["nodes"] if n["kind"] == "leaf")["f1"] for t in trees if t["row"]["metadata"]["answerable"]
+    ]
     kinds = {n["kind"] for t in trees for n in t["nodes"]}
     if ablation == "no_ki":  # every retrieved document joins the context: decoys read last mislead the toy reader
         assert 0.75 <= sum(f1) / len(f1) < 1
@@ -479,7 +496,9 @@ def test_toy_train_then_eval_and_ask(tmp_path, capsys):
         run(["--train", "--output_dir", str(out), *TINY], capsys)
     again = run(["--train", "--output_dir", str(out), "--resume", *TINY], capsys)  # neither SFT nor PPO is redone
     assert "sft step" not in again and "iteration=" not in again
-    stdout = run(["--eval", "--model", str(out / "ppo"), "--output_dir", str(tmp_path / "eval"), "--n_eval", "8"], capsys)
+    stdout = run(
+        ["--eval", "--model", str(out / "ppo"), "--output_dir", str(tmp_path / "eval"), "--n_eval", "8"], capsys
+    )
     assert outcome(check_contract(tmp_path / "eval", stdout)["after"]) == outcome(results["after"])
     flashrag = tmp_path / "flashrag"  # a FlashRAG folder whose rows have no metadata: recall 0, F1 still scored
     flashrag.mkdir()
@@ -517,7 +536,9 @@ def test_extract_triples_with_any_llm(tmp_path, monkeypatch, capsys):
     monkeypatch.setattr(sparkle, "make_llm", lambda spec, **kw: Extractor())
     corpus = tmp_path / "corpus.jsonl"
     corpus.write_text('{"id": "7", "contents": "\\"x\\"\\nx was born in y ."}\n')
-    sparkle.main(["--extract_triples", "--corpus", str(corpus), "--triples", str(tmp_path / "t.jsonl"), "--llm", "hf:m"])
+    sparkle.main(
+        ["--extract_triples", "--corpus", str(corpus), "--triples", str(tmp_path / "t.jsonl"), "--llm", "hf:m"]
+    )
     rows = [json.loads(line) for line in (tmp_path / "t.jsonl").read_text().splitlines()]
     assert rows == [dict(doc_id="7", head="x", relation="born in", tail="y")]  # templates and broken spans dropped
 
