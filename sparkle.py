@@ -507,7 +507,7 @@ def rollout(rows, act, env, args, mode, seed=0):
     proxy call per agent (`act`), one retrieval call. mode: tree (Eq. 1 for the first L steps, then sampled: RL and
     warm-up), standard (RD sampled from the start: the w/ Standard Rollout ablation), greedy / sample (inference)."""
     testing, tpl, ablation = mode in ("greedy", "sample"), TEMPLATES[args.templates], args.ablation
-    depth = args.tree_depth if mode == "tree" else 0  # [§3.1] binary expansion for the first L steps only
+    depth = args.tree_depth if mode == "tree" and ablation != "no_rd" else 0  # [§3.1] the first L steps (w/o RD: 0)
     max_steps = args.max_steps_eval if testing else args.max_steps
     max_rd = args.max_steps_eval if testing else args.max_rd_calls  # impl: at test, as many RD calls as steps
     trees = [dict(row=r, nodes=[dict(kind="root", parent=None, depth=0)], llm_calls=0, proxy_calls=0) for r in rows]

@@ -352,6 +352,16 @@ def test_standard_rollout_after_L_and_rd_sampled_throughout():
     assert all(n["fixed"] is None for n in tree["nodes"] if n["kind"] == "rd")
 
 
+def test_without_rd_a_tree_rollout_is_one_unpruned_path():
+    env = FakeEnv(answer_at=4, same_document=True)
+    env.chat = lambda messages_lists, rows, **kw: [
+        FakeEnv.chat(env, messages_lists, rows).pop().replace("step", "<search>")
+    ]
+    (tree,) = sparkle.rollout([ROW], scripted(), env, args_for(ablation="no_rd", tree_depth=2), "tree")
+    assert [n["kind"] for n in tree["nodes"]].count("leaf") == 1 and env.searches == 3  # the LLM asked three times
+    assert not any(n["kind"] == "rd" for n in tree["nodes"])
+
+
 def test_inference_loop_with_scripted_agents():
     args = args_for()
     env = FakeEnv(answer_at=3)
