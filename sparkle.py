@@ -276,7 +276,7 @@ Question: {question}
 Reasoning Chain: {chain}
 
 Query: {query}""",
-    # the ablations' prompts [App. D.2] (ours, after the paper's description: header 10)
+    # the ablations' prompts [App. D.2]; simplification: ours, after the paper's description (header 10)
     "llm_search": "{llm}\n\nWhen a thought needs external information, write <search> inside it.",
     "rd_qf_system": "{rd_system}\n\nIf retrieval is required, continue after it with the three steps:\n\n{qf_system}",
     "qf_direct_system": "Given a question and the reasoning thoughts so far, formulate an appropriate retrieval query "
@@ -359,6 +359,7 @@ def llm_messages(tpl, ablation, question, path):
     """[Fig. 6] The user message, {context} re-rendered from c_t; the thoughts so far as the assistant's (header 6)."""
     key = "llm_search" if ablation == "no_rd" else "llm"
     user = tpl[key].format(context=format_documents(tpl, path["docs"]), question=question)
+    # simplification: the thoughts so far as an assistant message, not a raw continuation (header 6)
     thoughts = [{"role": "assistant", "content": path["thoughts"].strip()}] if path["thoughts"] else []
     return [{"role": "user", "content": user}] + thoughts
 
@@ -631,6 +632,7 @@ def proxy_actor(model, tokenizer, args, greedy):
         for s in range(0, len(batch), args.gen_batch_size):
             chunk = batch[s : s + args.gen_batch_size]  # T = 1 in training (impl), greedy at test [App. C]
             gen = generate(model, tokenizer, chunk, args.max_new_tokens, do_sample=not greedy, seed=seed + s)
+            # simplification: the sampled ids are the trained action, not a canonical re-render (header 7)
             for (i, prefix), ids in zip(owners[s : s + args.gen_batch_size], gen.token_ids):
                 out[i] = (tokenizer.decode(prefix + ids, skip_special_tokens=True), prompts[i], prefix + ids)
         return out
@@ -1007,7 +1009,8 @@ def train(args):
     before = evaluate_stage(accelerator, out, "sft", policy, tokenizer, env, test_rows, args, step=0)
     # ---- PPO: policy and critic with separate optimizers, reference = the SFT proxy, frozen [Tab. 6; impl]
     ref = copy.deepcopy(policy).eval().requires_grad_(False)
-    value = ValueModel(policy if args.critic_init == "sft" else load_proxy(args, accelerator.device)[0])  # header 8
+    # simplification: the critic's backbone per --critic_init (header 8)
+    value = ValueModel(policy if args.critic_init == "sft" else load_proxy(args, accelerator.device)[0])
     optimizers = [torch.optim.Adam(m.parameters(), lr=lr, betas=(0.9, 0.95))
                   for m, lr in ((policy, args.policy_lr), (value, args.value_lr))]  # fmt: skip
     schedule = lambda s: cosine(s, args.ppo_iterations, max(1, int(0.03 * args.ppo_iterations)))  # [Tab. 6] cosine
