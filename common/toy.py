@@ -36,7 +36,9 @@ Toy reader protocol (ToyReader.chat; the environment's physics, deterministic, s
    - think: one step per call. The first link of the chain not yet stated in an earlier <think> step: stated as a
      passage sentence "<think> zorvak is a film directed by velbo . </think>" when resolvable, else
      "<think> i need to know the director of zorvak . </think>" (after two such steps for the same link:
-     "<answer> unknown </answer>"). All links stated -> "<answer> x </answer>".
+     "<answer> unknown </answer>"). All links stated -> "<answer> x </answer>". When the prompt mentions "<search>",
+     a step that needs a fact asks for it: "<think> <search> i need to know ... </search> </think>". A call whose
+     `stop` strings omit "</think>" gets every remaining step and the answer in one reply (a real LLM not stopped).
    - plan: one line per sub-goal, "step 1 : find the director of zorvak .", "step 2 : find the birthplace of the
      director of zorvak ." (known bridges are filled in), and a last "step n : answer the question .".
    - note (the words "updated note" or "single note", as in SPARC-RAG's context manager): a query-aware note, the
@@ -550,7 +552,8 @@ class RenamingEnv:
     """A frozen retriever and LLM as a renamed question sees them (the RL side of the renaming augmentation): for a
     row with row["rename"] = (forward, inverse) (renamed_row), queries and prompts go back to the real names and the
     documents and replies come forward into the row's names; any other row passes through unchanged, so the same
-    object serves real data. search(queries, k, rows) and chat(messages_lists, rows, **sampling): one row per item."""
+    object serves real data. search(queries, k, rows) and chat(messages_lists, rows, **sampling): one row per item.
+    A hit's "triples" (a list of strings: a KG store's triples of that document) are renamed with its text."""
 
     def __init__(self, retriever, llm=None):
         self.retriever, self.llm = retriever, llm
@@ -558,8 +561,10 @@ class RenamingEnv:
     def search(self, queries, k, rows):
         back = [apply_mapping([q], r["rename"][1])[0] if r.get("rename") else q for q, r in zip(queries, rows)]
         hits = self.retriever.search(back, k)
-        forward = lambda hit, m: {key: apply_mapping([v], m)[0] if key in ("title", "text", "contents") else v
-                                  for key, v in hit.items()}  # fmt: skip
+        renamed = lambda key, v, m: apply_mapping([v], m)[0] if key in ("title", "text", "contents") else v
+        forward = lambda hit, m: {
+            k: apply_mapping(v, m) if k == "triples" else renamed(k, v, m) for k, v in hit.items()
+        }
         return [
             [forward(h, r["rename"][0]) for h in found] if r.get("rename") else found for found, r in zip(hits, rows)
         ]
@@ -641,16 +646,21 @@ class ToyReader:
     def __init__(self, world_dir, **_):
         self.world = load_world(str(world_dir))
 
-    def chat(self, messages_lists, **_sampling):
-        """One reply per conversation (list of {"role", "content"}); sampling arguments are ignored."""
-        return [self.reply("\n".join(m["content"] for m in messages)) for messages in messages_lists]
+    def chat(self, messages_lists, stop=None, **_sampling):
+        """One reply per conversation (list of {"role", "content"}); sampling arguments are ignored. In think mode a
+        `stop` without "</think>" (given, and not None) asks for every step at once."""
+        stepwise = stop is None or "</think>" in ([stop] if isinstance(stop, str) else list(stop))
+        return [self.reply("\n".join(m["content"] for m in messages), stepwise) for messages in messages_lists]
 
-    def reply(self, prompt):
+    def reply(self, prompt, stepwise=True):
         """The reply to one prompt text."""
         text = prompt.lower()
         question = self.find_question(text)
         if "<think>" in text:
-            return self.think(text, question)
+            steps = [self.think(text, question)]
+            while not stepwise and not steps[-1].startswith("<answer>"):  # ends: a link repeats at most twice
+                steps.append(self.think(text + "\n" + "\n".join(steps), question))
+            return "\n".join(steps)
         if PLAN_WORDS.search(text):
             return self.plan(text, question)
         if NOTE_WORDS.search(text):
@@ -750,7 +760,8 @@ class ToyReader:
                 need = f"i need to know {RELATIONS[rel][4].format(h=head)} ."
                 if thoughts.count(need) >= 2:
                     return f"<answer> {UNKNOWN} </answer>"
-                return f"<think> {need} </think>"
+                asked = f"<search> {need} </search>" if "<search>" in text else need
+                return f"<think> {asked} </think>"
             if (head, rel) not in stated:
                 return f"<think> {RELATIONS[rel][2].format(h=head, t=tail)} </think>"
         return f"<answer> {self.answer(facts, question)} </answer>"
@@ -941,3 +952,51 @@ def main(argv=None):
 
 if __name__ == "__main__":
     main()
+
+
+def stated_tail(thoughts, head, rel):
+    """The tail the thoughts last state for (head, rel), the reader's way ("velbo was born in 1931 ."), or None."""
+    left = RELATIONS[rel][2].split("{t}")[0].format(h=head)
+    tails = re.findall(r"\b" + re.escape(left).replace(r"\ ", r"\s+") + r"([a-z0-9]+)\b", thoughts.lower())
+    tails = [t for t in tails if t.isdigit() == (RELATIONS[rel][1] == "year")]
+    return tails[-1] if tails else None
+
+
+def sparkle_chain(row, thoughts):
+    """The KG reasoning chain the thoughts state for a question, the reader's way: [(head, relation, tail or None)] up
+    to the first link not stated yet (a chain follows the stated tails; a comparison looks up both entities)."""
+    meta = row["metadata"]
+    comparison = meta["type"] in ("comparison", "yes_no")
+    chain = []
+    for i, rel in enumerate(meta["relations"]):
+        head = meta["entities"][i] if comparison else chain[-1][2] if chain else meta["entities"][0]
+        chain.append((head, rel, stated_tail(thoughts, head, rel)))
+        if chain[-1][2] is None:
+            break
+    return chain
+
+
+def oracle_sparkle(row, agent, state, rng, noise):
+    """SPARKLE's warm-up teacher in the toy world, as decisions the method renders in its own formats. state:
+    "thoughts" (all LLM thoughts so far), "current" (the latest one), "candidates" ([(title, text)] for KI: triples
+    "<h ; r ; t>" or documents). rd -> retrieve? (yes iff the current thought asks for a fact); qf -> (chain as
+    [(head, relation phrase, tail or "[unknown]")], knowledge gap, query or None when nothing is missing); ki -> the
+    index of the candidate that fills the gap (its triple, or its entity's document). With probability `noise` the
+    decision is wrong: rd flipped, the raw question as the query, a random candidate."""
+    wrong = rng.random() < noise
+    chain = sparkle_chain(row, state["thoughts"])
+    gap = next((link for link in chain if link[2] is None), None)
+    if agent == "rd":
+        return ("i need to know" in state["current"]) != wrong
+    if agent == "qf":
+        triples = [(h, RELATIONS[r][3], t or "[unknown]") for h, r, t in chain]
+        if gap is None:
+            return triples, "nothing", None
+        query = row["question"] if wrong else f"{gap[0]} {RELATIONS[gap[1]][5]}"
+        return triples, RELATIONS[gap[1]][4].format(h=gap[0]), query
+    candidates = state["candidates"]
+    want = [gap[0], *RELATIONS[gap[1]][3].split()] if gap else None
+    fits = lambda title, text: (re.findall(r"[a-z0-9]+", text.lower())[: len(want)] == want
+                                if text.lstrip().startswith("<") else title == gap[0])  # fmt: skip
+    right = [i for i, (title, text) in enumerate(candidates) if want and fits(title, text)]
+    return rng.randrange(len(candidates)) if wrong or not right else right[0]

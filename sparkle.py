@@ -1,0 +1,1102 @@
+# SPARKLE: A Structured and Plug-and-play Agentic Retrieval Policy for Adaptive RAG Models
+# ACL 2026; the text read is the anonymous ACL submission (no arXiv id; tags cite its sections). Docs: docs/sparkle.md
+"""SPARKLE: a small proxy LM plays three agents around a frozen LLM's step-wise reasoning; binary-tree rollout, PPO.
+
+After each `<think>` step of the frozen LLM, one proxy plays Retrieval Decision (Yes/No), Query Formulation (a KG
+chain of `<head; relation; tail>` triples with `[unknown]` gaps, then a query) and Knowledge Integration (one triple
+of the retrieved documents; its source document joins the LLM's context) [§2.2, Alg. 1]. Training [§3, App. C]: SFT on
+a teacher's successful trajectories, then PPO on a binary tree rollout (both RD answers for the first L steps, Eq. 1;
+branches that leave the context unchanged pruned), each agent operation credited with the mean reward of the leaves
+it reaches (Eq. 2), R = α·Recall(c_T) + (1−α)·F1(y). A diff against c3po.py shows what SPARKLE changes.
+
+    python sparkle.py --train --run_name sparkle                # toy world, tiny proxy, CPU: warm-up, SFT, PPO, eval
+    python sparkle.py --eval --model runs/sparkle/ppo           # evaluate a checkpoint on the toy test split
+    python sparkle.py --ask "what is the birthplace of the director of zekil ?" --model runs/sparkle/ppo
+    python sparkle.py --extract_triples --data_dir DATA --llm http://HOST/v1 --llm_model M   # the KG corpus, once
+    accelerate launch sparkle.py --train --preset paper --data_dir DATA --index DIR --llm http://HOST/v1 --llm_model M
+
+Deviations from the paper (each marked `# simplification: ... (header N)` where it lives):
+1. Toy world: the warm-up teacher is an oracle reading the thoughts and the question's metadata (--teacher_noise).
+2. Toy preset: the warm-up keeps only the cheapest successful paths (fewest retrievals, then steps; --warmup_select).
+3. Toy world: SFT examples and not-popular PPO trees are entity-renamed for the proxy (--augment_p, --rl_augment_p).
+4. Toy preset: compact templates, one- and two-hop questions, top-3 documents, 5 triples, L = 2, smaller PPO sizes.
+5. --teacher llm plays the proxy roles zero-shot with the agents' prompts (the paper: Qwen2.5-72B, prompts unstated).
+6. The thoughts so far go to the LLM as an assistant message (impl: the assistant turn continued raw).
+7. PPO trains the sampled tokens, not the authors' canonical re-renders of QF and KI outputs (spec §9.11).
+8. The critic starts from --critic_init (impl: the base proxy; the toy preset: the SFT proxy), head zero-initialised.
+9. Advantages are whitened over the rollout, one PPO epoch, value clipping 0.2 (the authors' OpenRLHF settings).
+10. The ablations' prompts are ours (the paper describes them; App. D.2); w/o QF keeps the QF output format.
+11. The LLM's steps are capped at --llm_max_tokens; latency is batched wall time per question.
+"""
+
+import copy
+import math
+import random
+import re
+import time
+from collections import Counter, defaultdict
+from dataclasses import asdict, dataclass, field, replace
+from pathlib import Path
+
+import torch
+from accelerate import PartialState
+from tqdm import tqdm
+
+from common import runs
+from common.data import DataError, load_split, read_jsonl, sample_rows, write_jsonl
+from common.llm import backbone_of, chat_prompts, generate, right_pad, unknown_words
+from common.metrics import answer_scores, doc_recall, f1_score, summarize
+from common.models import load_model_and_tokenizer, make_llm
+from common.retrieval import TfidfEncoder, load_corpus, open_retriever
+from common.toy import RenamingEnv, oracle_sparkle, rename_entities, rename_rows, world_or_none
+
+ABLATIONS = ["none", "no_rd", "no_qf", "direct_qf", "no_ki", "direct_ki"]
+
+
+def arg(default, help, **metadata):
+    """A dataclass field with its --help text."""
+    return field(default=default, metadata={"help": help, **metadata})
+
+
+@dataclass
+class Args:
+    # experiment
+    preset: str = arg("toy", "toy (built-in toy world, tiny proxy, CPU) or paper", choices=["toy", "paper"])
+    train: bool = arg(False, "teacher warm-up data, SFT, PPO, evaluation")
+    eval: bool = arg(False, "evaluate --model (a checkpoint or the untrained start)")
+    ask: str = arg("", "answer one question with --model and print the trajectory")
+    extract_triples: bool = arg(False, "write the KG corpus --triples of --corpus with --llm (real corpora) [§D.3]")
+    output_dir: str | None = arg(None, "results, metrics, checkpoints (default: runs/<run_name> or <model>/eval)")
+    run_name: str | None = arg(None, "a training run's name (default: sparkle__<seed>__<time>)")
+    resume: bool = arg(False, "continue the run --run_name / --output_dir from its last checkpoint")
+    report_to: str = arg("none", "tracker beside metrics.jsonl", choices=["none", "tensorboard", "wandb"])
+    seed: int = arg(0, "seed of models, sampling and data order")
+    # data, retriever, models
+    data_dir: str | None = arg(None, "folder with train/test jsonl (FlashRAG QA)")
+    corpus: str | None = arg(None, "FlashRAG corpus jsonl (default: data_dir/corpus.jsonl)")
+    triples: str | None = arg(None, "KG corpus jsonl {doc_id, head, relation, tail} (default: data_dir/triples.jsonl)")
+    index: str = arg("", "saved retriever folder (python -m common.retrieval build) [§4.1: E5, wiki-18]")
+    encoder: str | None = arg(None, "tfidf, bm25 or a dense encoder (hub id or folder) when --index is empty")
+    model: str | None = arg(None, "proxy: hub id, folder or toy-lm spec [§4.1: Qwen2.5-3B-Instruct]")
+    llm: str | None = arg(None, "frozen LLM: toy, hf:<name>, http(s)://.../v1 [§4.1: Qwen2.5-7B-Instruct]")
+    llm_model: str = arg("", "served model name when --llm is an endpoint URL")
+    templates: str | None = arg(None, "the App. A figures, or compact", choices=["paper", "compact"])
+    n_train: int | None = arg(None, "training questions (None: all) [§D.3: 7,500]")
+    n_eval: int | None = arg(None, "test questions evaluated (None: all) [§4.1: 1,000]")
+    question_types: str | None = arg(None, "comma-separated metadata types to keep (empty: all)")
+    # agents, loop, tree rollout [§2.2, §3.1, Alg. 1]
+    top_k: int | None = arg(None, "documents per retrieval [§D.3: 10]")
+    n_triples: int | None = arg(None, "candidate triples for KI [§D.3: 20] (impl: 25)")
+    max_context: int = arg(5, "documents in the context, oldest evicted (impl: 5)")
+    max_steps: int = arg(12, "LLM reasoning steps in training (impl: 12)")
+    max_steps_eval: int = arg(20, "LLM reasoning steps at test (impl: 20)")
+    max_retrievals: int = arg(5, "retrievals per trajectory (impl: 5)")
+    max_rd_calls: int = arg(8, "Retrieval Decision calls per trajectory in training (impl: 8; at test: max steps)")
+    tree_depth: int | None = arg(None, "L: steps with both RD branches [§D.3: 4]")
+    prune: str = arg("context", "prune retrieval branches that leave c_t unchanged [§3.1]", choices=["context", "no"])
+    standard_rollout: bool = arg(False, "the w/ Standard Rollout ablation: RD sampled from the first step [Tab. 4]")
+    samples_per_question: int = arg(1, "trajectories (trees) per question and update (impl: 1)")
+    ablation: str = arg("none", "w/o RD, QF; w/ Direct QF; w/o KI; w/ Direct KI [Tab. 4]", choices=ABLATIONS)
+    alpha: float = arg(0.3, "R = alpha Recall(c_T) + (1 - alpha) F1(y) [§3.2, §D.3: 0.3] (impl: 0.7)")
+    max_new_tokens: int | None = arg(None, "proxy tokens per action (impl: 160 in training)")
+    llm_max_tokens: int = arg(256, "LLM tokens per step (impl: 256)")
+    gen_batch_size: int = arg(512, "prompts per proxy generate call (memory only)")
+    # warm-up [§D.3, Tab. 5]
+    teacher: str | None = arg(None, "the toy oracle, or the frozen LLM in the proxy roles", choices=["oracle", "llm"])
+    teacher_noise: float = arg(0.2, "the toy oracle teacher's probability of a wrong decision")
+    teacher_temperature: float = arg(0.6, "llm teacher sampling temperature")
+    warmup_keep: int = arg(4, "successful trajectories kept per question")
+    warmup_select: str | None = arg(None, "all successes, or the cheapest ones", choices=["uniform", "cheapest"])
+    sft_epochs: float | None = arg(None, "SFT epochs [Tab. 5: 1] (when --sft_steps is 0)")
+    sft_steps: int | None = arg(None, "SFT steps; overrides epochs when > 0")
+    sft_lr: float | None = arg(None, "SFT learning rate [Tab. 5: 5e-6]")
+    sft_batch_size: int | None = arg(None, "SFT batch size [Tab. 5: 64]")
+    micro_batch_size: int | None = arg(None, "sequences per forward pass (gradient accumulation)")
+    augment_p: float | None = arg(None, "toy: entity-renaming probability of an SFT example")
+    rl_augment_p: float | None = arg(None, "toy: renaming probability of a not-popular PPO tree")
+    # PPO [§3, App. C, Tab. 6]
+    ppo_iterations: int | None = arg(None, "PPO updates [App. E.1: rewards converge after about 60]")
+    rollout_batch: int | None = arg(None, "questions (trees) per PPO update (impl: 64)")
+    ppo_batch_size: int | None = arg(None, "operation samples per minibatch [Tab. 6: 1024]")
+    ppo_epochs: int = arg(1, "epochs over each rollout (impl: 1)")
+    policy_lr: float | None = arg(None, "policy learning rate [Tab. 6: 5e-7]")
+    value_lr: float | None = arg(None, "value model learning rate [Tab. 6: 5e-6]")
+    kl_coef: float = arg(0.002, "KL coefficient beta, a per-token penalty in the reward [Tab. 6: 0.002]")
+    gamma: float = arg(1.0, "GAE gamma within an operation (impl: 1)")
+    lam: float = arg(0.95, "GAE lambda (impl: 0.95)")
+    clip: float = arg(0.2, "PPO clip epsilon (impl: 0.2)")
+    vf_coef: float = arg(0.5, "value loss coefficient (impl: 0.5)")
+    value_clip: float = arg(0.2, "value clip around the old values (impl: 0.2); 0: plain MSE")
+    max_grad_norm: float = arg(1.0, "gradient clipping (impl: 1.0)")
+    critic_init: str | None = arg(None, "critic backbone: base (impl) or sft", choices=["base", "sft"])
+    eval_every: int = arg(10, "checkpoint every this many PPO updates")
+
+
+PRESETS = {  # field: (toy, paper), for the fields left at None; any flag overrides them
+    "data_dir": ("data/toy", "data/sparkle"),
+    "encoder": ("tfidf", "intfloat/e5-large-v2"),  # [§D.3]
+    "model": ("toy-lm", "Qwen/Qwen2.5-3B-Instruct"),  # [§4.1]
+    "llm": ("toy", "hf:Qwen/Qwen2.5-7B-Instruct"),  # [§4.1]
+    "templates": ("compact", "paper"),  # simplification: no instruction prose in the toy world (header 4)
+    "question_types": ("one_hop,two_hop", ""),
+    "top_k": (3, 10),  # [§D.3]
+    "n_triples": (5, 20),  # [§D.3]
+    "tree_depth": (2, 4),  # [§D.3]
+    "max_new_tokens": (48, 160),  # impl
+    "teacher": ("oracle", "llm"),  # simplification: the toy oracle teacher (header 1)
+    "warmup_select": ("cheapest", "uniform"),  # simplification: header 2
+    "sft_epochs": (0.0, 1.0),  # [Tab. 5]
+    "sft_steps": (1500, 0),
+    "sft_lr": (2e-3, 5e-6),  # [Tab. 5]
+    "sft_batch_size": (32, 64),  # [Tab. 5]
+    "micro_batch_size": (8, 4),  # impl
+    "augment_p": (1.0, 0.0),  # simplification: toy renaming (header 3)
+    "rl_augment_p": (1.0, 0.0),
+    "ppo_iterations": (10, 120),  # impl: one episode of 7,500 questions, 64 per rollout
+    "rollout_batch": (32, 64),  # impl
+    "ppo_batch_size": (32, 1024),  # [Tab. 6]
+    "policy_lr": (1e-4, 5e-7),  # [Tab. 6]
+    "value_lr": (1e-3, 5e-6),  # [Tab. 6]
+    "critic_init": ("sft", "base"),  # simplification: header 8
+}
+
+
+def apply_preset(args):
+    """Fill the fields left at None from the preset's column and check the choices."""
+    for key, values in PRESETS.items():
+        if getattr(args, key) is None:
+            setattr(args, key, values[args.preset == "paper"])
+    args.corpus = args.corpus or str(Path(args.data_dir) / "corpus.jsonl")
+    args.triples = args.triples or str(Path(args.data_dir) / "triples.jsonl")
+    if args.llm == "toy":  # the toy reader of the world being trained on, never data/toy by default
+        args.llm = f"toy:{args.data_dir}"
+    if args.output_dir is None and args.eval:  # --eval writes next to the model, never over a training run's results
+        args.output_dir = str(Path(args.model) / "eval") if Path(args.model).is_dir() else "runs/sparkle-eval"
+    if not 0 <= args.alpha <= 1 or args.samples_per_question < 1 or args.tree_depth < 0:
+        raise SystemExit("--alpha must be in [0, 1], --samples_per_question >= 1 and --tree_depth >= 0")
+    return args
+
+
+# --------------------------------------------------------------------------- 1. prompts [App. A; impl strings]
+# The paper set: Fig. 4-8 as printed, the instruction as the system message and the inputs as the user message (impl);
+# the authors' code strings add lines to each. The compact set keeps the fields and output formats without the prose
+# (header 4).
+PAPER_TEMPLATES = {
+    # [App. A.4, Fig. 6] the LLM: one <think> step per call, {context} re-rendered every step
+    "llm": """\
+Instruction:
+Please answer the following question. You should think step-by-step to solve it. You should first output all your \
+internal thinking steps. Each thought should be put inside <think> and </think> tags. After reasoning, you must put \
+your final answer inside <answer> and </answer> without detailed instructions.
+
+Your output should look like:
+
+<think> [put your first thought here] </think>
+
+<think> [put your second thought here] </think>
+
+...
+
+<think> [put your final thought here] </think>
+
+<answer> [put your final answer (short phrase or keyword only) here] </answer>
+
+Inputs:
+
+Context: {context}
+
+Question: {question}""",
+    # [App. A.1, Fig. 4] Retrieval Decision: the instruction (the paper elides its criteria, "..."; impl:
+    # DETERMINE_RETRIEVAL_INSTRUCTION_WITH_CONTEXT lists them) and the inputs
+    "rd_system": """\
+You are an intelligent assistant. Your job is to decide whether external information retrieval is required to \
+continue solving the problem.
+
+You will be given the following inputs:
+
+- Question: The original user query.
+- Previous Reasoning: A list of prior reasoning thoughts the model has generated.
+- Current Reasoning Step: The latest reasoning step to evaluate.
+- Retrieved Context: Text previously retrieved that may contain relevant information.
+
+Your task is to answer whether the **current reasoning step** requires external retrieval...
+
+Output Format
+ONLY output "Yes (retrieval is required)" or "No (retrieval is not required)" and do not include any other text.""",
+    "rd": """\
+Retrieved Context: {context}
+Question: {question}
+Previous Reasoning: {history}
+Current Reasoning Step: {current}""",
+    # [App. A.2, Fig. 5] Query Formulation (impl adds "If no additional information is needed, set the query to None.")
+    "qf_system": """\
+You are an intelligent reasoning assistant. Your task is to help bridge the information gap between a current \
+reasoning trace (thought) and the full answer to a given question by generating a high-quality retrieval query.
+
+You will follow these three steps:
+
+[Step 1: Generate Reasoning Chain]
+Given the question and the corresponding thought, extract the information that is directly helpful for answering the \
+question. Represent each piece of information as a structured knowledge triple in the format <head; relation; tail>. \
+Output Format: <head1; relation1; tail1>, <head2; relation2; tail2>, ... <headN; relationN; tailN>
+
+[Step 2: Identify Knowledge Gaps]
+Based on the extracted reasoning chain, identify the **next piece of information** that is required to continue \
+reasoning toward the answer to the question. This could be a missing fact, relation, or intermediate concept that, \
+if known, would allow the reasoning to proceed.
+Output Format: To continue answering the question, we need to know: [describe the next necessary piece of information]
+
+[Step 3: Formulate Retrieval Query]
+Write a concise and effective natural language query that can help retrieve the specific information identified in \
+Step 2. The query should be focused, contain the key entities and relations, and be suitable for a retrieval \
+system.""",
+    "qf": """\
+Question: {question}
+Thoughts: {thoughts}""",
+    # [App. A.3, Fig. 8] Knowledge Integration
+    "ki_system": """\
+You are an intelligent reasoning assistant. Your task is to select the most useful knowledge triple from a list of \
+candidates to help continue a reasoning process toward answering a given question.
+
+You will be given:
+
+- A question
+- A current reasoning chain represented as a sequence of knowledge triples
+- A query, which may reflect an information need to guide the next reasoning step
+- A set of candidate triples
+
+Your goal: Select only one triple that is most useful for continuing the reasoning toward answering the question. \
+This selected triple should logically extend the current reasoning chain and help bridge the gap toward the final \
+answer.""",
+    "ki": """\
+Candidate Triples: {candidates}
+
+Question: {question}
+
+Reasoning Chain: {chain}
+
+Query: {query}""",
+    # the ablations' prompts [App. D.2]; simplification: ours, after the paper's description (header 10)
+    "llm_search": "{llm}\n\nWhen a thought needs external information, write <search> inside it.",
+    "rd_qf_system": "{rd_system}\n\nIf retrieval is required, continue after it with the three steps:\n\n{qf_system}",
+    "qf_direct_system": "Given a question and the reasoning thoughts so far, formulate an appropriate retrieval query "
+    "for the next piece of information needed. Only output the query, or None if nothing is needed.",
+    "qf_direct": "Question: {question}\n\nThoughts:\n{thoughts}\n\nQuery:",
+    "ki_direct_system": "Select the document that is most useful for continuing the reasoning toward answering the "
+    "question. Only output the index of the selected document.",
+    "ki_direct": "Documents:\n{candidates}\n\nQuestion: {question}\n\nQuery:\n{query}\n\nSelected Document:",
+    # output formats and renderings (impl)
+    "rd_yes": "Yes (retrieval is required)",
+    "rd_no": "No (retrieval is not required)",
+    "qf_output": "Step 1: Reasoning Chain:\n{chain}\n\nStep 2: Knowledge Gaps:\nTo continue answering the question, "
+    "we need to know: {gap}\n\nStep 3: Retrieval Query:\n{query}",
+    "document": "Title: {title}\nText: {text}",
+    "documents": "\n\n",
+    "candidate": "{i}. Source Title: {title}\nText: {text}",
+    "candidates": "\n",
+}
+PAPER_TEMPLATES = {k: v.format(**PAPER_TEMPLATES) if "_system" in k or k == "llm_search" else v
+                   for k, v in PAPER_TEMPLATES.items()}  # fmt: skip
+PAPER_TEMPLATES["rd_qf"] = PAPER_TEMPLATES["rd"]
+# impl (prompts/): the triple extraction prompt of the KG corpus, run once offline [§4.1, §D.3]
+EXTRACTION_PROMPT = """\
+You are a knowledge graph constructor tasked with extracting knowledge triples in the form of <head entity; \
+relation; tail entity> from a document. Each triple denotes a specific relationship between entities or an event. \
+The head entity and tail entity can be the provided title or phrases in the text. If multiple tail entities share \
+the same relation with a head entity, aggregate these tail entities using commas. Format your output in the form of \
+<head entity; relation; tail entity>."""
+
+TEMPLATES = {
+    "paper": PAPER_TEMPLATES,
+    "compact": dict(  # simplification: the toy preset's compact set (header 4)
+        llm="think step by step , one thought per <think> </think> , then the answer in <answer> </answer> . "
+        "context : {context} question : {question}",
+        llm_search="think step by step , one thought per <think> </think> , then the answer in <answer> </answer> "
+        ", a thought that needs a fact has <search> . context : {context} question : {question}",
+        rd="retrieval ? context : {context} question : {question} previous : {history} current : {current}",
+        rd_qf="retrieval and query ? context : {context} question : {question} previous : {history} current : "
+        "{current}",
+        qf="query . question : {question} thoughts : {thoughts}",
+        qf_direct="query only . question : {question} thoughts : {thoughts}",
+        ki="select a triple . triples : {candidates} question : {question} chain : {chain} query : {query}",
+        ki_direct="select a document . documents : {candidates} question : {question} query : {query}",
+        rd_yes="yes",
+        rd_no="no",
+        qf_output="step 1 : chain : {chain} step 2 : gap : {gap} step 3 : query : {query}",
+        document="{title} : {text}",
+        documents=" ",
+        candidate="{i} . {text}",
+        candidates=" ",
+    ),
+}
+AGENTS = ("rd", "qf", "ki")  # [§2.1] I = {Retrieval Decision, Query Formulation, Knowledge Integration}
+
+
+def format_documents(tpl, docs):
+    """The context c_t as the LLM and the RD agent read it: `Title: {title}\\nText: {text}` (impl)."""
+    return tpl["documents"].join(tpl["document"].format(title=d["title"], text=d["text"]) for d in docs)
+
+
+def format_candidates(tpl, candidates):
+    """KI's numbered candidates, `{i}. Source Title: {title}\\nText: {triple}` (impl; a document for w/ Direct KI)."""
+    lines = [tpl["candidate"].format(i=i, title=h["title"], text=text) for i, (h, text) in enumerate(candidates, 1)]
+    return tpl["candidates"].join(lines)
+
+
+def render_qf(tpl, chain, gap, query):
+    """The QF output in its three steps (impl: retrieval_query_output_format); a missing query is `None`."""
+    triples = ", ".join(f"<{h}; {r}; {t}>" for h, r, t in chain)  # [§2.2] <head; relation; tail>
+    return tpl["qf_output"].format(chain=triples, gap=gap, query=query or "None")
+
+
+def thought_text(thoughts):
+    """LLM output -> the agents' view of it: tags dropped, steps joined by blank lines (impl)."""
+    text = "\n\n".join(s for s in (x.replace("<think>", "").strip() for x in thoughts.split("</think>")) if s)
+    return text + "\n\n" if text else ""
+
+
+def llm_messages(tpl, ablation, question, path):
+    """[Fig. 6] The user message, {context} re-rendered from c_t; the thoughts so far as the assistant's (header 6)."""
+    key = "llm_search" if ablation == "no_rd" else "llm"
+    user = tpl[key].format(context=format_documents(tpl, path["docs"]), question=question)
+    # simplification: the thoughts so far as an assistant message, not a raw continuation (header 6)
+    thoughts = [{"role": "assistant", "content": path["thoughts"].strip()}] if path["thoughts"] else []
+    return [{"role": "user", "content": user}] + thoughts
+
+
+# --------------------------------------------------------------------------- 2. parsing [§2.2; impl rules]
+def parse_rd(text):
+    """Retrieval? `"yes" in response.lower()` (impl)."""
+    return "yes" in text.lower()
+
+
+def parse_qf(text, question, direct=False):
+    """(chain g_t, query q_t) of a QF output (impl regexes; a `None` query is None, no Step 3: question + output)."""
+    text = text.replace("**", "")
+    if direct:  # w/ Direct QF: the whole output is the query
+        chain, query = "", text.strip()
+    else:
+        chain = re.search(r"step\s*1\s*:[^:<]*:?\s*(.*?)(?=\bstep\s*2|$)", text, re.S | re.I)
+        chain = chain.group(1).strip() if chain else ""
+        query = re.search(r"step\s*3\s*:.*?query\s*:?\s*(.*)$", text, re.S | re.I)
+        query = query.group(1).strip() if query else f"Question: {question}\n{text}"
+    return chain, None if query.lower().rstrip(" .") in ("none", "") else query
+
+
+def parse_ki(text, candidates, direct=False):
+    """The selected candidate: the first `<...>` span's best token-F1 match (impl); w/ Direct KI, a 1-based index."""
+    if direct:
+        number = re.search(r"\d+", text)
+        return int(number.group()) - 1 if number and 1 <= int(number.group()) <= len(candidates) else None
+    span = (re.findall(r"<([^>]+)>", text) or [text])[0]
+    scores = [f1_score(span, [c]) for _, c in candidates]
+    return max(range(len(candidates)), key=scores.__getitem__) if candidates and max(scores) > 0 else None
+
+
+def extract_answer(text):
+    """y: the first non-empty `<answer>` span, the text after `<answer>`, or the output untagged (impl, Alg. 1 L16)."""
+    spans = [s.strip() for s in re.findall(r"<answer>(.*?)</answer>", text, re.S) if s.strip()]
+    if spans:
+        return spans[0]
+    if "<answer>" in text:
+        return text.split("<answer>", 1)[1].replace("</answer>", "").strip()
+    return re.sub(r"</?(think|answer)>", " ", text).strip()
+
+
+# --------------------------------------------------------------------------- 3. reward and credit [§3.2, Eq. 2]
+def leaf_reward(recall, f1, alpha):
+    """R = alpha * Recall(c_T) + (1 - alpha) * F1(y) [§3.2] (the authors' code weights Recall by 0.7: alpha 0.7)."""
+    return alpha * recall + (1 - alpha) * f1
+
+
+def context_recall(doc_ids, row):
+    """Recall(c_T): the share of the gold supporting documents in the context; 0 without gold documents (impl)."""
+    gold = (row.get("metadata") or {}).get("supporting_doc_ids") or []
+    return doc_recall(doc_ids, gold) if gold else 0.0
+
+
+def leaf_credits(nodes):
+    """Eq. 2 for every node: the mean reward of the leaves it reaches (not of child means); None without a leaf."""
+    total, count = [0.0] * len(nodes), [0] * len(nodes)
+    for i in reversed(range(len(nodes))):
+        if nodes[i]["kind"] == "leaf":
+            total[i], count[i] = total[i] + nodes[i]["reward"], count[i] + 1
+        parent = nodes[i]["parent"]
+        if parent is not None:
+            total[parent] += total[i]
+            count[parent] += count[i]
+    return [t / c if c else None for t, c in zip(total, count)]
+
+
+# --------------------------------------------------------------------------- 4. rollout [§3.1, Eq. 1, Alg. 1]
+class KGRetriever:
+    """The retriever with the KG corpus G: hits carry their triples [Alg. 1 L11]; the encoder that ranks them."""
+
+    def __init__(self, retriever, triples):
+        self.retriever, self.triples = retriever, triples
+        fitted = lambda: TfidfEncoder().fit([t for ts in triples.values() for t in ts] or ["none"])  # BM25: TF-IDF
+        self.encoder = getattr(retriever, "encoder", None) or fitted()
+
+    def search(self, queries, k):
+        hits = self.retriever.search(queries, k)
+        return [[dict(h, triples=self.triples.get(str(h["id"]), [])) for h in found] for found in hits]
+
+
+def load_triples(path):
+    """doc id -> ["<head; relation; tail>", ...] from a jsonl of {doc_id, head, relation, tail} (§D.3: offline)."""
+    if not Path(path).is_file():
+        raise DataError(f"{path}: no KG corpus (triples); write one with python sparkle.py --extract_triples")
+    triples = defaultdict(list)
+    for row in read_jsonl(path, required=("doc_id", "head", "relation", "tail")):
+        triples[str(row["doc_id"])].append(f"<{row['head']}; {row['relation']}; {row['tail']}>")  # [§2.2]
+    return triples
+
+
+def rank_triples(encoder, questions, queries, found, n):
+    """K_t: the retrieved documents' triples ranked by similarity to question + query (impl), top n [§D.3]."""
+    pairs = [[(hit, t) for hit in hits for t in hit.get("triples", [])] for hits in found]
+    texts = [t for ps in pairs for _, t in ps]
+    if not texts:
+        return [[] for _ in pairs]
+    q = encoder.encode([f"{a} {b}" for a, b in zip(questions, queries)], is_query=True)  # (P, D)
+    scores = iter(encoder.encode(texts) @ q.T)  # (N, P)
+    ranked = []
+    for i, ps in enumerate(pairs):
+        s = [float(next(scores)[i]) for _ in ps]
+        ranked.append([ps[j] for j in sorted(range(len(ps)), key=lambda j: -s[j])[:n]])
+    return ranked
+
+
+def add_documents(docs, new, cap):
+    """c_{t+1} = c_t + the new documents, no duplicate, the oldest evicted beyond `cap` (spec §9.3)."""
+    ids = {d["id"] for d in docs}
+    docs = docs + [d for d in new if d["id"] not in ids and not ids.add(d["id"])]
+    return docs[-cap:]
+
+
+def request(tree, parent, agent, step, prompt, path, prefix="", fixed=None, cands=None):
+    """A pending agent state s_i^t: the proxy (or teacher) writes one output (fixed: a forced output, Eq. 1)."""
+    return dict(locals())  # tree, parent, agent, step, prompt, path, prefix, fixed, cands
+
+
+def add_node(tree, parent, kind, depth, **fields):
+    """Append a node to a tree; returns its index (children always come after their parent)."""
+    tree["nodes"].append(dict(kind=kind, parent=parent, depth=depth, **fields))
+    return len(tree["nodes"]) - 1
+
+
+def add_leaf(tree, parent, path, reply, why, alpha):
+    """A complete trajectory below `parent`: its answer y, final context c_T, per-step trace and reward R [§3.2]."""
+    trace, answer = path["trace"] + [([d["id"] for d in path["docs"]], path["retrievals"])], extract_answer(reply)
+    recall, f1 = context_recall(trace[-1][0], tree["row"]), f1_score(answer, tree["row"]["golden_answers"])
+    fields = dict(answer=answer, why=why, docs=trace[-1][0], trace=trace, recall=recall, f1=f1)
+    add_node(tree, parent, "leaf", path["step"], **fields, reward=leaf_reward(recall, f1, alpha))
+
+
+def rd_requests(tree, node, path, step, tpl, ablation, both):
+    """RD's state s_1^t = (q, c_t, r_<=t) [§2.2]; both: Eq. 1's two forced answers (w/o QF: Yes is a prefix)."""
+    key = "rd_qf" if ablation == "no_qf" else "rd"
+    user = tpl[key].format(context=format_documents(tpl, path["docs"]), question=tree["row"]["question"],
+                           history=thought_text(path["previous"]), current=thought_text(path["current"]))  # fmt: skip
+    req = request(tree, node, "rd", step, (tpl.get(key + "_system", ""), user), path)
+    yes = dict(prefix=tpl["rd_yes"]) if ablation == "no_qf" else dict(fixed=tpl["rd_yes"])
+    return [dict(req, **yes), dict(req, fixed=tpl["rd_no"])] if both else [req]
+
+
+def rollout(rows, act, env, args, mode, seed=0):
+    """Trajectories of a batch of questions, step by step [Alg. 1]: per step one LLM call for every live path, one
+    proxy call per agent (`act`), one retrieval call. mode: tree (Eq. 1 for the first L steps, then sampled: RL and
+    warm-up), standard (RD sampled from the start: the w/ Standard Rollout ablation), greedy / sample (inference)."""
+    testing, tpl, ablation = mode in ("greedy", "sample"), TEMPLATES[args.templates], args.ablation
+    depth = args.tree_depth if mode == "tree" and ablation != "no_rd" else 0  # [§3.1] the first L steps (w/o RD: 0)
+    max_steps = args.max_steps_eval if testing else args.max_steps
+    max_rd = args.max_steps_eval if testing else args.max_rd_calls  # impl: at test, as many RD calls as steps
+    trees = [dict(row=r, nodes=[dict(kind="root", parent=None, depth=0)], llm_calls=0, proxy_calls=0) for r in rows]
+    start = dict(docs=[], thoughts="", previous="", current="", step=0, retrievals=0, rd_calls=0, trace=[], branch=0)
+    live, step = [(t, 0, start) for t in trees], 0
+
+    def ask(requests, salt):
+        """One proxy call for the pending states of an agent; each output becomes a node."""
+        outputs = act(requests, seed + 1000 * step + salt) if requests else []
+        for r, (text, prompt_ids, action_ids) in zip(requests, outputs):
+            r["tree"]["proxy_calls"] += r["fixed"] is None
+            node = add_node(r["tree"], r["parent"], r["agent"], step, text=text, prompt=r["prompt"],
+                            prompt_ids=prompt_ids, action_ids=action_ids, fixed=r["fixed"])  # fmt: skip
+            yield r["tree"], node, r["path"], r, text
+
+    def settle(tree, node, path, docs):
+        """c_{t+1}; a retrieval branch of the first L steps that leaves c_t unchanged is pruned [§3.1, Fig. 11]."""
+        if step < depth and args.prune == "context" and [d["id"] for d in docs] == [d["id"] for d in path["docs"]]:
+            tree["nodes"][path["branch"]]["pruned"] = True  # no leaf below it: its operations get no credit
+        else:
+            going.append((tree, node, dict(path, docs=docs)))
+
+    while live:
+        # [Alg. 1 L4] r_t = LLM(q, c_t): one thought per live path (stop at </think>), {context} re-rendered
+        messages = [llm_messages(tpl, ablation, t["row"]["question"], p) for t, _, p in live]
+        replies = env.chat(messages, [t["row"] for t, _, _ in live], temperature=0.0, max_tokens=args.llm_max_tokens,
+                           stop=["</think>"])  # fmt: skip  # simplification: capped steps (header 11)
+        deciding, going, ended = [], [], []
+        for (tree, parent, path), reply in zip(live, replies):
+            tree["llm_calls"] += 1
+            reply = reply.strip() + (" </think>" if "<think>" in reply and "</think>" not in reply else "")
+            path = dict(path, thoughts=path["thoughts"] + reply + "\n", previous=path["thoughts"], current=reply)
+            path["step"] += 1
+            node = add_node(tree, parent, "llm", step, text=reply)
+            if "<answer>" in reply:  # [Alg. 1 L5-6] the answer ends the trajectory
+                add_leaf(tree, node, path, reply, "answer", args.alpha)
+            elif path["step"] >= max_steps:
+                ended.append((tree, node, path))
+            else:  # impl caps on retrievals and RD calls: the path reasons on without a decision
+                capped = path["retrievals"] >= args.max_retrievals or path["rd_calls"] >= max_rd
+                (going if capped else deciding).append((tree, node, path))
+        if ended:  # impl: no answer within the step cap: one non-stepwise generation with the final context
+            messages = [llm_messages(tpl, ablation, t["row"]["question"], dict(p, thoughts="")) for t, _, p in ended]
+            replies = env.chat(messages, [t["row"] for t, _, _ in ended], temperature=0.0, stop=[],
+                               max_tokens=args.llm_max_tokens * max_steps)  # fmt: skip
+            for (tree, node, path), reply in zip(ended, replies):
+                tree["llm_calls"] += 1
+                add_leaf(tree, node, path, reply, "max_steps", args.alpha)
+        # [Alg. 1 L7] the Retrieval Decision agent; [Eq. 1] both answers, forced, for the first L steps
+        if ablation == "no_rd":  # [App. D.2] the LLM itself asks for retrieval with <search>
+            yes = [(t, n, dict(p, branch=n)) for t, n, p in deciding if "<search>" in p["current"]]
+            going += [(t, n, p) for t, n, p in deciding if "<search>" not in p["current"]]
+        else:
+            yes = []
+            reqs = [r for t, n, p in deciding for r in rd_requests(t, n, p, step, tpl, ablation, step < depth)]
+            for tree, node, path, _, text in ask(reqs, 0):
+                path = dict(path, rd_calls=path["rd_calls"] + 1, branch=node)
+                (yes if parse_rd(text) else going).append((tree, node, path))
+        # [Alg. 1 L9] the Query Formulation agent: the KG reasoning chain g_t and the query q_t
+        if ablation == "no_qf":  # [App. D.2] the RD agent wrote them
+            searching = [(t, n, p, *parse_qf(t["nodes"][n]["text"], t["row"]["question"])) for t, n, p in yes]
+        else:
+            qf = "qf_direct" if ablation == "direct_qf" else "qf"
+            user = lambda t, p: tpl[qf].format(question=t["row"]["question"], thoughts=thought_text(p["thoughts"]))
+            reqs = [request(t, n, "qf", step, (tpl.get(qf + "_system", ""), user(t, p)), p) for t, n, p in yes]
+            searching = [(t, n, p, *parse_qf(text, t["row"]["question"], ablation == "direct_qf"))
+                         for t, n, p, _, text in ask(reqs, 1)]  # fmt: skip
+        for tree, node, path, _, _ in [s for s in searching if s[4] is None]:  # no query: no retrieval
+            settle(tree, node, path, path["docs"])
+        # [Alg. 1 L10-11] D_t = Retriever(q_t), K_t = G(D_t): one retrieval call
+        searching = [(t, n, dict(p, retrievals=p["retrievals"] + 1), c, q) for t, n, p, c, q in searching if q]
+        found = env.search([s[4] for s in searching], args.top_k, [s[0]["row"] for s in searching])
+        if ablation == "no_ki":  # [App. D.2] every retrieved document joins the context
+            for (tree, node, path, _, _), hits in zip(searching, found):
+                settle(tree, node, path, add_documents(path["docs"], hits, args.max_context))
+        else:  # [Alg. 1 L12] the Knowledge Integration agent selects one triple (w/ Direct KI: one document)
+            direct, ki, reqs = ablation == "direct_ki", "ki_direct" if ablation == "direct_ki" else "ki", []
+            system = tpl.get(ki + "_system", "")
+            questions, queries = [s[0]["row"]["question"] for s in searching], [s[4] for s in searching]
+            ranked = ([[(h, h["text"]) for h in hits] for hits in found] if direct else
+                      rank_triples(env.retriever.encoder, questions, queries, found, args.n_triples))  # fmt: skip
+            for (tree, node, path, chain, query), cands in zip(searching, ranked):
+                user = tpl[ki].format(candidates=format_candidates(tpl, cands), question=tree["row"]["question"],
+                                      chain=chain, query=query)  # fmt: skip
+                if cands:
+                    reqs.append(request(tree, node, "ki", step, (system, user), path, cands=cands))
+                else:
+                    settle(tree, node, path, path["docs"])
+            for tree, node, path, r, text in ask(reqs, 2):
+                i = parse_ki(text, r["cands"], direct)  # footnote 3: the selected triple's source document joins c_t
+                settle(tree, node, path, add_documents(path["docs"], [r["cands"][i][0]] if i is not None else [],
+                                                       args.max_context))  # fmt: skip
+        live = [(t, n, dict(p, trace=p["trace"] + [([d["id"] for d in p["docs"]], p["retrievals"])]))
+                for t, n, p in going]  # fmt: skip
+        step += 1
+    return trees
+
+
+# --------------------------------------------------------------------------- 5. the proxy and the teacher as actors
+def encode_prompts(tokenizer, prompts):
+    """Token ids of agent prompts as single-turn chats: system = the instruction, user = the inputs (impl)."""
+    chats = [([{"role": "system", "content": s}] if s else []) + [{"role": "user", "content": u}] for s, u in prompts]
+    return tokenizer(chat_prompts(tokenizer, chats), add_special_tokens=False)["input_ids"]
+
+
+def proxy_actor(model, tokenizer, args, greedy):
+    """act(requests, seed) -> per request (text, prompt_ids, action_ids): one generate call (per gen_batch_size)."""
+
+    def act(requests, seed):
+        prompts = encode_prompts(tokenizer, [r["prompt"] for r in requests])
+        out, batch, owners = [None] * len(requests), [], []
+        for i, (r, p) in enumerate(zip(requests, prompts)):
+            if r["fixed"] is not None:  # a forced RD answer [Eq. 1]: tokenised, and trained like a sampled one
+                fixed = tokenizer(r["fixed"], add_special_tokens=False)["input_ids"] + [tokenizer.eos_token_id]
+                out[i] = (r["fixed"], p, fixed)
+                continue
+            prefix = tokenizer(r["prefix"], add_special_tokens=False)["input_ids"] if r["prefix"] else []
+            batch.append(p + prefix)
+            owners.append((i, prefix))
+        model.eval()
+        for s in range(0, len(batch), args.gen_batch_size):
+            chunk = batch[s : s + args.gen_batch_size]  # T = 1 in training (impl), greedy at test [App. C]
+            gen = generate(model, tokenizer, chunk, args.max_new_tokens, do_sample=not greedy, seed=seed + s)
+            # simplification: the sampled ids are the trained action, not a canonical re-render (header 7)
+            for (i, prefix), ids in zip(owners[s : s + args.gen_batch_size], gen.token_ids):
+                out[i] = (tokenizer.decode(prefix + ids, skip_special_tokens=True), prompts[i], prefix + ids)
+        return out
+
+    return act
+
+
+def teacher_text(tpl, args, r, rng):
+    """The toy oracle's decision for a request, written in the agent's output format (simplification: header 1)."""
+    state = dict(thoughts=r["path"]["thoughts"], current=r["path"]["current"],
+                 candidates=[(hit["title"], text) for hit, text in r["cands"] or []])  # fmt: skip
+    decide = lambda agent: oracle_sparkle(r["tree"]["row"], agent, state, rng, args.teacher_noise)
+    if r["agent"] == "rd" and args.ablation == "no_qf":  # w/o QF: Yes, then the chain and the query
+        return tpl["rd_yes"] + " " + render_qf(tpl, *decide("qf")) if r["prefix"] or decide("rd") else tpl["rd_no"]
+    if r["agent"] == "rd":
+        return tpl["rd_yes"] if decide("rd") else tpl["rd_no"]
+    if r["agent"] == "qf":
+        chain, gap, query = decide("qf")
+        return str(query) if args.ablation == "direct_qf" else render_qf(tpl, chain, gap, query)
+    i = decide("ki")
+    return str(i + 1) if args.ablation == "direct_ki" else r["cands"][i][1]
+
+
+def teacher_actor(args, llm, seed):
+    """The warm-up teacher as an actor [§D.3]: the toy world's oracle, or an LLM playing the proxy roles."""
+    rng, tpl = random.Random(seed), TEMPLATES[args.templates]
+
+    def act(requests, _seed):
+        free = [r for r in requests if r["fixed"] is None]
+        if args.teacher == "oracle":
+            texts = iter([teacher_text(tpl, args, r, rng) for r in free])
+        else:  # simplification: zero-shot with the agents' prompts (header 5)
+            system = lambda r: [{"role": "system", "content": r["prompt"][0]}] if r["prompt"][0] else []
+            messages = [system(r) + [{"role": "user", "content": r["prompt"][1]}] for r in free]
+            replies = llm.chat(messages, temperature=args.teacher_temperature, max_tokens=args.llm_max_tokens)
+            texts = iter([(r["prefix"] + " " + t.strip()).strip() for r, t in zip(free, replies)])
+        return [(r["fixed"], None, None) if r["fixed"] is not None else (next(texts), None, None) for r in requests]
+
+    return act
+
+
+# --------------------------------------------------------------------------- 6. warm-up [§D.3: successful paths]
+def successful_paths(tree, keep, rng, select="uniform"):
+    """The operations of up to `keep` random successful trajectories (F1 = 1); cheapest: fewest retrievals, steps."""
+    nodes = tree["nodes"]
+    wins = [i for i, n in enumerate(nodes) if n["kind"] == "leaf" and n["why"] == "answer" and n["f1"] == 1]
+    cost = {i: (nodes[i]["trace"][-1][1], nodes[i]["depth"]) for i in wins}
+    wins = [i for i in wins if select == "uniform" or cost[i] == min(cost.values())]  # simplification: header 2
+    pairs = {}
+    for i in rng.sample(wins, min(keep, len(wins))):
+        while i is not None:
+            if nodes[i]["kind"] in AGENTS:
+                pairs[(tuple(nodes[i]["prompt"]), nodes[i]["text"])] = nodes[i]["kind"]
+            i = nodes[i]["parent"]
+    return [dict(prompt=p, output=o, agent=a, row=tree["row"]) for (p, o), a in pairs.items()]
+
+
+def build_warmup(rows, llm, env, args, batch=128):
+    """SFT examples from teacher tree rollouts (Eq. 1 for the first L steps), successful trajectories only."""
+    rng, examples, solved = random.Random(args.seed), [], 0
+    quiet = not PartialState().is_local_main_process
+    for s in tqdm(range(0, len(rows), batch), desc="warm-up trees", leave=False, disable=quiet):
+        trees = rollout(rows[s : s + batch], teacher_actor(args, llm, args.seed + s), env, args, "tree", s)
+        for tree in trees:
+            got = successful_paths(tree, args.warmup_keep, rng, args.warmup_select)
+            solved += bool(got)
+            examples += got
+    return examples, solved / max(len(rows), 1)
+
+
+def sft_batch(examples, tokenizer, args, rng, world):
+    """(ids, labels, attention) sorted by length: chat prompt + output + EOS, loss on the output only; toy renaming."""
+    seqs = []
+    for ex in examples:
+        texts = [*ex["prompt"], ex["output"]]
+        if world is not None and rng.random() < args.augment_p:  # simplification: toy renaming (header 3)
+            texts = rename_entities(texts, world, rng, popular="keep")
+        prompt = encode_prompts(tokenizer, [texts[:2]])[0]
+        target = tokenizer(texts[2], add_special_tokens=False)["input_ids"] + [tokenizer.eos_token_id]
+        seqs.append((prompt + target, [-100] * len(prompt) + target))
+    seqs.sort(key=lambda s: len(s[0]))  # micro-batches of similar lengths: less padding, the same gradient
+    ids, labels = right_pad([s[0] for s in seqs], tokenizer.pad_token_id), right_pad([s[1] for s in seqs], -100)
+    return ids, labels, right_pad([[1] * len(s[0]) for s in seqs], 0)
+
+
+def cosine(step, total, warmup):
+    """Linear warm-up then cosine decay to 0.1 of the peak [Tab. 6: cosine] (impl: cosine_with_min_lr 0.1)."""
+    decay = 0.1 + 0.45 * (1 + math.cos(math.pi * (step - warmup) / max(total - warmup, 1)))
+    return (step + 1) / warmup if step < warmup else decay
+
+
+def sft(accelerator, model, tokenizer, examples, args, world):
+    """Cross-entropy on the outputs of the warm-up pairs (runs.sft_step); Adam (0.9, 0.95), 3% warm-up, cosine."""
+    rng = random.Random(args.seed)
+    steps = args.sft_steps or math.ceil(args.sft_epochs * len(examples) / args.sft_batch_size)
+    optimizer = torch.optim.Adam(model.parameters(), lr=args.sft_lr, betas=(0.9, 0.95))  # impl: OpenRLHF
+    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: cosine(s, steps, max(1, int(0.03 * steps))))
+    model, optimizer = accelerator.prepare(model, optimizer)
+    model.train()
+    order, losses = [], []
+    for step in range(steps):
+        if len(order) < args.sft_batch_size:
+            order += rng.sample(range(len(examples)), len(examples))
+        batch, order = order[: args.sft_batch_size], order[args.sft_batch_size :]
+        batch = batch[accelerator.process_index :: accelerator.num_processes]  # same order on every rank, own share
+        tensors = sft_batch([examples[i] for i in batch], tokenizer, args, rng, world)
+        losses.append(runs.sft_step(accelerator, model, optimizer, scheduler, *tensors, args.micro_batch_size))
+        if (step + 1) % 100 == 0 or step + 1 == steps:
+            accelerator.print(f"sft step {step + 1}/{steps} | loss={sum(losses[-100:]) / len(losses[-100:]):.4f}")
+    return accelerator.unwrap_model(model), steps
+
+
+# --------------------------------------------------------------------------- 7. PPO [§3, App. C; impl: OpenRLHF]
+class ValueModel(torch.nn.Module):
+    """The critic: a proxy backbone (no LM head) and a scalar head, a value per token (impl)."""
+
+    def __init__(self, model):
+        super().__init__()
+        self.backbone = backbone_of(copy.deepcopy(model))
+        self.head = torch.nn.Linear(model.config.hidden_size, 1, bias=False)
+        torch.nn.init.zeros_(self.head.weight)  # simplification: zero-initialised head (header 8)
+
+    def forward(self, input_ids, attention_mask):
+        hidden = self.backbone(input_ids=input_ids, attention_mask=attention_mask).last_hidden_state  # (B, T, H)
+        return self.head(hidden.to(self.head.weight.dtype)).squeeze(-1)  # (B, T)
+
+
+def op_samples(trees):
+    """One PPO sample per operation of the three agents, pooled [App. C]: loss_mask = 1 exactly on the action."""
+    samples = []
+    for tree in trees:
+        for n, credit in zip(tree["nodes"], leaf_credits(tree["nodes"])):  # [Eq. 2]
+            if n["kind"] in AGENTS and n["action_ids"] and credit is not None:
+                mask = [0] * len(n["prompt_ids"]) + [1] * len(n["action_ids"])
+                ids = n["prompt_ids"] + n["action_ids"]
+                samples.append(dict(ids=ids, credit=credit, agent=n["kind"], loss_mask=mask))
+    return samples
+
+
+def gae(rewards, values, gamma, lam):
+    """GAE within one operation's action tokens, V after the last token = 0: (A, G = A + V) (impl)."""
+    advantages, last = [0.0] * len(rewards), 0.0
+    for m in reversed(range(len(rewards))):
+        next_value = values[m + 1] if m + 1 < len(rewards) else 0.0
+        last = rewards[m] + gamma * next_value - values[m] + gamma * lam * last
+        advantages[m] = last
+    return advantages, [a + v for a, v in zip(advantages, values)]
+
+
+def token_rewards(credit, logp_old, logp_ref, beta, clip=10.0):
+    """-beta (log pi_old - log pi_ref) per token [Tab. 6], the Eq. 2 value clipped to +-clip on the last (impl)."""
+    rewards = [-beta * (o - r) for o, r in zip(logp_old, logp_ref)]
+    rewards[-1] += max(-clip, min(clip, credit))
+    return rewards
+
+
+def clipped_surrogate(new_logp, old_logp, advantages, mask, clip):
+    """Per operation, the masked mean over its action tokens of -min(r A, clip(r, 1-eps, 1+eps) A) (impl), and r."""
+    ratio = torch.exp(new_logp - old_logp)  # (B, T)
+    surrogate = torch.min(ratio * advantages, ratio.clamp(1 - clip, 1 + clip) * advantages)
+    return -(surrogate * mask).sum(-1) / mask.sum(-1).clamp(min=1), ratio  # (B,)
+
+
+def value_loss(values, old_values, returns, mask, clip):
+    """Per operation, the masked mean of (V - G)^2; clip > 0: of max((V - G)^2, (V_old + clip(V - V_old) - G)^2)."""
+    loss = (values - returns) ** 2  # (B, T)
+    if clip > 0:  # simplification: OpenRLHF's value clipping (header 9)
+        loss = torch.max(loss, (old_values + (values - old_values).clamp(-clip, clip) - returns) ** 2)
+    return (loss * mask).sum(-1) / mask.sum(-1).clamp(min=1)  # (B,)
+
+
+def token_logp(model, ids, attention):
+    """log pi(token t+1 | tokens <= t), (B, T-1): the per-token gather, shifted with the labels."""
+    logits = model(input_ids=ids, attention_mask=attention).logits  # (B, T, V)
+    return torch.log_softmax(logits[:, :-1].float(), -1).gather(-1, ids[:, 1:, None]).squeeze(-1)
+
+
+def batch_tensors(samples, pad, device):
+    """ids (B, T), attention (B, T) and the loss mask shifted with the labels (B, T-1)."""
+    ids = right_pad([s["ids"] for s in samples], pad).to(device)
+    attention = right_pad([[1] * len(s["ids"]) for s in samples], 0).to(device)
+    return ids, attention, right_pad([s["loss_mask"] for s in samples], 0).to(device)[:, 1:].float()
+
+
+@torch.no_grad()
+def score_samples(policy, ref, value, samples, pad, device, args):
+    """Old and reference log-probs and values, then per-token rewards and GAE per operation, into the samples."""
+    by_length = sorted(samples, key=lambda s: len(s["ids"]))  # micro-batches of similar lengths: less padding
+    for s in range(0, len(samples), args.micro_batch_size):
+        chunk = by_length[s : s + args.micro_batch_size]
+        ids, attention, mask = batch_tensors(chunk, pad, device)
+        old, reference = token_logp(policy, ids, attention), token_logp(ref, ids, attention)
+        values = value(ids, attention)[:, :-1].float()  # V(s_m): the state before action token m
+        for row, sample in enumerate(chunk):
+            cols = mask[row].nonzero().squeeze(-1)
+            sample["old"], sample["ref"], sample["val"] = (x[row, cols].tolist() for x in (old, reference, values))
+            rewards = token_rewards(sample["credit"], sample["old"], sample["ref"], args.kl_coef)
+            sample["adv"], sample["ret"] = gae(rewards, sample["val"], args.gamma, args.lam)
+
+
+def ppo_update(accelerator, policy, value, ref, optimizers, schedulers, samples, pad, args):
+    """Score the operation samples, whiten the advantages, then minibatches over all agents' operations."""
+    device = accelerator.device
+    policy.eval()
+    score_samples(accelerator.unwrap_model(policy), ref, accelerator.unwrap_model(value), samples, pad, device, args)
+    # simplification: advantages whitened over the rollout, population variance (header 9)
+    flat = torch.tensor([a for s in samples for a in s["adv"]])
+    mean, std = flat.mean().item(), flat.std(correction=0).item()
+    ids, attention, mask = batch_tensors(samples, pad, device)  # pad once: (N, T), (N, T), (N, T-1)
+    on_mask = lambda values: torch.zeros_like(mask).masked_scatter(mask.bool(), torch.tensor(values, device=device))
+    old, old_values, returns = (on_mask([x for s in samples for x in s[k]]) for k in ("old", "val", "ret"))
+    advantages = on_mask([(x - mean) * (1 / (std + 1e-8)) for s in samples for x in s["adv"]])
+    lengths = [len(s["ids"]) for s in samples]
+    policy.train()
+    stats, rng = defaultdict(list), random.Random(args.seed + len(samples))
+    # every process takes the same number of minibatches and micro-batches (DDP), set by the smallest rollout
+    smallest = int(accelerator.gather(torch.tensor([len(samples)], device=device)).min().item())
+    n_mb = max(1, math.ceil(smallest / args.ppo_batch_size))
+    n_micro = math.ceil(max(1, smallest // n_mb) / args.micro_batch_size)  # no empty micro-batch on any process
+    for _ in range(args.ppo_epochs):
+        order = rng.sample(range(len(samples)), len(samples))
+        for b in range(n_mb):
+            mb = sorted(order[b::n_mb], key=lengths.__getitem__)  # length-sorted micro-batches: less padding
+            for opt in optimizers:
+                opt.zero_grad()
+            for m in range(n_micro):
+                rows = mb[m * len(mb) // n_micro : (m + 1) * len(mb) // n_micro]  # never empty: len(mb) >= n_micro
+                width = max(lengths[i] for i in rows)
+                r, t = torch.tensor(rows, device=device), slice(0, width - 1)
+                x, att, msk = ids[r, :width], attention[r, :width], mask[r, t]
+                logp = token_logp(policy, x, att)  # (B, T-1)
+                pg, ratio = clipped_surrogate(logp, old[r, t], advantages[r, t], msk, args.clip)
+                vf = value_loss(value(x, att)[:, :-1].float(), old_values[r, t], returns[r, t], msk, args.value_clip)
+                # all agents' operations in one minibatch, a mean over operations; separate networks
+                accelerator.backward((pg + args.vf_coef * vf).sum() / len(mb))
+                log_ratio = (logp - old[r, t]).detach()
+                clipfrac = (((ratio - 1).abs() > args.clip).float() * msk).sum() / msk.sum()
+                approx_kl = (((log_ratio.exp() - 1) - log_ratio) * msk).sum().item() / msk.sum().item()  # k3
+                for key, x in (("policy", pg.mean()), ("value", vf.mean()), ("clipfrac", clipfrac)):
+                    stats[f"losses/{key}"].append(x.item())
+                stats["losses/approx_kl"].append(approx_kl)
+            for model, opt in zip((policy, value), optimizers):
+                accelerator.clip_grad_norm_(model.parameters(), args.max_grad_norm)
+                opt.step()
+    for sched in schedulers:  # one scheduler step per PPO update (per rollout)
+        sched.step()
+    out = {k: sum(v) / len(v) for k, v in stats.items()}
+    kl = [o - r for s in samples for o, r in zip(s["old"], s["ref"])]
+    out["rollout/kl"] = sum(kl) / max(len(kl), 1)
+    ret, val = returns[mask.bool()].cpu(), old_values[mask.bool()].cpu()
+    explained = (1 - (ret - val).var() / ret.var().clamp(min=1e-8)).item() if len(ret) > 1 else 0.0
+    out["losses/explained_variance"] = explained
+    return out
+
+
+# --------------------------------------------------------------------------- 8. evaluation [§4.1, §4.2 RQ5-6]
+def tree_record(tree):
+    """Outcome of a one-path (inference) tree: EM, F1, acc, reward, recall of c_T, calls, tokens, steps."""
+    nodes, golds = tree["nodes"], tree["row"]["golden_answers"]
+    leaf = next(n for n in nodes if n["kind"] == "leaf")
+    tokens = sum(len(n["action_ids"] or []) for n in nodes if n["kind"] in AGENTS and n["fixed"] is None)
+    record = dict(**answer_scores(leaf["answer"], golds), reward=leaf["reward"], recall=leaf["recall"])
+    record |= dict(retrievals=leaf["trace"][-1][1], llm_calls=tree["llm_calls"], proxy_calls=tree["proxy_calls"])
+    return record | dict(steps=leaf["depth"], generated_tokens=tokens, no_answer=float(leaf["why"] != "answer"))
+
+
+def step_curves(trees):
+    """[Fig. 3a-b] Cumulative recall of the context after each reasoning step, and queries per step, over questions."""
+    traces = [(next(n for n in t["nodes"] if n["kind"] == "leaf")["trace"], t["row"]) for t in trees]
+    at = lambda trace, s: trace[min(s, len(trace) - 1)] if s >= 0 else ([], 0)  # a finished path keeps its context
+    steps, mean = range(max((len(tr) for tr, _ in traces), default=0)), lambda xs: round(sum(xs) / len(trees), 4)
+    recall = [mean(context_recall(at(tr, s)[0], row) for tr, row in traces) for s in steps]
+    return dict(
+        recall_by_step=recall,
+        queries_by_step=[mean(at(tr, s)[1] - at(tr, s - 1)[1] for tr, _ in traces) for s in steps],
+    )
+
+
+def node_text(node):
+    """A node's text on one line: a leaf's answer, an agent's output or a thought."""
+    return " ".join(str(node.get("answer") if node["kind"] == "leaf" else node["text"]).split())
+
+
+def prediction_of(tree, record, decoding):
+    """One evaluated question: golds, prediction, the path in short (node kind: text), its outcome and cost."""
+    path = " | ".join(f"{n['kind']}: {node_text(n)[:200]}" for n in tree["nodes"][1:])
+    row, leaf = tree["row"], next(n for n in tree["nodes"] if n["kind"] == "leaf")
+    return dict(id=row.get("id"), question=row["question"], decoding=decoding, golden_answers=row["golden_answers"],
+                prediction=leaf["answer"], context=leaf["docs"], trajectory=path, **record)  # fmt: skip
+
+
+def evaluate(model, tokenizer, env, rows, args, greedy=True, seed=0, batch=256, predictions=None):
+    """Alg. 1 on the rows (greedy [App. C] or T = 1), batched; a list `predictions` gets each question's path."""
+    start, records, trees = time.time(), [], []
+    mode, decoding = ("greedy", "greedy") if greedy else ("sample", "sampled")
+    bar = tqdm(range(0, len(rows), batch), desc="eval", leave=False, disable=not PartialState().is_local_main_process)
+    for s in bar:
+        trees += rollout(rows[s : s + batch], proxy_actor(model, tokenizer, args, greedy), env, args, mode, seed + s)
+        records += [tree_record(t) for t in trees[s:]]
+        if predictions is not None:
+            predictions += [prediction_of(t, r, decoding) for t, r in zip(trees[s:], records[s:])]
+    # simplification: latency = batched wall time per question (header 11)
+    return summarize(records, rows) | step_curves(trees) | {"latency_s": (time.time() - start) / max(len(rows), 1)}
+
+
+def evaluate_stage(accelerator, out, stage, model, tokenizer, env, rows, args, step=None):
+    """Greedy and sampled evaluations at a stage (raw, sft, ppo, eval), with predictions_<stage>.jsonl and logs."""
+    kept = []
+    with accelerator.autocast():
+        greedy = evaluate(model, tokenizer, env, rows, args, greedy=True, predictions=kept)
+        sampled = evaluate(model, tokenizer, env, rows, args, greedy=False, seed=args.seed + 10_000, predictions=kept)
+    if accelerator.is_main_process:
+        write_jsonl(out / f"predictions_{stage}.jsonl", kept)
+    accelerator.print(f"{stage} | greedy f1={greedy['f1']:.3f} em={greedy['em']:.3f} recall={greedy['recall']:.3f} "
+                      f"retrievals={greedy['retrievals']:.2f} | sampled f1={sampled['f1']:.3f}")  # fmt: skip
+    if step is not None:
+        runs.log_eval(accelerator, out, stage, greedy | {"sampled": sampled}, step)
+    return greedy | {"sampled": sampled}
+
+
+# --------------------------------------------------------------------------- 9. train / eval / ask / triples
+def environment(args):
+    """The frozen retriever (with the KG corpus) and LLM, seen through each renamed question's names (header 3)."""
+    llm = make_llm(args.llm, **({"model": args.llm_model} if args.llm_model else {}))
+    triples = {} if args.ablation in ("no_ki", "direct_ki") else load_triples(args.triples)
+    return RenamingEnv(KGRetriever(open_retriever(args.index, args.corpus, args.encoder), triples), llm)
+
+
+def load_proxy(args, device):
+    """The proxy LM and its tokenizer: fp32 master weights (bf16 only through autocast, never Adam on bf16)."""
+    return load_model_and_tokenizer(args.model, dtype=torch.float32, device=device, world=args.data_dir)
+
+
+def rollout_stats(trees, samples):
+    """Logged rollout statistics of one PPO update."""
+    mean = lambda xs: sum(xs) / max(len(xs), 1)
+    leaves = [n for t in trees for n in t["nodes"] if n["kind"] == "leaf"]
+    out = {f"rollout/leaf_{k}": mean([n[k] for n in leaves]) for k in ("reward", "f1", "recall")}
+    pruned = sum(n.get("pruned", False) for t in trees for n in t["nodes"])
+    out |= {"rollout/leaves_per_tree": len(leaves) / len(trees), "rollout/pruned_per_tree": pruned / len(trees)}
+    out |= {"rollout/samples": len(samples)} | {f"ops/{a}": sum(s["agent"] == a for s in samples) for a in AGENTS}
+    return out | {f"credit/{a}": mean([s["credit"] for s in samples if s["agent"] == a]) for a in AGENTS}  # [Eq. 2]
+
+
+def warm_up(accelerator, args, out, train_rows, test_rows, env, world):
+    """The proxy after the warm-up SFT [§D.3], trained now or loaded from the run's sft/ checkpoint (--resume)."""
+    sft_dir = out / "sft"
+    if (state := runs.load_state(sft_dir)) is not None:
+        policy, tokenizer = load_proxy(replace(args, model=str(sft_dir)), accelerator.device)
+        return policy, tokenizer, state["before_sft"], state["steps"]
+    policy, tokenizer = load_proxy(args, accelerator.device)
+    before_sft = evaluate_stage(accelerator, out, "raw", policy, tokenizer, env, test_rows, args)
+    examples, solved = build_warmup(train_rows, env.llm, env, args)
+    accelerator.print(f"warm-up: {dict(Counter(e['agent'] for e in examples))}; {solved:.2f} of the questions solved")
+    if not examples:
+        raise SystemExit("the teacher solved no training question: no warm-up data (check --llm, --teacher, the data)")
+    policy, steps = sft(accelerator, policy, tokenizer, examples, args, world)
+    if accelerator.is_main_process:
+        state = dict(before_sft=before_sft, steps=steps, data_dir=args.data_dir, args=asdict(args))
+        runs.save_checkpoint(sft_dir, policy, tokenizer, state)
+    return policy, tokenizer, before_sft, steps
+
+
+def train(args):
+    """Teacher warm-up data, SFT, PPO on binary tree rollouts, evaluation before and after; --resume continues."""
+    start = time.time()
+    accelerator, out = runs.start(args, "sparkle")  # the run's folder; refuses a checkpoint without --resume
+    train_rows = sample_rows(load_split(args.data_dir, "train", args.question_types), args.n_train, args.seed)
+    test_rows = load_split(args.data_dir, "test", args.question_types)[: args.n_eval]
+    env = environment(args)
+    world = world_or_none(args.data_dir) if args.augment_p or args.rl_augment_p else None  # toy renaming (header 3)
+    policy, tokenizer, before_sft, sft_steps = warm_up(accelerator, args, out, train_rows, test_rows, env, world)
+    steps = {"sft": sft_steps, "ppo": 0}
+    before = evaluate_stage(accelerator, out, "sft", policy, tokenizer, env, test_rows, args, step=0)
+    # ---- PPO: policy and critic with separate optimizers, reference = the SFT proxy, frozen [Tab. 6; impl]
+    ref = copy.deepcopy(policy).eval().requires_grad_(False)
+    # simplification: the critic's backbone per --critic_init (header 8)
+    value = ValueModel(policy if args.critic_init == "sft" else load_proxy(args, accelerator.device)[0])
+    optimizers = [torch.optim.Adam(m.parameters(), lr=lr, betas=(0.9, 0.95))
+                  for m, lr in ((policy, args.policy_lr), (value, args.value_lr))]  # fmt: skip
+    schedule = lambda s: cosine(s, args.ppo_iterations, max(1, int(0.03 * args.ppo_iterations)))  # [Tab. 6] cosine
+    schedulers = [torch.optim.lr_scheduler.LambdaLR(o, schedule) for o in optimizers]
+    rng = random.Random(args.seed * 1000 + accelerator.process_index)
+    objects = dict(policy=policy, value=value, optimizers=optimizers, schedulers=schedulers)
+    if state := runs.load_training(accelerator, out / "ppo", objects, rng):  # --resume
+        steps["ppo"] = state["iteration"]
+        accelerator.print(f"resumed PPO at iteration {steps['ppo']}")
+    policy, value, *optimizers = accelerator.prepare(policy, value, *optimizers)
+    mode = "standard" if args.standard_rollout else "tree"  # w/ Standard Rollout [Tab. 4]; binary tree [§3.1]
+    for it in range(steps["ppo"], args.ppo_iterations):
+        t0 = time.time()
+        rows = rng.sample(train_rows, min(args.rollout_batch, len(train_rows)))
+        rows = rename_rows(rows, world, rng, args.rl_augment_p)  # simplification: renamed not-popular trees (header 3)
+        rows = [r for r in rows for _ in range(args.samples_per_question)]
+        actor = proxy_actor(accelerator.unwrap_model(policy), tokenizer, args, greedy=False)
+        with accelerator.autocast():
+            seed = args.seed * 100_003 + it * 7919 + accelerator.process_index
+            trees = rollout(rows, actor, env, args, mode, seed)
+        samples = op_samples(trees)
+        stats = rollout_stats(trees, samples)
+        stats |= ppo_update(
+            accelerator, policy, value, ref, optimizers, schedulers, samples, tokenizer.pad_token_id, args
+        )
+        stats |= {"iteration": it + 1, "charts/seconds": time.time() - t0}
+        runs.log_update(accelerator, out, stats, step=it + 1)
+        steps["ppo"] = it + 1
+        if (it + 1) % args.eval_every == 0 or it + 1 == args.ppo_iterations:
+            objects = dict(policy=accelerator.unwrap_model(policy), value=accelerator.unwrap_model(value),
+                           optimizers=optimizers, schedulers=schedulers)  # fmt: skip
+            state = dict(iteration=it + 1, data_dir=args.data_dir, args=asdict(args))
+            runs.save_training(accelerator, out / "ppo", objects["policy"], tokenizer, state, objects, rng)
+    policy = accelerator.unwrap_model(policy)
+    after = evaluate_stage(accelerator, out, "ppo", policy, tokenizer, env, test_rows, args, step=steps["ppo"])
+    accelerator.end_training()
+    results = runs.result_record("sparkle", args, before_sft, before, after, steps, time.time() - start)
+    runs.write_results(out, results, accelerator.is_main_process)
+
+
+def run_eval(args):
+    """Evaluate --model (a checkpoint folder, or the untrained start) on the test split."""
+    start, (accelerator, out) = time.time(), runs.start_eval(args)
+    rows = load_split(args.data_dir, "test", args.question_types)[: args.n_eval]  # a bad data file fails first
+    policy, tokenizer = load_proxy(args, accelerator.device)
+    result = evaluate_stage(accelerator, out, "eval", policy, tokenizer, environment(args), rows, args)
+    results = runs.result_record("sparkle", args, None, result, None, {"sft": 0, "ppo": 0}, time.time() - start)
+    runs.write_results(out, results, accelerator.is_main_process)
+
+
+def ask(args):
+    """One question through Algorithm 1 with the greedy proxy, printing every node."""
+    policy, tokenizer = load_proxy(args, runs.make_accelerator().device)
+    if unknown := unknown_words(tokenizer, args.ask):
+        print(f"warning: words the proxy's tokenizer does not know (read as <unk>): {' '.join(unknown)}")
+    row = {"id": "ask", "question": args.ask, "golden_answers": [""], "metadata": {}}
+    tree = rollout([row], proxy_actor(policy, tokenizer, args, greedy=True), environment(args), args, "greedy")[0]
+    for n in tree["nodes"][1:]:
+        print(f"step {n['depth']} {n['kind']}: {node_text(n)}" + (f" ({n['why']})" if n["kind"] == "leaf" else ""))
+
+
+def extract_triples(args, batch=64):
+    """The KG corpus of --corpus by --llm (impl prompt, zero-shot, greedy), written to --triples [§4.1, §D.3]."""
+    llm = make_llm(args.llm, **({"model": args.llm_model} if args.llm_model else {}))
+    docs, rows = load_corpus(args.corpus), []
+    for s in tqdm(range(0, len(docs), batch), desc="triples"):
+        user = lambda d: {"role": "user", "content": f"Title: {d['title']}\nText: {d['text']}"}
+        messages = [[{"role": "system", "content": EXTRACTION_PROMPT}, user(d)] for d in docs[s : s + batch]]
+        for doc, reply in zip(docs[s : s + batch], llm.chat(messages, temperature=0.0, max_tokens=512)):
+            for span in re.findall(r"<([^>]*)>", reply):  # impl: templates that still say "head entity" are dropped
+                parts = [p.strip() for p in span.split(";")]
+                if len(parts) == 3 and all(parts) and "head entity" not in span.lower():
+                    rows.append(dict(doc_id=str(doc["id"]), head=parts[0], relation=parts[1], tail=parts[2]))
+    write_jsonl(args.triples, rows)
+    print(f"{len(rows)} triples of {len(docs)} documents -> {args.triples}")
+
+
+def main(argv=None):
+    """Parse the flags, fill the preset, dispatch on the mode."""
+    from transformers import HfArgumentParser
+
+    if HfArgumentParser(Args).parse_args_into_dataclasses(args=argv)[0].extract_triples:
+        return extract_triples(apply_preset(HfArgumentParser(Args).parse_args_into_dataclasses(args=argv)[0]))
+    args = apply_preset(runs.parse_args(Args, argv, "the untrained proxy writes no valid action"))
+    (train if args.train else run_eval if args.eval else ask)(args)
+
+
+if __name__ == "__main__":
+    runs.run_main(main)  # a user's mistake (bad file, missing field) ends in one line, not a traceback

@@ -1,0 +1,573 @@
+"""SPARKLE: the spec's worked numbers (the leaf reward in both weightings, Eq. 2 credit on the hand-built tree, GAE,
+the KL reward, whitening, PPO and value clipping), the parsers (malformed triples and chains included), masks, the
+binary tree rollout's shape with and without pruning and its batching, the inference loop with scripted agents, the
+toy reader's think mode and the toy oracle teacher, every ablation, and end-to-end toy runs with --eval and --ask."""
+
+import copy
+import json
+import random
+from pathlib import Path
+from types import SimpleNamespace
+
+import pytest
+import torch
+from conftest import check_contract
+
+import sparkle
+from common.retrieval import TfidfEncoder
+
+ROOT = Path(__file__).resolve().parents[1]
+TINY_LM = "toy-lm:layers=1,hidden=32,heads=2,kv_heads=2,intermediate=64"
+
+
+def args_for(**overrides):
+    """The toy preset's arguments with overrides."""
+    return sparkle.apply_preset(sparkle.Args(train=True, **overrides))
+
+
+# ---------------------------------------------------------------- reward and credit [§3.2, Eq. 2], spec §8.2, §8.4
+def test_leaf_reward_in_both_weightings():
+    assert sparkle.leaf_reward(0.5, 0.6667, 0.3) == pytest.approx(0.61669)  # the paper: alpha weights Recall
+    assert sparkle.leaf_reward(0.5, 0.6667, 0.7) == pytest.approx(0.55001)  # the code: 0.3 F1 + 0.7 Recall
+    assert sparkle.leaf_reward(0.5, 0.6667, 0.0) == pytest.approx(0.6667) and sparkle.leaf_reward(0.5, 0.2, 1) == 0.5
+    assert sparkle.context_recall(["d2", "d5", "d7"], {"metadata": {"supporting_doc_ids": ["d1", "d2"]}}) == 0.5
+    assert sparkle.context_recall(["d2"], {"metadata": {}}) == 0.0 and sparkle.context_recall(["d2"], {}) == 0.0
+
+
+def build(spec):
+    """Nodes of a hand-built tree: spec is a list of (name, kind, parent name, reward or None)."""
+    index, nodes = {}, []
+    for name, kind, parent, reward in spec:
+        index[name] = len(nodes)
+        nodes.append(dict(kind=kind, parent=index.get(parent), reward=reward, name=name))
+    return nodes
+
+
+def chain(parent, tag):
+    """The retrieval chain yes -> query -> triple of one decision (spec §5.4)."""
+    return [(f"Y{tag}", "rd", parent, None), (f"Q{tag}", "qf", f"Y{tag}", None), (f"T{tag}", "ki", f"Q{tag}", None)]
+
+
+def spec_tree(with_c=True):
+    """Spec §8.4: L = 2; leaves A (1.0), B (0.5), C (0.15), D (0.0); without C when Y2b's branch was pruned."""
+    r = lambda recall, f1: sparkle.leaf_reward(recall, f1, 0.3)
+    spec = [("root", "root", None, None), ("r1", "llm", "root", None), *chain("r1", "1"), ("N1", "rd", "r1", None)]
+    spec += [("r2a", "llm", "T1", None), *chain("r2a", "2a"), ("N2a", "rd", "r2a", None)]
+    spec += [("r3a", "llm", "T2a", None), ("A", "leaf", "r3a", r(1, 1)), ("r3b", "llm", "N2a", None)]
+    spec += [("B", "leaf", "r3b", r(0.5, 0.5)), ("r2b", "llm", "N1", None), *chain("r2b", "2b")]
+    spec += [("N2b", "rd", "r2b", None), ("r3d", "llm", "N2b", None), ("D", "leaf", "r3d", r(0, 0))]
+    if with_c:
+        spec += [("r3c", "llm", "T2b", None), ("C", "leaf", "r3c", r(0.5, 0))]
+    return build(spec)
+
+
+def test_monte_carlo_credit_on_the_hand_built_tree():
+    nodes = spec_tree()
+    credit = {n["name"]: c for n, c in zip(nodes, sparkle.leaf_credits(nodes))}
+    assert [credit[k] for k in ("A", "B", "C", "D")] == pytest.approx([1.0, 0.5, 0.15, 0.0])
+    expected = dict(Y1=0.75, Q1=0.75, T1=0.75, N1=0.075, Y2a=1.0, Q2a=1.0, T2a=1.0, N2a=0.5, Y2b=0.15, Q2b=0.15,
+                    T2b=0.15, N2b=0.0)  # fmt: skip
+    assert {k: credit[k] for k in expected} == pytest.approx(expected)
+
+
+def test_a_pruned_branch_gives_no_credit_and_no_sample():
+    nodes = spec_tree(with_c=False)  # Y2b's retrieval left the context unchanged: pruned, no leaf below it
+    credit = {n["name"]: c for n, c in zip(nodes, sparkle.leaf_credits(nodes))}
+    assert credit["N1"] == 0.0 and credit["Y2b"] is credit["Q2b"] is credit["T2b"] is None
+    for n in nodes:
+        n.update(prompt_ids=[1, 2], action_ids=[3] if n["kind"] in sparkle.AGENTS else None)
+    samples = sparkle.op_samples([dict(nodes=nodes)])
+    assert len(samples) == 12 - 3 and Counter_of(samples) == {"rd": 5, "qf": 2, "ki": 2}
+
+
+def Counter_of(samples):
+    return {a: sum(s["agent"] == a for s in samples) for a in sparkle.AGENTS}
+
+
+def test_credit_is_a_mean_over_leaves_not_over_child_means():
+    # spec §8.4, L = 3 variant: under T1 two leaves (1.0, 0.8) below its Yes chain, one (0.5) below its No child
+    spec = [("root", "root", None, None), ("r1", "llm", "root", None), *chain("r1", "1"), ("r2", "llm", "T1", None)]
+    spec += [*chain("r2", "2"), ("N2", "rd", "r2", None), ("r3", "llm", "T2", None), ("a", "leaf", "r3", 1.0)]
+    spec += [("b", "leaf", "r3", 0.8), ("r4", "llm", "N2", None), ("c", "leaf", "r4", 0.5)]
+    nodes = build(spec)
+    credit = {n["name"]: c for n, c in zip(nodes, sparkle.leaf_credits(nodes))}
+    assert credit["Y1"] == pytest.approx(2.3 / 3) and credit["Y1"] != pytest.approx(0.7)
+
+
+# ---------------------------------------------------------------- parsers [§2.2; impl], spec §8.11
+TABLE_8_QF = """Step 1: Reasoning Chain: <"The Promise (1995 Film)"; directed by; [unknown director]>
+Step 2: Knowledge Gaps: To continue answering the question, we need to know: Who directed the film "The Promise" \
+(1995)? Identifying the director will allow us to find out who their spouse is.
+Step 3: Retrieval Query: **Who directed the film "The Promise" (1995)?**"""
+
+
+def test_parse_query_formulation():
+    chain_text, query = sparkle.parse_qf(TABLE_8_QF, "q")
+    assert chain_text == '<"The Promise (1995 Film)"; directed by; [unknown director]>'
+    assert query == 'Who directed the film "The Promise" (1995)?'
+    compact = "step 1 : chain : < zorvak ; directed by ; [ unknown ] > step 2 : gap : x step 3 : query : zorvak born"
+    assert sparkle.parse_qf(compact, "q") == ("< zorvak ; directed by ; [ unknown ] >", "zorvak born")
+    assert sparkle.parse_qf("Step 1: Reasoning Chain: <a; b; c>\nStep 3: Retrieval Query: None.", "q")[1] is None
+    assert sparkle.parse_qf("step 3 : query : nonesuch company founded", "q")[1] == "nonesuch company founded"
+    assert sparkle.parse_qf("no steps at all", "who ?") == ("", "Question: who ?\nno steps at all")  # impl fallback
+    assert sparkle.parse_qf("step 1 : chain : <a ; b", "q") == ("<a ; b", "Question: q\nstep 1 : chain : <a ; b")
+    assert sparkle.parse_qf("zorvak directed", "q", direct=True) == ("", "zorvak directed")
+    assert sparkle.parse_qf(" None ", "q", direct=True) == ("", None)
+    tpl = sparkle.TEMPLATES["compact"]
+    rendered = sparkle.render_qf(tpl, [("zorvak", "directed by", "[unknown]")], "the director of zorvak", None)
+    assert sparkle.parse_qf(rendered, "q") == ("<zorvak; directed by; [unknown]>", None)
+
+
+def test_parse_knowledge_integration_and_retrieval_decision():
+    hit = dict(title="t")
+    cands = [(hit, "<Radclyffe Hall; occupation; poet and author>"), (hit, "<Radclyffe Hall; born in; Bournemouth>")]
+    assert sparkle.parse_ki("<Radclyffe Hall; occupation; poet and author>", cands) == 0
+    assert sparkle.parse_ki("I pick Radclyffe Hall born in Bournemouth", cands) == 1  # no <...>: the whole output
+    assert sparkle.parse_ki("< radclyffe hall ; born in", cands) == 1  # unclosed triple: the whole output
+    assert sparkle.parse_ki("<zorvak; directed by; velbo>", cands) is None  # no overlap with any candidate
+    assert (
+        sparkle.parse_ki("2", cands, direct=True) == 1 and sparkle.parse_ki("Document 3", cands, direct=True) is None
+    )
+    assert sparkle.parse_ki("none", cands, direct=True) is None and sparkle.parse_ki("x", [], direct=False) is None
+    assert sparkle.parse_rd("Yes (retrieval is required)") and not sparkle.parse_rd("No (retrieval is not required)")
+    assert sparkle.parse_rd("yes") and not sparkle.parse_rd("")
+
+
+def test_answer_extraction_and_thought_conversion():
+    assert sparkle.extract_answer("<think> a </think>\n<answer> Volker Schlöndorff </answer>") == "Volker Schlöndorff"
+    assert sparkle.extract_answer("<answer></answer> <answer> y </answer>") == "y"
+    assert sparkle.extract_answer("<think> a </think> <answer> paris") == "paris"
+    assert sparkle.extract_answer("<think> zorvak is a film directed by velbo . </think>") == (
+        "zorvak is a film directed by velbo ."
+    )
+    assert sparkle.thought_text("<think> A </think>\n<think> B </think>") == "A\n\nB\n\n"
+    assert sparkle.thought_text("") == "" and sparkle.thought_text("<think>  </think>") == ""
+
+
+def test_templates_render_every_agent_in_both_sets():
+    docs = [dict(id="1", title="zorvak", text="zorvak is a film directed by velbo .")]
+    for name, tpl in sparkle.TEMPLATES.items():
+        path = dict(docs=docs, thoughts="<think> i need to know the director of zorvak . </think>\n")
+        messages = sparkle.llm_messages(tpl, "none", "who is the director of zorvak ?", path)
+        assert [m["role"] for m in messages] == ["user", "assistant"] and "<think>" in messages[0]["content"]
+        assert "zorvak is a film directed by velbo ." in messages[0]["content"]
+        assert "<search>" in sparkle.llm_messages(tpl, "no_rd", "q", path)[0]["content"]
+        fields_of = dict(rd="context question history current", qf="question thoughts", qf_direct="question thoughts",
+                         ki="candidates question chain query", ki_direct="candidates question query",
+                         rd_qf="context question history current")  # fmt: skip
+        for key, fields in fields_of.items():
+            text = tpl[key].format(**{f: f"<{f}>" for f in fields.split()})
+            assert all(f"<{f}>" in text for f in fields.split()), (name, key)
+        assert sparkle.parse_rd(tpl["rd_yes"]) and not sparkle.parse_rd(tpl["rd_no"])
+    assert "Candidate Triples" in sparkle.PAPER_TEMPLATES["ki"] and "Step 3" in sparkle.PAPER_TEMPLATES["qf_system"]
+    assert "retrieval is required" in sparkle.PAPER_TEMPLATES["rd_qf_system"]
+
+
+# ---------------------------------------------------------------- PPO numbers, spec §8.7-8.10
+def test_gae_kl_reward_and_reward_clip():
+    adv, ret = sparkle.gae([0.0, 0.0, 1.0], [0.2, 0.4, 0.6], 1.0, 0.95)
+    assert adv == pytest.approx([0.751, 0.58, 0.4]) and ret == pytest.approx([0.951, 0.98, 1.0])
+    adv, _ = sparkle.gae([0, 0, 0, 0, 0.75], [0.0] * 5, 1.0, 0.95)
+    assert adv == pytest.approx([0.61088, 0.64303, 0.676875, 0.7125, 0.75], abs=1e-5)
+    rewards = sparkle.token_rewards(0.75, [0.5, -0.2, 0.1], [0.0, 0.0, 0.0], 0.002)
+    assert rewards == pytest.approx([-0.001, 0.0004, 0.7498])
+    assert sparkle.token_rewards(12.0, [0.0], [0.0], 0.002) == [10.0] and sparkle.token_rewards(-12, [0], [0], 0) == [
+        -10
+    ]
+
+
+@pytest.mark.parametrize("ratio, advantage, loss", [(1.3, 1.0, -1.2), (0.7, -1.0, 0.8), (1.1, 1.0, -1.1)])
+def test_clipped_surrogate(ratio, advantage, loss):
+    new = torch.tensor([[math_log(ratio), 5.0]])
+    got, _ = sparkle.clipped_surrogate(
+        new, torch.zeros(1, 2), torch.tensor([[advantage, 9.0]]), torch.tensor([[1.0, 0.0]]), 0.2
+    )
+    assert got.tolist() == pytest.approx([loss])  # the masked token changes nothing
+
+
+def math_log(x):
+    return float(torch.log(torch.tensor(x, dtype=torch.float64)))
+
+
+def test_value_loss_clips_and_averages_per_operation():
+    v, old, g, mask = (
+        torch.tensor([[0.9, 0.0]]),
+        torch.tensor([[0.5, 0.0]]),
+        torch.tensor([[1.0, 0.0]]),
+        torch.ones(1, 2),
+    )
+    assert 0.5 * sparkle.value_loss(v, old, g, mask[:, :1].expand(1, 2) * torch.tensor([[1.0, 0.0]]), 0.2).item() == (
+        pytest.approx(0.045)
+    )
+    assert sparkle.value_loss(v, old, g, torch.tensor([[1.0, 0.0]]), 0.0).item() == pytest.approx(0.01)
+    two = sparkle.value_loss(torch.zeros(2, 2), torch.zeros(2, 2), torch.tensor([[1.0, 1.0], [2.0, 0.0]]),
+                             torch.tensor([[1.0, 1.0], [1.0, 0.0]]), 0.0)  # fmt: skip
+    assert two.tolist() == pytest.approx([1.0, 4.0])  # a mean over each operation's tokens, not over the batch's
+
+
+class FakeLM(torch.nn.Module):
+    """A 'model' whose logits are a parameter: the per-token gather and the masks can be checked by hand."""
+
+    def __init__(self, logits):
+        super().__init__()
+        self.logits = torch.nn.Parameter(logits)
+
+    def forward(self, input_ids, attention_mask):
+        return SimpleNamespace(logits=self.logits)
+
+
+def test_loss_mask_is_exactly_the_action_and_prompt_logits_get_no_gradient():
+    op = dict(kind="rd", parent=1, prompt_ids=[5, 6, 7], action_ids=[8, 9])
+    nodes = [dict(kind="root", parent=None), dict(kind="llm", parent=0), op, dict(kind="leaf", parent=2, reward=0.5)]
+    (sample,) = sparkle.op_samples([dict(nodes=nodes)])
+    assert sample["ids"] == [5, 6, 7, 8, 9] and sample["loss_mask"] == [0, 0, 0, 1, 1] and sample["credit"] == 0.5
+    ids, attention, mask = sparkle.batch_tensors([sample], 0, "cpu")
+    assert mask.tolist() == [[0, 0, 1, 1]]  # shifted with the labels: positions 2 and 3 predict tokens 8 and 9
+    model = FakeLM(torch.randn(1, 5, 12))
+    logp = sparkle.token_logp(model, ids, attention)
+    assert logp[0, 2].item() == pytest.approx(torch.log_softmax(model.logits[0, 2], -1)[8].item())
+    loss, _ = sparkle.clipped_surrogate(logp, logp.detach(), torch.ones_like(logp), mask, 0.2)
+    loss.sum().backward()
+    grad = model.logits.grad.abs().sum(-1)[0]
+    assert grad[2] > 0 and grad[3] > 0 and grad[0] == grad[1] == grad[4] == 0
+
+
+def test_ppo_update_whitens_over_the_rollout_with_the_population_variance(monkeypatch):
+    from accelerate import Accelerator
+
+    from common.toy_lm import load_toy_lm
+
+    model, tokenizer = load_toy_lm(TINY_LM)
+    samples = [dict(ids=[4, 7, 8], loss_mask=[0, 1, 1], credit=0.75, agent="rd"),
+               dict(ids=[4, 9, 10, 11], loss_mask=[0, 1, 1, 1], credit=0.5, agent="qf")]  # fmt: skip
+    hand = [
+        dict(adv=[0.75, 0.75], ret=[0.0, 0.0], val=[0.0, 0.0]),
+        dict(adv=[0.075, 1.0, 0.5], ret=[0.0] * 3, val=[0.0] * 3),
+    ]
+    score, surrogate, seen = sparkle.score_samples, sparkle.clipped_surrogate, []
+
+    def fake_score(*a):
+        score(*a)
+        for sample, h in zip(samples, hand):
+            sample.update(h)
+
+    def spy(new, old, adv, mask, clip):
+        seen.append(adv[mask.bool()].tolist())
+        return surrogate(new, old, adv, mask, clip)
+
+    monkeypatch.setattr(sparkle, "score_samples", fake_score)
+    monkeypatch.setattr(sparkle, "clipped_surrogate", spy)
+    args = args_for(micro_batch_size=4, ppo_batch_size=8)
+    ref, value = copy.deepcopy(model), sparkle.ValueModel(model)
+    optimizers = [torch.optim.Adam(m.parameters(), lr=1e-3) for m in (model, value)]
+    schedulers = [torch.optim.lr_scheduler.LambdaLR(o, lambda step: 1.0) for o in optimizers]
+    sparkle.ppo_update(Accelerator(cpu=True), model, value, ref, optimizers, schedulers, samples, 0, args)
+    assert sorted(seen[0]) == pytest.approx(sorted([0.4315, 0.4315, -1.7258, 1.2305, -0.3675]), abs=1e-4)
+
+
+# ---------------------------------------------------------------- the rollout with scripted agents, spec §8.3, §8.12
+class FakeEnv:
+    """A scripted LLM (a thought per call, the answer at step `answer_at`) and retriever (a new document per query, or
+    always the same one); every document has one triple. Calls are counted."""
+
+    def __init__(self, answer_at=3, same_document=False):
+        self.answer_at, self.same, self.calls, self.searches = answer_at, same_document, [], 0
+        self.retriever = SimpleNamespace(encoder=TfidfEncoder().fit(["a relation b", "doc"]))
+
+    def chat(self, messages_lists, rows, **sampling):
+        self.calls.append(len(messages_lists))
+        steps = [m[-1]["content"].count("<think>") + 1 if m[-1]["role"] == "assistant" else 1 for m in messages_lists]
+        return ["<answer> b </answer>" if s >= self.answer_at else f"<think> step {s} </think>" for s in steps]
+
+    def search(self, queries, k, rows):
+        hits = []
+        for _ in queries:
+            self.searches += 1
+            i = 0 if self.same else self.searches
+            hits.append([dict(id=f"d{i}", title=f"t{i}", text="doc", triples=[f"<a; relation; b{i}>"])])
+        return hits
+
+
+def scripted(rd="no", log=None):
+    """act(requests, seed): forced texts as given; RD writes `rd` (a list: one per call), QF a query, KI the first."""
+    answers = iter(rd) if isinstance(rd, list) else None
+
+    def act(requests, seed):
+        if log is not None:
+            log.append([r["agent"] for r in requests])
+        out = []
+        for r in requests:
+            if r["fixed"] is not None:
+                text = r["fixed"]
+            elif r["agent"] == "rd":
+                text = next(answers) if answers else rd
+            elif r["agent"] == "qf":
+                text = "step 1 : chain : <a ; relation ; [unknown]> step 2 : gap : b step 3 : query : a relation"
+            else:
+                text = r["cands"][0][1]
+            out.append((text, [1, 2], [3, 4]))
+        return out
+
+    return act
+
+
+ROW = dict(id="q", question="what is b ?", golden_answers=["b"], metadata={"supporting_doc_ids": ["d1", "d2"]})
+
+
+@pytest.mark.parametrize("depth", [0, 1, 2, 3])
+def test_binary_tree_has_two_to_the_L_leaves_and_its_op_counts(depth):
+    args = args_for(tree_depth=depth, prune="no")
+    log = []
+    (tree,) = sparkle.rollout([ROW], scripted(log=log), FakeEnv(answer_at=depth + 1), args, "tree")
+    leaves = [n for n in tree["nodes"] if n["kind"] == "leaf"]
+    ops = {a: [n for n in tree["nodes"] if n["kind"] == a] for a in sparkle.AGENTS}
+    expansions = 2**depth - 1
+    assert len(leaves) == 2**depth
+    assert [len(ops[a]) for a in sparkle.AGENTS] == [2 * expansions, expansions, expansions]
+    assert all(n["fixed"] in ("yes", "no") for n in ops["rd"])  # the tree part's RD answers are forced, not sampled
+    yes_no = [(a["prompt"], b["prompt"]) for a, b in zip(ops["rd"][::2], ops["rd"][1::2])]
+    assert all(a == b for a, b in yes_no)  # the Yes and No operations of a decision share their state
+    assert all(len(set(call)) == 1 for call in log) and len(log) == 3 * depth  # one proxy call per agent and depth
+    assert min(n["reward"] for n in leaves) == pytest.approx(0.7)  # the all-No path: F1 1, no document: recall 0
+
+
+def test_pruning_removes_retrieval_branches_that_leave_the_context_unchanged():
+    args = args_for(tree_depth=2)
+    (tree,) = sparkle.rollout([ROW], scripted(), FakeEnv(answer_at=3, same_document=True), args, "tree")
+    leaves = [n for n in tree["nodes"] if n["kind"] == "leaf"]
+    assert len(leaves) == 3  # step 2's retrieval below step 1's retrieval finds the same document again
+    assert sum(n.get("pruned", False) for n in tree["nodes"]) == 1
+    samples = sparkle.op_samples([tree | {"nodes": tree["nodes"]}])
+    assert Counter_of(samples) == {"rd": 5, "qf": 2, "ki": 2}  # the pruned chain's RD, QF and KI give no sample
+
+
+def test_standard_rollout_after_L_and_rd_sampled_throughout():
+    args = args_for(tree_depth=1, prune="no")
+    (tree,) = sparkle.rollout([ROW], scripted(rd="yes"), FakeEnv(answer_at=3), args, "tree")
+    assert len([n for n in tree["nodes"] if n["kind"] == "leaf"]) == 2  # binary at step 1 only, then one path each
+    rd = [n for n in tree["nodes"] if n["kind"] == "rd"]
+    assert [n["fixed"] for n in rd] == ["yes", "no", None, None]
+    (tree,) = sparkle.rollout([ROW], scripted(rd="yes"), FakeEnv(answer_at=3), args, "standard")
+    assert len([n for n in tree["nodes"] if n["kind"] == "leaf"]) == 1
+    assert all(n["fixed"] is None for n in tree["nodes"] if n["kind"] == "rd")
+
+
+def test_without_rd_a_tree_rollout_is_one_unpruned_path():
+    env = FakeEnv(answer_at=4, same_document=True)
+    env.chat = lambda messages_lists, rows, **kw: [
+        FakeEnv.chat(env, messages_lists, rows).pop().replace("step", "<search>")
+    ]
+    (tree,) = sparkle.rollout([ROW], scripted(), env, args_for(ablation="no_rd", tree_depth=2), "tree")
+    assert [n["kind"] for n in tree["nodes"]].count("leaf") == 1 and env.searches == 3  # the LLM asked three times
+    assert not any(n["kind"] == "rd" for n in tree["nodes"])
+
+
+def test_inference_loop_with_scripted_agents():
+    args = args_for()
+    env = FakeEnv(answer_at=3)
+    (tree,) = sparkle.rollout([ROW], scripted(rd=["Yes (retrieval is required)", "No"]), env, args, "greedy")
+    kinds = [n["kind"] for n in tree["nodes"][1:]]
+    assert kinds == ["llm", "rd", "qf", "ki", "llm", "rd", "llm", "leaf"] and env.searches == 1
+    leaf = tree["nodes"][-1]
+    assert leaf["docs"] == ["d1"] and leaf["answer"] == "b" and leaf["recall"] == 0.5 and leaf["f1"] == 1.0
+    assert leaf["trace"] == [(["d1"], 1), (["d1"], 1), (["d1"], 1)] and tree["llm_calls"] == 3
+    args = args_for(max_retrievals=1)
+    env = FakeEnv(answer_at=4)
+    (tree,) = sparkle.rollout([ROW], scripted(rd="yes"), env, args, "greedy")  # RD is not asked after the cap
+    assert [n["kind"] for n in tree["nodes"]].count("rd") == 1 and env.searches == 1
+    (tree,) = sparkle.rollout([ROW], scripted(rd="yes"), FakeEnv(answer_at=99), args_for(max_steps_eval=3), "greedy")
+    assert tree["nodes"][-1]["why"] == "max_steps" and tree["llm_calls"] == 4  # one non-stepwise generation more
+
+
+def test_add_documents_deduplicates_and_evicts_the_oldest():
+    docs = [dict(id=i) for i in "abc"]
+    assert [d["id"] for d in sparkle.add_documents(docs, [dict(id="b"), dict(id="d"), dict(id="d")], 3)] == list("bcd")
+
+
+def test_triples_ranked_by_question_and_query():
+    encoder = TfidfEncoder().fit(["zorvak directed velbo", "zorvak released 1950", "other born city"])
+    hits = [dict(id="1", triples=["<zorvak; release year; 1950>", "<zorvak; directed by; velbo>"]),
+            dict(id="2", triples=["<other; born in; city>"])]  # fmt: skip
+    (ranked,) = sparkle.rank_triples(encoder, ["who directed zorvak ?"], ["zorvak directed"], [hits], 2)
+    assert [t for _, t in ranked] == ["<zorvak; directed by; velbo>", "<zorvak; release year; 1950>"]
+    assert sparkle.rank_triples(encoder, ["q"], ["q"], [[dict(id="3")]], 2) == [[]]
+
+
+# ---------------------------------------------------------------- the toy world: reader, renaming, oracle teacher
+def test_toy_reader_think_mode_fits_the_llm_prompt():
+    from common.toy import ToyReader
+
+    reader, tpl = ToyReader(ROOT / "data/toy"), sparkle.TEMPLATES["compact"]
+    row = next(r for r in map(json.loads, (ROOT / "data/toy/test.jsonl").read_text().splitlines())
+               if r["metadata"]["type"] == "two_hop" and not any(r["metadata"]["popular_hops"]))  # fmt: skip
+    path = dict(docs=[], thoughts="")
+    step = reader.chat([sparkle.llm_messages(tpl, "none", row["question"], path)], stop=["</think>"])[0]
+    assert step.startswith("<think> i need to know") and step.endswith("</think>")
+    whole = reader.chat([sparkle.llm_messages(tpl, "none", row["question"], path)], stop=[])[0]
+    assert whole.count("<think>") == 2 and whole.endswith("<answer> unknown </answer>")  # not stopped: to the end
+    search = reader.chat([sparkle.llm_messages(tpl, "no_rd", row["question"], path)])[0]
+    assert search.startswith("<think> <search> i need to know")
+
+
+def test_renaming_env_renames_the_triples_of_a_hit():
+    from common.toy import RenamingEnv
+
+    class Retriever:
+        def search(self, queries, k):
+            return [[dict(id="1", title="zorvak", text="x", contents="x", triples=["<zorvak; directed by; velbo>"])]]
+
+    row = dict(rename=({"zorvak": "kimo", "velbo": "dapu"}, {"kimo": "zorvak", "dapu": "velbo"}))
+    ((hit,),) = RenamingEnv(Retriever()).search(["kimo directed"], 1, [row])
+    assert hit["title"] == "kimo" and hit["triples"] == ["<kimo; directed by; dapu>"] and hit["id"] == "1"
+
+
+@pytest.fixture(scope="module")
+def toy():
+    args = args_for(n_train=60)
+    env = sparkle.environment(args)
+    rows = [r for r in map(json.loads, (ROOT / "data/toy/train.jsonl").read_text().splitlines())
+            if r["metadata"]["type"] in ("one_hop", "two_hop")][:60]  # fmt: skip
+    return args, env, rows
+
+
+@pytest.mark.parametrize("ablation", sparkle.ABLATIONS)
+def test_the_oracle_teacher_solves_questions_under_every_ablation(toy, ablation):
+    args, env, rows = toy
+    args = replace_args(args, ablation=ablation, teacher_noise=0.0)
+    env = sparkle.environment(args) if ablation in ("no_ki", "direct_ki") else env
+    trees = sparkle.rollout(rows, sparkle.teacher_actor(args, env.llm, 0), env, args, "standard")
+    f1 = [
+        next(n for n in t["nodes"] if n["kind"] == "leaf")["f1"] for t in trees if t["row"]["metadata"]["answerable"]
+    ]
+    kinds = {n["kind"] for t in trees for n in t["nodes"]}
+    if ablation == "no_ki":  # every retrieved document joins the context: decoys read last mislead the toy reader
+        assert 0.75 <= sum(f1) / len(f1) < 1
+    else:  # KG triples pick the right document
+        assert sum(f1) == len(f1) > 40, ablation
+    assert ("rd" in kinds) is (ablation != "no_rd") and ("qf" in kinds) is (ablation != "no_qf")
+    assert ("ki" in kinds) is (ablation != "no_ki")
+    if ablation == "direct_ki":
+        assert all(n["text"].isdigit() for t in trees for n in t["nodes"] if n["kind"] == "ki")
+
+
+def replace_args(args, **changes):
+    from dataclasses import replace
+
+    return replace(args, **changes)
+
+
+def test_cheapest_warm_up_keeps_the_fewest_retrievals(toy):
+    args, env, rows = toy
+    trees = sparkle.rollout(rows[:20], sparkle.teacher_actor(args, env.llm, 0), env, args, "tree")
+    for tree in trees:
+        got = sparkle.successful_paths(tree, 4, random.Random(0), "cheapest")
+        wins = [n for n in tree["nodes"] if n["kind"] == "leaf" and n["why"] == "answer" and n["f1"] == 1]
+        if got:
+            fewest = min(n["trace"][-1][1] for n in wins)
+            assert sum(e["agent"] == "ki" for e in got) <= fewest * min(4, len(wins))
+            assert all(isinstance(e["prompt"], tuple) and e["output"] for e in got)
+    popular = [t for t in trees if t["row"]["metadata"]["popular"]]
+    for tree in popular:  # the toy reader knows these: the cheapest success retrieves nothing
+        assert all(e["output"] == "no" for e in sparkle.successful_paths(tree, 4, random.Random(0), "cheapest"))
+
+
+# ---------------------------------------------------------------- CLI and end to end on the toy world
+def run(args, capsys):
+    """sparkle.main in this process; returns the captured stdout."""
+    capsys.readouterr()
+    sparkle.main(args)
+    return capsys.readouterr().out
+
+
+TINY = ["--n_train", "32", "--n_eval", "8", "--sft_steps", "8", "--ppo_iterations", "2", "--rollout_batch", "4",
+        "--sft_batch_size", "16", "--ppo_batch_size", "64", "--eval_every", "1", "--model", TINY_LM]  # fmt: skip
+
+
+def outcome(result):
+    """What an evaluation measured, without its wall-clock latency."""
+    return [{k: v for k, v in r.items() if k not in ("latency_s", "sampled")} for r in (result, result["sampled"])]
+
+
+def test_toy_train_then_eval_and_ask(tmp_path, capsys):
+    out = tmp_path / "run"
+    stdout = run(["--train", "--output_dir", str(out), *TINY], capsys)
+    results = check_contract(out, stdout)
+    assert results["method"] == "sparkle" and results["train_steps"] == {"sft": 8, "ppo": 2}
+    assert {"f1", "em", "recall", "recall_by_step", "queries_by_step", "latency_s", "sampled"} <= set(results["after"])
+    metrics = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+    updates = [m for m in metrics if "iteration" in m]
+    assert [m["iteration"] for m in updates] == [1, 2] and all(m["rollout/samples"] > 0 for m in updates)
+    for stage, result in (("raw", results["before_sft"]), ("sft", results["before"]), ("ppo", results["after"])):
+        lines = [json.loads(line) for line in (out / f"predictions_{stage}.jsonl").read_text().splitlines()]
+        greedy = [r for r in lines if r["decoding"] == "greedy"]
+        assert len(greedy) == 8 and sum(r["f1"] for r in greedy) / 8 == pytest.approx(result["f1"])
+        assert all(r["trajectory"].startswith("llm") and "leaf" in r["trajectory"] for r in lines)
+    with pytest.raises(SystemExit, match="pass --resume"):
+        run(["--train", "--output_dir", str(out), *TINY], capsys)
+    again = run(["--train", "--output_dir", str(out), "--resume", *TINY], capsys)  # neither SFT nor PPO is redone
+    assert "sft step" not in again and "iteration=" not in again
+    stdout = run(
+        ["--eval", "--model", str(out / "ppo"), "--output_dir", str(tmp_path / "eval"), "--n_eval", "8"], capsys
+    )
+    assert outcome(check_contract(tmp_path / "eval", stdout)["after"]) == outcome(results["after"])
+    flashrag = tmp_path / "flashrag"  # a FlashRAG folder whose rows have no metadata: recall 0, F1 still scored
+    flashrag.mkdir()
+    rows = [json.loads(line) for line in (ROOT / "data/toy/test.jsonl").read_text().splitlines()[:4]]
+    (flashrag / "test.jsonl").write_text("".join(json.dumps({k: r[k] for k in ("id", "question", "golden_answers")})
+                                                 + "\n" for r in rows))  # fmt: skip
+    stdout = run(["--eval", "--model", str(out / "ppo"), "--data_dir", str(flashrag), "--corpus",
+                  str(ROOT / "data/toy/corpus.jsonl"), "--triples", str(ROOT / "data/toy/triples.jsonl"), "--llm",
+                  "toy:data/toy", "--output_dir", str(tmp_path / "flashrag_eval")], capsys)  # fmt: skip
+    flash = check_contract(tmp_path / "flashrag_eval", stdout)
+    assert flash["n_eval"] == 4 and flash["after"]["recall"] == 0.0
+    stdout = run(["--ask", "what is the birthplace of the director of zekil ?", "--model", str(out / "ppo")], capsys)
+    assert "step 0 llm:" in stdout and "leaf" in stdout
+
+
+def test_a_missing_kg_corpus_and_bad_flags_are_one_line_errors(tmp_path, capsys):
+    from common import runs
+
+    with pytest.raises(SystemExit) as stop:
+        runs.run_main(sparkle.main, ["--eval", "--model", TINY_LM, "--triples", str(tmp_path / "none.jsonl"),
+                                     "--output_dir", str(tmp_path / "e"), "--n_eval", "2"])  # fmt: skip
+    assert stop.value.code == 2 and "no KG corpus" in capsys.readouterr().err
+    with pytest.raises(SystemExit, match="--alpha must be in"):
+        sparkle.main(["--eval", "--model", TINY_LM, "--alpha", "1.5"])
+    with pytest.raises(SystemExit):
+        sparkle.main(["--train", "--ablation", "no_such"])
+
+
+def test_extract_triples_with_any_llm(tmp_path, monkeypatch, capsys):
+    class Extractor:
+        def chat(self, messages_lists, **sampling):
+            assert messages_lists[0][0]["content"] == sparkle.EXTRACTION_PROMPT
+            return ["<x; born in; y>, <head entity; relation; tail entity>, <broken; triple>" for _ in messages_lists]
+
+    monkeypatch.setattr(sparkle, "make_llm", lambda spec, **kw: Extractor())
+    corpus = tmp_path / "corpus.jsonl"
+    corpus.write_text('{"id": "7", "contents": "\\"x\\"\\nx was born in y ."}\n')
+    sparkle.main(
+        ["--extract_triples", "--corpus", str(corpus), "--triples", str(tmp_path / "t.jsonl"), "--llm", "hf:m"]
+    )
+    rows = [json.loads(line) for line in (tmp_path / "t.jsonl").read_text().splitlines()]
+    assert rows == [dict(doc_id="7", head="x", relation="born in", tail="y")]  # templates and broken spans dropped
+
+
+def test_paper_templates_and_standard_rollout_run_a_few_steps(tmp_path, capsys):
+    stdout = run(["--train", "--output_dir", str(tmp_path / "p"), "--templates", "paper", "--standard_rollout",
+                  "--samples_per_question", "2", *TINY, "--n_eval", "2", "--max_new_tokens", "8"], capsys)  # fmt: skip
+    results = check_contract(tmp_path / "p", stdout)
+    assert results["args"]["templates"] == "paper" and results["train_steps"]["ppo"] == 2
+
+
+def test_trains_on_a_freshly_generated_world(tmp_path, capsys):
+    """The tokenizer, the toy reader, the triples and the renaming come from --data_dir: another world trains."""
+    from common.toy import write_world
+
+    world = write_world(tmp_path / "world", seed=3, size=0.5)
+    out = tmp_path / "run"
+    stdout = run(["--train", "--data_dir", str(world), "--output_dir", str(out), "--n_eval", "40", "--n_train", "120",
+                  "--sft_steps", "150", "--ppo_iterations", "1", "--rollout_batch", "4"], capsys)  # fmt: skip
+    results = check_contract(out, stdout)
+    assert results["dataset"] == str(world) and results["args"]["llm"] == f"toy:{world}"
+    assert results["before"]["f1"] > results["before_sft"]["f1"] and results["before"]["recall"] > 0
