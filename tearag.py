@@ -112,14 +112,15 @@ class Args:
     sft_steps: int | None = arg(None, "SFT steps (0: one epoch [§5.1.3])")
     sft_lr: float | None = arg(None, "SFT learning rate [§5.1.3: 5e-4]")
     sft_batch_size: int | None = arg(None, "SFT batch size [§5.1.3: 128]")
-    sft_single_steps: bool = arg(True, "add each step of a path as a 1-hop question [§4.3.1, Tab. 1]")
+    sft_single_steps: bool | None = arg(None, "add each step of a path as a 1-hop question [§4.3.1, Tab. 1]")
+    sft_distractors: int | None = arg(None, "retrieved items added to each SFT context (spec §9.26; paper: 0)")
     weight_decay: float = arg(0.001, "AdamW weight decay of SFT and DPO [§5.1.3: 0.001]")
     micro_batch_size: int | None = arg(None, "SFT paths or DPO pairs per forward pass")
     augment_p: float | None = arg(None, "toy world: entity-renaming probability of an SFT path")
     # IP-DPO [§4.3.2, §5.1.3]
     rounds: int = arg(3, "IP-DPO rounds [§5.5.1: TeaRAG-1..3]")
     n_rollouts: int = arg(8, "sampled paths per question R [§5.1.3: 8]")
-    temperature: float = arg(1.0, "sampling temperature of the rollouts (spec [R]: 1.0)")
+    temperature: float = arg(1.0, "sampling temperature of the rollouts (not in the paper; spec [R]: 1.0)")
     dpo_epochs: str | None = arg(None, "epochs of each round [§5.1.3: 2,2,1]")
     eta: str = arg("1,0.5,0.25", "SFT weight of each round, decreasing [Eq. 17; §5.1.3: within 0.25-1]")
     beta: float = arg(0.5, "DPO beta [Eq. 16; §5.1.3: 0.5]")
@@ -136,16 +137,18 @@ PRESETS = {  # values for the fields left at None; any flag overrides them
         "model": "toy-lm",
         "lora_r": 0,
         "templates": "compact",
-        "sft_types": "two_hop,three_hop,comparison,yes_no",
+        "sft_types": "",
         "dpo_types": "",
         "n_dpo": 96,
         "n_eval": 200,
         "max_new_tokens": 40,
-        "sft_steps": 600,
+        "sft_steps": 900,
         "sft_lr": 2e-3,
-        "sft_batch_size": 32,
+        "sft_batch_size": 16,
+        "sft_single_steps": False,
         "micro_batch_size": 64,
         "augment_p": 1.0,
+        "sft_distractors": 3,
         "dpo_epochs": "1,1,1",
         "dpo_lr": 2e-4,
         "dpo_batch_size": 16,
@@ -166,8 +169,10 @@ PRESETS = {  # values for the fields left at None; any flag overrides them
         "sft_steps": 0,
         "sft_lr": 5e-4,
         "sft_batch_size": 128,
+        "sft_single_steps": True,
         "micro_batch_size": 2,
         "augment_p": 0.0,
+        "sft_distractors": 0,
         "dpo_epochs": "2,2,1",
         "dpo_lr": 1e-4,
         "dpo_batch_size": 16,
@@ -672,8 +677,12 @@ def sft_steps(row, system, rng):
         entities = list(dict.fromkeys(names))  # (2) the ones the subquery names (spec §9.27)
         if not support or not entities:
             return None
-        context = [system.chunk(doc)]
-        for t in support:  # (4) the golden paragraph with the evidence triplets inserted at random positions
+        context, gold = [system.chunk(doc)], {("chunk", str(doc))} | {("triplet", t["id"]) for t in support}
+        others = system.retrieve([sub], [entities])[0] if system.args.sft_distractors else []
+        others = [it for it in others if (it["kind"], it["id"]) not in gold][: system.args.sft_distractors]
+        for t in (
+            support + others
+        ):  # (4) the golden paragraph, the evidence triplets (and distractors) at random places
             context.insert(rng.randint(0, len(context)), t)
         facts = " and ".join(item_text(t) for t in support)
         summary = rng.choice(SUMMARIES).format(facts=facts, answer=answer)  # (5)
