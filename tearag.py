@@ -23,7 +23,7 @@ Deviations from the paper (each marked `# simplification:` where it lives):
 3. SFT subqueries are the decomposition's as written, not rewritten into fluent questions by Qwen2.5-72B.
 4. Toy world only: SFT paths are entity-renamed (--augment_p) so that the tiny model reads instead of memorising.
 5. `</Reference>` is written by the environment and masked like the evidence between the tags.
-6. Toy preset: full fine-tuning of a 0.6M-parameter model, SFT by steps, fewer questions, 1 epoch per round.
+6. Toy preset: full fine-tuning of a 0.6M model; SFT by steps on all question types plus 3 retrieved distractors.
 7. One LoRA adapter is trained through SFT and all rounds (Theta_p starts from Theta_{p-1}, nothing merged).
 """
 
@@ -89,9 +89,9 @@ class Args:
     lora_r: int | None = arg(None, "LoRA rank, 0: full fine-tuning [§5.1.3: 8, alpha 32, dropout 0.1]")
     templates: str | None = arg(None, "paper (instruction as system turn) or compact (the question alone)")
     sft_split: str = arg("train", "SFT questions with a decomposition: data_dir/<split>.jsonl [§4.3.1]")
-    sft_types: str | None = arg(None, "metadata types of the SFT questions (empty: all)")
+    sft_types: str = arg("", "metadata types of the SFT questions (empty: all)")
     dpo_split: str = arg("train", "IP-DPO sampling questions: data_dir/<split>.jsonl [Tab. 2]")
-    dpo_types: str | None = arg(None, "metadata types of the IP-DPO questions (empty: all)")
+    dpo_types: str = arg("", "metadata types of the IP-DPO questions (empty: all)")
     n_dpo: int | None = arg(None, "IP-DPO questions, the same each round (None: all) [Tab. 2: 10,000]")
     n_eval: int | None = arg(None, "test questions evaluated (None: all)")
     # retrieval [§4.2.3-4.2.5, §5.1.3]
@@ -125,20 +125,18 @@ class Args:
     eta: str = arg("1,0.5,0.25", "SFT weight of each round, decreasing [Eq. 17; §5.1.3: within 0.25-1]")
     beta: float = arg(0.5, "DPO beta [Eq. 16; §5.1.3: 0.5]")
     dpo_lr: float | None = arg(None, "IP-DPO learning rate [§5.1.3: 1e-4]")
-    dpo_batch_size: int | None = arg(None, "pairs per IP-DPO step [§5.1.3: 16]")
+    dpo_batch_size: int = arg(16, "pairs per IP-DPO step [§5.1.3: 16]")
     rollout_batch: int | None = arg(None, "questions per batched rollout (times R paths)")
 
 
 PRESETS = {  # values for the fields left at None; any flag overrides them
-    "toy": {
+    "toy": {  # simplification: a tiny model, SFT on every type with distractors, fewer questions (header item 6)
         "data_dir": "data/toy",
         "encoder": "tfidf",
         "reranker": "lexical",
         "model": "toy-lm",
         "lora_r": 0,
         "templates": "compact",
-        "sft_types": "",
-        "dpo_types": "",
         "n_dpo": 96,
         "n_eval": 200,
         "max_new_tokens": 40,
@@ -151,7 +149,6 @@ PRESETS = {  # values for the fields left at None; any flag overrides them
         "sft_distractors": 3,
         "dpo_epochs": "1,1,1",
         "dpo_lr": 2e-4,
-        "dpo_batch_size": 16,
         "rollout_batch": 96,
     },
     "paper": {
@@ -161,8 +158,6 @@ PRESETS = {  # values for the fields left at None; any flag overrides them
         "model": "meta-llama/Meta-Llama-3-8B-Instruct",
         "lora_r": 8,
         "templates": "paper",
-        "sft_types": "",
-        "dpo_types": "",
         "n_dpo": None,
         "n_eval": None,
         "max_new_tokens": 512,
@@ -175,7 +170,6 @@ PRESETS = {  # values for the fields left at None; any flag overrides them
         "sft_distractors": 0,
         "dpo_epochs": "2,2,1",
         "dpo_lr": 1e-4,
-        "dpo_batch_size": 16,
         "rollout_batch": 64,
     },
 }
@@ -295,8 +289,9 @@ STOPWORDS = frozenset(
 )
 
 
+# simplification: the toy world's reranker and TF-IDF bi-encoder stand in for BGE-reranker-v2 and E5 (header item 2)
 class LexicalReranker:
-    """simplification: the toy world's cross-scorer (header item 2): logit = 8 F1 - 4, F1 of the idf-weighted overlap
+    """The toy world's cross-scorer: logit = 8 F1 - 4, F1 of the idf-weighted overlap
     of the two texts' content words (not stopwords, seen in the corpus); sigmoid(logit) lies in [0.018, 0.982]."""
 
     def __init__(self, texts):
@@ -649,7 +644,7 @@ def rollout(model, tokenizer, system, rows, args, n_samples=1, greedy=True, seed
         for (p, _), ctx in zip(asking, contexts):
             block = reference_block(ctx)
             block_ids = tokenizer(block, add_special_tokens=False)["input_ids"]
-            p.append(block_ids, block, trained=False)  # injected by the environment: loss_mask 0
+            p.append(block_ids, block, trained=False)  # simplification: </Reference> masked too (header item 5)
             p.contexts.append(ctx)
             p.retrieved += len(block_ids)
     for p in paths:
@@ -886,7 +881,9 @@ def table(results):
     for name, r in results.items():
         cells = [r["em"], r["f1"], r["retrievals"], r["thinking_tokens"], r["retrieved_tokens"], r["total_tokens"]]
         lines.append(
-            f"| {name} | " + " | ".join(f"{c:.3f}" if i < 2 else f"{c:.1f}" for i, c in enumerate(cells)) + " |"
+            f"| {name} | "
+            + " | ".join(f"{c:.{3 if i < 2 else 2 if i == 2 else 1}f}" for i, c in enumerate(cells))
+            + " |"
         )
     return "\n".join(lines)
 
@@ -903,7 +900,8 @@ def load_policy(args, device):
 
         lora = {"r": args.lora_r, "lora_alpha": 32, "lora_dropout": 0.1, "target_modules": ["q_proj", "k_proj"]}
         lora["target_modules"] += ["v_proj", "o_proj"]  # [§5.1.3]
-        model = add_lora(model, lora | ({"trainable_token_indices": new_ids} if new_ids else {}))  # new tokens trained
+        # simplification: one adapter through SFT and every round, never merged (header item 7); new token rows trained
+        model = add_lora(model, lora | ({"trainable_token_indices": new_ids} if new_ids else {}))
     for p in model.parameters():  # never Adam on bf16 weights
         if p.requires_grad:
             p.data = p.data.float()
