@@ -1,0 +1,1047 @@
+# Paper: TeaRAG: A Token-Efficient Agentic Retrieval-Augmented Generation Framework (arXiv:2511.05385v1) — docs: docs/tearag.md
+"""TeaRAG: an agent that reasons in short steps over hybrid (chunk + triplet) retrieval, trained by SFT then IP-DPO.
+
+Each step names its important entities, writes a subquery and emits `<Reference>`; the environment retrieves chunks
+(dense + reranker) and knowledge-graph triplets (entities first, then their one-hop triplets), links them in a
+Knowledge Association Graph (co-occurrence edges of weight 1, relevance edges from the reranker) and keeps the top
+k_f chunk/triplet nodes by Personalized PageRank; the agent summarises them, then takes another step or writes
+`Final answer:`. SFT teaches the format on paths built from question decompositions (retrieved text masked).
+Iterative Process-aware DPO then samples R paths per question, scores them with outcome (F1), format and process
+rewards (entity consistency and knowledge matching against the golden evidence, divided by the step count so that
+extra steps cost), builds chosen/rejected pairs and trains DPO + eta SFT against the previous round's model, 3 rounds.
+
+    accelerate launch tearag.py --train                      # toy world, tiny model, CPU: SFT, 3 IP-DPO rounds, eval
+    python tearag.py --eval --model runs/<run_name>/dpo      # evaluate a checkpoint (--retrieval semantic: Table 7)
+    python tearag.py --ask "who is the director of sutisek ?" --model runs/<run_name>/dpo
+    accelerate launch tearag.py --train --preset paper --data_dir data/tearag --index indexes/e5_wiki18
+
+The paper prints no prompt: the instruction and the summary templates are the spec's proposals (`# proposal:`).
+
+Deviations from the paper (each marked `# simplification:` where it lives):
+1. The knowledge graph is a triples jsonl (one source chunk per triplet) held in memory, not extracted by an LLM.
+2. Toy retrieval system: a TF-IDF bi-encoder and a lexical cross-scorer stand in for E5-base-v2 and BGE-reranker-v2.
+3. SFT subqueries are the decomposition's as written, not rewritten into fluent questions by Qwen2.5-72B.
+4. Toy world only: SFT paths are entity-renamed (--augment_p) so that the tiny model reads instead of memorising.
+5. `</Reference>` is written by the environment and masked like the evidence between the tags.
+6. Toy preset: full fine-tuning of a 0.6M model; SFT by steps on all question types plus 3 retrieved distractors.
+7. One LoRA adapter is trained through SFT and all rounds (Theta_p starts from Theta_{p-1}, nothing merged).
+"""
+
+import math
+import random
+import re
+import time
+from collections import Counter, defaultdict
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+import numpy as np
+import torch
+import torch.nn.functional as F
+from accelerate import PartialState
+from accelerate.utils import gather_object
+from tqdm import tqdm
+from transformers import HfArgumentParser, set_seed
+
+from common.data import UserError, load_split, read_jsonl, sample_rows, write_jsonl
+from common.llm import chat_prompts, generate, load_model_and_tokenizer, right_pad, unknown_words
+from common.metrics import exact_match, f1_score, sub_exact_match
+from common.retrieval import DenseRetriever, load_retriever, make_encoder, open_retriever, tokenize_words
+from common.runs import (
+    append_metrics,
+    load_state,
+    make_accelerator,
+    refuse_training_results,
+    run_main,
+    save_checkpoint,
+    start_run,
+    write_results,
+)
+from common.toy import load_world, rename_entities
+
+
+def arg(default, help, **metadata):
+    """A dataclass field with its --help text."""
+    return field(default=default, metadata={"help": help, **metadata})
+
+
+@dataclass
+class Args:
+    # experiment
+    preset: str = arg("toy", "toy (built-in toy world, tiny model, CPU) or paper")
+    train: bool = arg(False, "SFT, then the IP-DPO rounds, then evaluation")
+    eval: bool = arg(False, "evaluate --model (a checkpoint or the untrained start)")
+    ask: str = arg("", "answer one question with --model and print the reasoning path")
+    output_dir: str | None = arg(None, "run folder (default: runs/<run_name>; --eval: <model>/eval)")
+    run_name: str | None = arg(None, "a training run's name (default tearag__<seed>__<time>)")
+    resume: bool = arg(False, "continue the run --run_name / --output_dir")
+    report_to: str = arg("none", "tracker beside metrics.jsonl", choices=["none", "tensorboard", "wandb"])
+    seed: int = arg(0, "seed of models, sampling and data order")
+    # data, retrieval system, model
+    data_dir: str | None = arg(None, "folder of the QA splits (FlashRAG jsonl)")
+    corpus: str | None = arg(None, "chunk corpus jsonl (default: data_dir/corpus.jsonl)")
+    triples: str | None = arg(None, "graph: jsonl of {doc_id, head, relation, tail} (default: data_dir/triples.jsonl)")
+    index: str = arg("", "saved chunk retriever folder (python -m common.retrieval build)")
+    entity_index: str = arg("", "saved retriever over the entity names (default: built in memory)")
+    encoder: str | None = arg(None, "dense bi-encoder when no index is given [§5.1.3: E5-base-v2]")
+    reranker: str | None = arg(None, "cross-encoder (hub id / folder) or lexical [§5.1.3: BGE-reranker-v2]")
+    model: str | None = arg(None, "policy LLM: hub id, local folder or toy-lm spec")
+    lora_r: int | None = arg(None, "LoRA rank, 0: full fine-tuning [§5.1.3: 8, alpha 32, dropout 0.1]")
+    templates: str | None = arg(None, "paper (instruction as system turn) or compact (the question alone)")
+    sft_split: str = arg("train", "SFT questions with a decomposition: data_dir/<split>.jsonl [§4.3.1]")
+    sft_types: str = arg("", "metadata types of the SFT questions (empty: all)")
+    dpo_split: str = arg("train", "IP-DPO sampling questions: data_dir/<split>.jsonl [Tab. 2]")
+    dpo_types: str = arg("", "metadata types of the IP-DPO questions (empty: all)")
+    n_dpo: int | None = arg(None, "IP-DPO questions, the same each round (None: all) [Tab. 2: 10,000]")
+    n_eval: int | None = arg(None, "test questions evaluated (None: all)")
+    # retrieval [§4.2.3-4.2.5, §5.1.3]
+    retrieval: str = arg("ppr", "ppr (TeaRAG) or a Table 7 variant", choices=["ppr", "semantic", "graph", "concat"])
+    chunk_candidates: int = arg(20, "dense chunk candidates before reranking [§5.1.3: 20]")
+    k_d: int = arg(5, "chunks kept after reranking [§5.1.3: 5]")
+    entity_candidates: int = arg(10, "entities per entity query [§5.1.3: 10]")
+    k_entities: int = arg(5, "entities kept after reranking [§5.1.3: 5]")
+    triplet_candidates: int = arg(20, "dense triplet candidates before reranking [§5.1.3: 20]")
+    k_t: int = arg(10, "triplets kept after reranking [§5.1.3: 10]")
+    k_f: int = arg(5, "context items per retrieval [§5.1.3: 5]")
+    tau: float = arg(0.2, "triplet relevance threshold [Eq. 2; §5.1.3: 0.2]")
+    alpha: float = arg(0.5, "PPR weight of the graph term [Eq. 3; §5.1.3: 0.5]")
+    ppr_iterations: int = arg(200, "PPR iterations N [§5.1.3: 200]")
+    max_steps: int = arg(5, "reasoning steps per path [§5.1.3: k <= 5]")
+    max_new_tokens: int | None = arg(None, "tokens per generate call (a summary and a step header, or the answer)")
+    # SFT [§4.3.1, §5.1.3]
+    sft_steps: int | None = arg(None, "SFT steps (0: one epoch [§5.1.3])")
+    sft_lr: float | None = arg(None, "SFT learning rate [§5.1.3: 5e-4]")
+    sft_batch_size: int | None = arg(None, "SFT batch size [§5.1.3: 128]")
+    sft_single_steps: bool | None = arg(None, "add each step of a path as a 1-hop question [§4.3.1, Tab. 1]")
+    sft_distractors: int | None = arg(None, "retrieved items added to each SFT context (spec §9.26; paper: 0)")
+    weight_decay: float = arg(0.001, "AdamW weight decay of SFT and DPO [§5.1.3: 0.001]")
+    micro_batch_size: int | None = arg(None, "SFT paths or DPO pairs per forward pass")
+    augment_p: float | None = arg(None, "toy world: entity-renaming probability of an SFT path")
+    # IP-DPO [§4.3.2, §5.1.3]
+    rounds: int = arg(3, "IP-DPO rounds [§5.5.1: TeaRAG-1..3]")
+    n_rollouts: int = arg(8, "sampled paths per question R [§5.1.3: 8]")
+    temperature: float = arg(1.0, "sampling temperature of the rollouts (not in the paper; spec [R]: 1.0)")
+    dpo_epochs: str | None = arg(None, "epochs of each round [§5.1.3: 2,2,1]")
+    eta: str = arg("1,0.5,0.25", "SFT weight of each round, decreasing [Eq. 17; §5.1.3: within 0.25-1]")
+    beta: float = arg(0.5, "DPO beta [Eq. 16; §5.1.3: 0.5]")
+    dpo_lr: float | None = arg(None, "IP-DPO learning rate [§5.1.3: 1e-4]")
+    dpo_batch_size: int = arg(16, "pairs per IP-DPO step [§5.1.3: 16]")
+    rollout_batch: int | None = arg(None, "questions per batched rollout (times R paths)")
+
+
+PRESETS = {  # values for the fields left at None; any flag overrides them
+    "toy": {  # simplification: a tiny model, SFT on every type with distractors, fewer questions (header item 6)
+        "data_dir": "data/toy",
+        "encoder": "tfidf",
+        "reranker": "lexical",
+        "model": "toy-lm",
+        "lora_r": 0,
+        "templates": "compact",
+        "n_dpo": 96,
+        "n_eval": 200,
+        "max_new_tokens": 40,
+        "sft_steps": 900,
+        "sft_lr": 2e-3,
+        "sft_batch_size": 16,
+        "sft_single_steps": False,
+        "micro_batch_size": 64,
+        "augment_p": 1.0,
+        "sft_distractors": 3,
+        "dpo_epochs": "1,1,1",
+        "dpo_lr": 2e-4,
+        "rollout_batch": 96,
+    },
+    "paper": {
+        "data_dir": "data/tearag",
+        "encoder": "intfloat/e5-base-v2",
+        "reranker": "BAAI/bge-reranker-v2-m3",
+        "model": "meta-llama/Meta-Llama-3-8B-Instruct",
+        "lora_r": 8,
+        "templates": "paper",
+        "n_dpo": None,
+        "n_eval": None,
+        "max_new_tokens": 512,
+        "sft_steps": 0,
+        "sft_lr": 5e-4,
+        "sft_batch_size": 128,
+        "sft_single_steps": True,
+        "micro_batch_size": 2,
+        "augment_p": 0.0,
+        "sft_distractors": 0,
+        "dpo_epochs": "2,2,1",
+        "dpo_lr": 1e-4,
+        "rollout_batch": 64,
+    },
+}
+
+
+def apply_preset(args):
+    """Fill the fields left at None from the preset; derived paths; checks of the flags."""
+    if args.preset not in PRESETS:
+        raise UserError(f"--preset must be one of {sorted(PRESETS)}, got {args.preset!r}")
+    for key, value in PRESETS[args.preset].items():
+        if getattr(args, key) is None:
+            setattr(args, key, value)
+    args.corpus = args.corpus or str(Path(args.data_dir) / "corpus.jsonl")
+    args.triples = args.triples or str(Path(args.data_dir) / "triples.jsonl")
+    for name in ("dpo_epochs", "eta"):
+        values = getattr(args, name).split(",")
+        if len(values) != args.rounds or not all(re.fullmatch(r"\d+(\.\d+)?", v.strip()) for v in values):
+            raise UserError(f"--{name} needs {args.rounds} comma-separated numbers, got {getattr(args, name)!r}")
+    if args.output_dir is None and args.eval:  # --eval writes next to the model, never over a training run's results
+        args.output_dir = str(Path(args.model) / "eval") if Path(args.model).is_dir() else "runs/tearag-eval"
+    return args
+
+
+# --------------------------------------------------------------------------- 1. prompts and formats [§4.2, Fig. 4]
+REF_OPEN, REF_CLOSE = "<Reference>", "</Reference>"  # [§4.2.5, Fig. 4a] the tokens that wrap the retrieved context
+ENTITY_QUERY = "Key entity: {entity}. Query: {subquery}."  # [§4.2.3] verbatim
+# proposal: the paper prints no instruction; this one is the spec's (§4), the same in SFT, sampling and evaluation
+INSTRUCTION = """\
+You are a question-answering agent that solves the question step by step with a search tool.
+In each step, write exactly:
+Step {i}:
+Important entity: <the key entity or entities this step is about, separated by "; ">
+Subquery: <one simple question about these entities; it must contain each important entity verbatim>
+<Reference>
+Retrieved evidence (chunks and triplets) will be inserted here by the system; then write:
+Summary: <the key facts from the evidence, then "... logically implies the answer: <answer to the subquery>.">
+When the collected information is sufficient, instead of a new step write:
+Final answer: <short answer>
+Use at most 5 steps. Do not write anything after the final answer."""
+QUESTION = "Question: {question}"
+# proposal: "diverse templates" in two parts, the supporting triplets then the answer [§4.3.1 (5); spec §4]
+SUMMARIES = (
+    "The fact {facts} logically implies the answer: {answer}.",  # the case study's pattern [Tab. 11]
+    "According to the evidence, {facts}. Therefore, the answer is: {answer}.",
+    "Based on {facts}, we can conclude the answer: {answer}.",
+)
+FORMAT_WORDS = "Step Important entity Subquery Summary Final answer Evidence Title Text Triplet " + " ".join(SUMMARIES)
+
+
+def messages(question, templates):
+    """The chat of a question: the instruction I as the system turn (paper), or the question alone (compact)."""
+    user = {"role": "user", "content": QUESTION.format(question=question)}
+    return [{"role": "system", "content": INSTRUCTION}, user] if templates == "paper" else [user]
+
+
+def step_header(i, entities, subquery):
+    """What the model writes to open step i, ending with the retrieval trigger [§4.2.1-4.2.2, Tab. 11]."""
+    return f"Step {i}:\nImportant entity: {'; '.join(entities)}\nSubquery: {subquery}\n{REF_OPEN}"
+
+
+def item_text(item):
+    """A context item (or a corpus passage) as text: a triplet's head, relation and tail, or a title and text."""
+    if item.get("kind") == "triplet":
+        return f"{item['head']} {item['relation']} {item['tail']}"
+    return f"{item['title']} {item['text']}".strip()
+
+
+def reference_block(items):
+    """What the environment writes after <Reference>: one evidence line per item, then </Reference> [Tab. 11]."""
+    lines = []
+    for n, it in enumerate(items, 1):
+        body = f'Title: "{it["title"]}" Text: {it["text"]}' if it["kind"] == "chunk" else f"Triplet: {item_text(it)}"
+        lines.append(f"Evidence {n}: {body}")
+    return "\n" + "\n".join(lines) + f"\n{REF_CLOSE}\n"
+
+
+# --------------------------------------------------------------------------- 2. parsing and the format check
+HEADER = re.compile(r"step\s*(\d+)\s*:\s*important\s+entity\s*:(.*?)subquery\s*:(.*)", re.IGNORECASE | re.DOTALL)
+STEP_START, STEP_WORD = re.compile(r"step\s*\d+\s*:", re.IGNORECASE), re.compile(r"\bstep\b", re.IGNORECASE)
+SUMMARY = re.compile(r"\s*summary\s*:(.*?)(step\s*\d+\s*:.*|final\s+answer\s*:(.*))?", re.IGNORECASE | re.DOTALL)
+FINAL = re.compile(r"final\s+answer\s*:", re.IGNORECASE)
+
+
+def parse_header(text):
+    """(step number, entities, subquery) of the last step header in text (before its <Reference>), or None."""
+    starts = [m.start() for m in STEP_START.finditer(text)]
+    m = HEADER.fullmatch(text.replace(REF_OPEN, ""), starts[-1]) if starts else None
+    return (int(m[1]), [v.strip() for v in m[2].split(";") if v.strip()], m[3].strip()) if m else None
+
+
+def parse_path(text):
+    """Steps (entities, subquery, summary), final answer and format check of a path's text [§4.2; spec §3.2].
+
+    Valid: k >= 1 steps, each "Step i:" (i = 1..k) with non-empty entities and subquery, one Reference block and a
+    non-empty summary; then one non-empty "Final answer:" and nothing after it."""
+    pieces = re.split(f"{REF_OPEN}.*?{REF_CLOSE}", text, flags=re.DOTALL)  # [head 1, summary 1 + head 2, ..., answer]
+    answers = FINAL.split(text)
+    steps, header = [], parse_header(pieces[0])
+    ok = len(pieces) > 1 and STEP_START.match(pieces[0].strip()) is not None
+    for i, piece in enumerate(pieces[1:], 1):
+        m, last = SUMMARY.fullmatch(piece), i == len(pieces) - 1
+        summary = m[1].strip() if m else ""
+        ok = ok and m is not None and header is not None and header[0] == i and all((header[1], header[2], summary))
+        ok = ok and m is not None and (m[3] is not None) == last and (not last or bool(m[3].strip()))
+        entities, subquery = header[1:] if header else ([], "")
+        steps.append({"entities": entities, "subquery": subquery, "summary": summary})
+        header = parse_header(m[2]) if m and m[2] and not last else None
+    stray = any(tag in piece for piece in pieces for tag in (REF_OPEN, REF_CLOSE))  # a tag outside a block
+    ok = ok and not stray and len(answers) == 2 and not STEP_START.search(answers[1])
+    return {"steps": steps, "answer": answers[-1].strip() if len(answers) > 1 else "", "format_ok": ok}
+
+
+# --------------------------------------------------------------------------- 3. the retrieval system R [§4.2.3-4.2.5]
+STOPWORDS = frozenset(
+    tokenize_words("a an the of in on at to by for from with and or is are was were be been what which who whom")
+    + tokenize_words("whose when where why how did do does it its this that as")
+)
+
+
+# simplification: the toy world's reranker and TF-IDF bi-encoder stand in for BGE-reranker-v2 and E5 (header item 2)
+class LexicalReranker:
+    """The toy world's cross-scorer: logit = 8 F1 - 4, F1 of the idf-weighted overlap
+    of the two texts' content words (not stopwords, seen in the corpus); sigmoid(logit) lies in [0.018, 0.982]."""
+
+    def __init__(self, texts):
+        df = Counter(w for t in texts for w in set(tokenize_words(t)))
+        self.idf = {w: math.log((1 + len(texts)) / (1 + c)) + 1 for w, c in df.items()}
+
+    def __call__(self, pairs):
+        """Logits of (query, passage) pairs, (n,)."""
+        words = lambda text: {w for w in tokenize_words(text) if w in self.idf and w not in STOPWORDS}
+        out = []
+        for query, passage in pairs:
+            q, p = words(query), words(passage)
+            total = sum(self.idf[w] for w in q) + sum(self.idf[w] for w in p)
+            out.append(8 * (2 * sum(self.idf[w] for w in q & p) / total if q and p else 0.0) - 4)
+        return np.array(out, dtype=np.float64)
+
+
+class CrossEncoderReranker:
+    """A sequence-classification cross-encoder (BGE-reranker-v2): one relevance logit per (query, passage) pair."""
+
+    def __init__(self, name, device, batch_size=64):
+        from transformers import AutoModelForSequenceClassification, AutoTokenizer
+
+        self.tokenizer, self.batch_size = AutoTokenizer.from_pretrained(name), batch_size
+        self.model = AutoModelForSequenceClassification.from_pretrained(name).to(device).eval()
+
+    @torch.no_grad()
+    def __call__(self, pairs):
+        out = [np.zeros(0)]
+        for i in range(0, len(pairs), self.batch_size):
+            batch = [list(p) for p in pairs[i : i + self.batch_size]]
+            enc = self.tokenizer(batch, padding=True, truncation=True, max_length=512, return_tensors="pt")
+            out.append(self.model(**enc.to(self.model.device)).logits.view(-1).double().cpu().numpy())  # (b,)
+        return np.concatenate(out)
+
+
+def sigmoid(x):
+    return 1.0 / (1.0 + np.exp(-np.asarray(x, dtype=np.float64)))
+
+
+def norm_name(name):
+    """Entity identity across key entities, titles and triplets: lowercased, spaces collapsed, quotes stripped."""
+    return " ".join(str(name).lower().split()).strip("\"'")
+
+
+class KnowledgeGraph:
+    """Triplets with their source chunk, and the one-hop triplets of each entity (as head or tail) [§4.1]."""
+
+    def __init__(self, path):
+        # simplification: the graph is read from a file and held in memory (header item 1)
+        rows = read_jsonl(path, ("doc_id", "head", "relation", "tail"))
+        self.triplets = [
+            {"kind": "triplet", "id": i, **{k: str(r[k]) for k in ("head", "relation", "tail", "doc_id")}}
+            for i, r in enumerate(rows)
+        ]
+        self.by_entity, self.by_doc = defaultdict(list), defaultdict(list)
+        for t in self.triplets:
+            self.by_entity[norm_name(t["head"])].append(t["id"])
+            self.by_entity[norm_name(t["tail"])].append(t["id"])
+            self.by_doc[t["doc_id"]].append(t)
+        self.entities = sorted({name for t in self.triplets for name in (t["head"], t["tail"])})
+
+
+class RetrievalSystem:
+    """R: dense chunk retrieval and reranking, two-stage graph retrieval, KAG + PPR selection [§4.2.3-4.2.5]."""
+
+    def __init__(self, args, device="cpu"):
+        self.args, self.kg = args, KnowledgeGraph(args.triples)
+        self.chunks = open_retriever(args.index, args.corpus, args.encoder)
+        self.encoder = getattr(self.chunks, "encoder", None)  # ranks E_entity's triplets (none: the reranker alone)
+        if args.entity_index:
+            self.entities = load_retriever(args.entity_index)
+        else:
+            self.entities = DenseRetriever.build(
+                [{"id": e, "contents": e} for e in self.kg.entities], make_encoder(args.encoder)
+            )
+        self.docs = {str(d["id"]): d for d in self.chunks.corpus}
+        if args.reranker == "lexical":
+            self.rerank = LexicalReranker([d["contents"] for d in self.chunks.corpus])
+        else:
+            self.rerank = CrossEncoderReranker(args.reranker, device)
+
+    def sim(self, golds, texts):
+        """sim_theta(g, x) = sigmoid(reranker logit of (g, x)), (len(golds), len(texts)) [Eq. 9-11]."""
+        return sigmoid(self.rerank([(g, x) for g in golds for x in texts])).reshape(len(golds), len(texts))
+
+    def chunk(self, doc_id):
+        d = self.docs[str(doc_id)]
+        return {"kind": "chunk", "id": str(d["id"]), "doc_id": str(d["id"]), "title": d["title"], "text": d["text"]}
+
+    def top(self, query, items, k):
+        """The k items with the highest reranker logits against query, best first, the logit kept as "score"."""
+        scores = self.rerank([(query, item_text(it)) for it in items]) if items else []
+        return [{**it, "score": float(s)} for it, s in sorted(zip(items, scores), key=lambda x: -x[1])[:k]]
+
+    def retrieve(self, subqueries, entity_lists):
+        """The context C_q of each (subquery, key entities) [§4.2.3-4.2.5]: k_f items (ppr) or a Table 7 variant."""
+        a = self.args
+        if not subqueries:
+            return []
+        chunk_hits = self.chunks.search(subqueries, a.chunk_candidates)  # D_q = R(q_i, D), top-20 then rerank
+        entity_queries = [
+            [ENTITY_QUERY.format(entity=v, subquery=q) for v in ents] or [q]  # no entity: q (spec §9.9)
+            for q, ents in zip(subqueries, entity_lists)
+        ]
+        entity_hits = iter(self.entities.search([x for qs in entity_queries for x in qs], a.entity_candidates))
+        contexts = []
+        for q, ents, queries, hits in zip(subqueries, entity_lists, entity_queries, chunk_hits):
+            chunks = self.top(q, [self.chunk(h["id"]) for h in hits], a.k_d)
+            found = {}  # candidate entity -> best logit over the entity queries that returned it (spec §9.8)
+            for x in queries:
+                names = [h["contents"] for h in next(entity_hits)]
+                for name, s in zip(names, self.rerank([(x, n) for n in names])):
+                    found[name] = max(found.get(name, -np.inf), s)
+            kept = sorted(found, key=lambda n: -found[n])[: a.k_entities]  # V_q
+            pool = sorted({i for n in kept for i in self.kg.by_entity[norm_name(n)]})  # E_entity: one-hop triplets
+            contexts.append(self.select(ents, chunks, self.top_triplets(q, [self.kg.triplets[i] for i in pool])))
+        return contexts
+
+    def top_triplets(self, q, triplets):
+        """E_q = R(q, E_entity): dense top-20 by inner product, reranked to k_t [§4.2.3, §5.1.3]."""
+        if self.encoder is not None and len(triplets) > self.args.triplet_candidates:
+            qv = self.encoder.encode([q], is_query=True)[0]  # (dim,)
+            scores = self.encoder.encode([item_text(t) for t in triplets]) @ qv  # (n,)
+            triplets = [triplets[i] for i in np.argsort(-scores, kind="stable")[: self.args.triplet_candidates]]
+        return self.top(q, triplets, self.args.k_t)
+
+    def select(self, entities, chunks, triplets):
+        """C_q: the top-k_f chunk and triplet nodes by PPR on the KAG (ppr), or a Table 7 retrieval variant."""
+        a = self.args
+        if a.retrieval == "semantic":  # TeaRAG-S [Tab. 7]
+            return chunks[: a.k_f]
+        if a.retrieval == "graph":  # TeaRAG-G
+            return triplets[: a.k_f]
+        if a.retrieval == "concat":  # TeaRAG-Con: top-5 chunks and top-5 triplets, 10 units [§5.5.1]
+            return chunks[:5] + triplets[:5]
+        nodes, adjacency = build_kag(entities, chunks, triplets, a.tau)
+        seeds = {("V", norm_name(v)) for v in entities}
+        p = np.array([1.0 if n == ("Q",) else 0.5 if n in seeds else 0.0 for n in nodes])  # subquery 1, entities 0.5
+        pi = personalized_pagerank(adjacency, p, a.alpha, a.ppr_iterations)  # [§4.2.5]
+        return top_nodes(nodes, pi, chunks + triplets, a.k_f)
+
+
+def build_kag(key_entities, chunks, triplets, tau):
+    """Nodes and symmetric weighted adjacency (n, n) of the Knowledge Association Graph [§4.2.4]. Node keys: ("Q",)
+    the subquery, ("D", id) a chunk, ("T", id) a triplet, ("V", name) an entity; a simple graph (spec §9.5)."""
+    nodes, edges = {("Q",): 0}, {}
+    node = lambda key: nodes.setdefault(key, len(nodes))
+
+    def link(a, b, w):
+        if a != b and w > 0:  # no self-loop; weight 0: no edge [Eq. 2]
+            edges.setdefault((min(a, b), max(a, b)), w)  # a repeated co-occurrence keeps weight 1
+
+    for v in key_entities:
+        node(("V", norm_name(v)))
+    for d in chunks:
+        c = node(("D", d["id"]))
+        link(c, 0, float(sigmoid(d["score"])))  # chunk-subquery relevance edge [Eq. 1]
+        if d["title"]:
+            link(c, node(("V", norm_name(d["title"]))), 1.0)  # chunk-title co-occurrence edge
+    for e in triplets:
+        t, h, tl = node(("T", e["id"])), node(("V", norm_name(e["head"]))), node(("V", norm_name(e["tail"])))
+        link(t, 0, max(float(sigmoid(e["score"])) - tau, 0.0))  # triplet-subquery relevance edge [Eq. 2]
+        for a, b in ((h, tl), (t, h), (t, tl)):  # entity-entity, triplet-entity
+            link(a, b, 1.0)
+        for c in [nodes[("D", d["id"])] for d in chunks if d["id"] == e["doc_id"]]:  # its source chunk: co-occurrence
+            for a, b in ((t, c), (c, h), (c, tl)):  # chunk-triplet, chunk-entity
+                link(a, b, 1.0)
+    adjacency = np.zeros((len(nodes), len(nodes)))
+    for (a, b), w in edges.items():
+        adjacency[a, b] = adjacency[b, a] = w
+    return list(nodes), adjacency
+
+
+def personalized_pagerank(adjacency, p, alpha=0.5, n_iter=200):
+    """pi = alpha W pi + (1 - alpha) p for N rounds [Eq. 3]; W column-stochastic, p normalised, pi_0 = p (spec §9.4)."""
+    degree = adjacency.sum(0)  # (n,)
+    W = np.divide(adjacency, degree, out=np.zeros_like(adjacency), where=degree > 0)  # W[j, i] = A[j, i] / deg(i)
+    p = p / p.sum()  # (n,)
+    pi = p.copy()
+    for _ in range(n_iter):
+        pi = alpha * W @ pi + (1 - alpha) * p
+    return pi
+
+
+def top_nodes(nodes, pi, items, k):
+    """The k chunk/triplet items with the highest PPR score, in that order; ties keep the retrieval order."""
+    index = {key: i for i, key in enumerate(nodes)}
+    return sorted(items, key=lambda it: -pi[index[("D" if it["kind"] == "chunk" else "T", it["id"])]])[:k]
+
+
+# --------------------------------------------------------------------------- 4. rewards [Eq. 5-13]
+def cover_exact_match(entities, subquery):
+    """r_CEM = 1 iff every key entity is a substring of the subquery [Eq. 8] (lowercased; no entity: 0)."""
+    q = " ".join(subquery.lower().split())
+    return float(bool(entities) and all(" ".join(v.lower().split()) in q for v in entities))
+
+
+def process_reward(cem, sim_q, sim_c, sim_s):
+    """r_process [Eq. 7-13] from the CEM of each of the k steps (k,) and the similarities of the l golden evidence
+    pieces to each subquery (l, k), to every context item of the path (l, n) and to each summary (l, k)."""
+    k = len(cem)
+    r_consistency = sum(cem) / k  # [Eq. 7]
+    r_q = np.max(sim_q, 1).sum() / k  # memory vector M^q [Eq. 9], summed, divided by the step count [Eq. 12]
+    r_c = np.max(sim_c, 1).sum() / k  # M^c: max over every item of every C_q [Eq. 10, 12]
+    r_s = np.max(sim_s, 1).sum() / k  # M^s [Eq. 11, 12]
+    return float(0.1 * r_consistency + 0.3 * r_q + 0.3 * r_c + 0.3 * r_s)  # [Eq. 13]
+
+
+def path_rewards(path, evidence, sim):
+    """(r_format, r_outcome, r_process) of a path [Eq. 5, 6, 13]. Without golden evidence (a single-hop question):
+    the outcome divided by the step count and no process reward [§4.3.2]."""
+    steps, k = path.steps, len(path.steps)
+    r_format, r_outcome = float(path.format_ok), f1_score(path.answer, path.row["golden_answers"])  # [Eq. 6], [Eq. 5]
+    if not evidence or k == 0:
+        return r_format, r_outcome / max(k, 1), 0.0  # single-hop: r_outcome / k, r_process = 0
+    items = [item_text(it) for ctx in path.contexts for it in ctx] or [""]
+    cem = [cover_exact_match(s["entities"], s["subquery"]) for s in steps]
+    sim_q, sim_s = sim(evidence, [s["subquery"] for s in steps]), sim(evidence, [s["summary"] for s in steps])
+    return r_format, r_outcome, process_reward(cem, sim_q, sim(evidence, items), sim_s)
+
+
+def golden_evidence(row, docs):
+    """G = [g_1..g_l]: the texts of a multi-hop question's supporting passages ([] for a single-hop question)."""
+    meta = row.get("metadata") or {}
+    if int(meta.get("hops") or 1) < 2:
+        return []
+    return [item_text(docs[str(i)]) for i in meta.get("supporting_doc_ids") or [] if str(i) in docs]
+
+
+# --------------------------------------------------------------------------- 5. preference pairs [Eq. 14]
+def is_chosen(r, single_hop, eps=1e-9):
+    """Membership of the chosen set W [Eq. 14] of r = (r_format, r_outcome, r_process)."""
+    fmt, out, proc = r
+    if single_hop:
+        return fmt == 1 and out >= 1 - eps
+    return fmt == 1 and ((out >= 1 - eps and proc >= 0.7 - eps) or (out >= 0.8 - eps and proc >= 0.8 - eps))
+
+
+def rejection_type(r, c, single_hop, eps=1e-9):
+    """ "format", "easy" or "hard" when path r may be rejected against the chosen path c [§4.3.2], else None."""
+    if r[0] == 0:
+        return "format"
+    if r[1] <= 0.3 + eps:
+        return "easy"
+    if not single_hop and 0.3 < r[1] <= c[1] - 0.3 + eps and r[2] <= c[2] + eps:
+        return "hard"  # single-hop questions: format and easy rejections only
+    return None
+
+
+def build_pairs(rewards, single_hop):
+    """[(chosen, rejected, type)] indices for one question's sampled paths [§4.3.2]: the chosen in descending total
+    reward, each matched by a forward-only walk over all paths in ascending total reward (spec §5.4)."""
+    chosen = sorted((i for i, r in enumerate(rewards) if is_chosen(r, single_hop)), key=lambda i: -sum(rewards[i]))
+    ranked = sorted(range(len(rewards)), key=lambda i: sum(rewards[i]))  # stable: ties by sample index
+    pairs, ptr = [], 0
+    for c in chosen:
+        while ptr < len(ranked):
+            r, ptr = ranked[ptr], ptr + 1
+            if r not in chosen and (kind := rejection_type(rewards[r], rewards[c], single_hop)):
+                pairs.append((c, r, kind))
+                break
+    return pairs
+
+
+# --------------------------------------------------------------------------- 6. the agent loop [§4.2, Fig. 3]
+@dataclass
+class ReasoningPath:
+    """One path P_k: token ids after the prompt with loss_mask (1 exactly on generated tokens), its text, the
+    contexts retrieved for its steps and the count of their tokens, what parse_path found, its rewards."""
+
+    row: dict
+    prompt: list
+    ids: list = field(default_factory=list)
+    mask: list = field(default_factory=list)
+    text: str = ""
+    contexts: list = field(default_factory=list)
+    retrieved: int = 0
+    calls: int = 0
+    done: bool = False
+    forced: bool = False
+    steps: list = field(default_factory=list)
+    answer: str = ""
+    format_ok: bool = False
+    rewards: tuple = ()
+
+    def append(self, ids, text, trained):
+        self.ids, self.mask, self.text = self.ids + list(ids), self.mask + [int(trained)] * len(ids), self.text + text
+
+
+def add_format_tokens(model, tokenizer):
+    """<Reference> and </Reference> as single tokens [Fig. 4], and any format word the tokenizer cannot read (a
+    word-level toy tokenizer); returns the new ids."""
+    from tokenizers import AddedToken
+
+    # impl: not "special", so decoding keeps them and the stop string <Reference> is found in the decoded text
+    new = [AddedToken(t, normalized=False) for t in (REF_OPEN, REF_CLOSE) if len(tokenizer.tokenize(t)) != 1]
+    words = [w for w in unknown_words(tokenizer, FORMAT_WORDS) if re.fullmatch(r"[A-Za-z]{2,}", w)]
+    new += [AddedToken(w.lower(), normalized=True, single_word=True) for w in words]
+    if new:
+        tokenizer.add_tokens(new)
+        model.resize_token_embeddings(len(tokenizer))
+    return [tokenizer.convert_tokens_to_ids(t.content) for t in new]
+
+
+def encode_prompts(tokenizer, questions, templates):
+    """Token ids of the chat prompts (I, q) of the questions."""
+    texts = chat_prompts(tokenizer, [messages(q, templates) for q in questions])
+    return tokenizer(texts, add_special_tokens=False)["input_ids"]
+
+
+def cut_step(ids, tokenizer):
+    """At the step cap: the new turn's ids and text up to the 6th step header (spec §3.2)."""
+    decode = lambda part: tokenizer.decode(part, skip_special_tokens=True)
+    cut = next((j - 1 for j in range(1, len(ids) + 1) if STEP_WORD.search(decode(ids[:j]))), len(ids))
+    return ids[:cut], decode(ids[:cut])
+
+
+def rollout(model, tokenizer, system, rows, args, n_samples=1, greedy=True, seed=0):
+    """n_samples reasoning paths per question, one generate call per step for all live paths [§4.2, Fig. 3].
+
+    A call continues a path to its next <Reference> (the last step's summary, then a new step header) or to EOS
+    (the final answer); the environment retrieves for every path stopped at <Reference> and appends the block."""
+    prompts = encode_prompts(tokenizer, [r["question"] for r in rows], args.templates)
+    paths = [ReasoningPath(r, p) for r, p in zip(rows, prompts) for _ in range(n_samples)]
+    sampling = {"do_sample": not greedy, "temperature": args.temperature, "stop": [REF_OPEN]}
+    for turn in range(args.max_steps + 2):  # at most 5 retrievals, a 6th header cut, the forced answer
+        if not (live := [p for p in paths if not p.done]):
+            break
+        gen = generate(
+            model, tokenizer, [p.prompt + p.ids for p in live], args.max_new_tokens, **sampling, seed=seed + turn
+        )
+        asking = []
+        for p, ids, text in zip(live, gen.token_ids, gen.texts):
+            p.calls += 1
+            capped = not p.forced and len(p.contexts) == args.max_steps and text.rstrip().endswith(REF_OPEN)
+            if capped:  # a 6th step [§5.1.3: k <= 5]: its header is cut, the environment writes "Final answer:"
+                ids, text = cut_step(ids, tokenizer)
+            p.append(ids, text, trained=True)
+            if capped:
+                p.append(tokenizer("\nFinal answer:", add_special_tokens=False)["input_ids"], "\nFinal answer:", False)
+                p.forced = True
+            elif p.forced or not text.rstrip().endswith(REF_OPEN):
+                p.done = True  # the final answer (EOS), or out of tokens
+            elif (header := parse_header(text)) and header[2]:
+                asking.append((p, header))
+            else:
+                p.done = True  # a malformed step header ends the path (format reward 0)
+        contexts = system.retrieve([h[2] for _, h in asking], [h[1] for _, h in asking]) if asking else []
+        for (p, _), ctx in zip(asking, contexts):
+            block = reference_block(ctx)
+            block_ids = tokenizer(block, add_special_tokens=False)["input_ids"]
+            p.append(block_ids, block, trained=False)  # simplification: </Reference> masked too (header item 5)
+            p.contexts.append(ctx)
+            p.retrieved += len(block_ids)
+    for p in paths:
+        parsed = parse_path(p.text)
+        p.steps, p.answer = parsed["steps"], parsed["answer"]
+        p.format_ok = parsed["format_ok"] and not p.forced and len(p.steps) == len(p.contexts)
+    return paths
+
+
+# --------------------------------------------------------------------------- 7. SFT data [§4.3.1]
+def sft_steps(row, system, rng):
+    """The reasoning steps of a question from its decomposition (metadata sub_queries, sub_answers and one supporting
+    passage per step), or None: (1) supporting triplets, (2) entities, (3) subquery, (4) context, (5) summary."""
+    meta = row.get("metadata") or {}
+    subs, answers, doc_ids = (meta.get(k) or [] for k in ("sub_queries", "sub_answers", "supporting_doc_ids"))
+    if not subs or not len(subs) == len(answers) == len(doc_ids) or any(str(d) not in system.docs for d in doc_ids):
+        return None  # no decomposition, or a step without its passage (an unanswerable question)
+    steps = []
+    for sub, answer, doc in zip(subs, answers, doc_ids):
+        # simplification: the decomposition's subquery as written, placeholders #k filled (header item 3)
+        sub = re.sub(r"#(\d+)", lambda m: answers[int(m[1]) - 1] if int(m[1]) <= len(answers) else m[0], sub)
+        ends = lambda t: (norm_name(t["head"]), norm_name(t["tail"]))
+        support = [t for t in system.kg.by_doc[str(doc)] if norm_name(answer) in ends(t)]  # (1) those that answer
+        names = [v for t in support for v in (t["head"], t["tail"]) if norm_name(v) in norm_name(sub)]
+        entities = list(dict.fromkeys(names))  # (2) the ones the subquery names (spec §9.27)
+        if not support or not entities:
+            return None
+        context, gold = [system.chunk(doc)], {("chunk", str(doc))} | {("triplet", t["id"]) for t in support}
+        others = system.retrieve([sub], [entities])[0] if system.args.sft_distractors else []
+        others = [it for it in others if (it["kind"], it["id"]) not in gold][: system.args.sft_distractors]
+        for t in (
+            support + others
+        ):  # (4) the golden paragraph, the evidence triplets (and distractors) at random places
+            context.insert(rng.randint(0, len(context)), t)
+        facts = " and ".join(item_text(t) for t in support)
+        summary = rng.choice(SUMMARIES).format(facts=facts, answer=answer)  # (5)
+        steps.append({"entities": entities, "subquery": sub, "context": context, "summary": summary, "answer": answer})
+    return steps
+
+
+def sft_examples(rows, system, args, rng):
+    """SFT paths as (question, [(text, trained)]): whole paths, and each step as a 1-hop question [§4.3.1, Tab. 1]."""
+    out = []
+    for row in rows:
+        steps = sft_steps(row, system, rng)
+        if not steps:
+            continue
+        items = [(row["question"], steps, row["golden_answers"][0])]
+        if args.sft_single_steps and len(steps) > 1:
+            items += [(s["subquery"], [s], s["answer"]) for s in steps]
+        for question, path, answer in items:
+            segments = []
+            for i, s in enumerate(path, 1):
+                header, block = step_header(i, s["entities"], s["subquery"]), reference_block(s["context"])
+                segments += [(header, True), (block, False), (f"Summary: {s['summary']}\n", True)]
+            out.append((question, segments + [(f"Final answer: {answer}", True)]))
+    return out
+
+
+def sft_sequence(example, tokenizer, args, rng, world):
+    """(ids, loss_mask) of an SFT path: 0 on the prompt and the Reference blocks, 1 on the model's text and EOS."""
+    question, segments = example
+    texts = [question] + [text for text, _ in segments]
+    if world is not None and rng.random() < args.augment_p:
+        texts = rename_entities(texts, world, rng, popular="free")  # simplification: toy renaming (header item 4)
+    ids = encode_prompts(tokenizer, texts[:1], args.templates)[0]
+    mask = [0] * len(ids)
+    for text, (_, trained) in zip(texts[1:], segments):
+        part = tokenizer(text, add_special_tokens=False)["input_ids"]
+        ids, mask = ids + part, mask + [int(trained)] * len(part)  # [Eq. 4] the Reference content is masked
+    return ids + [tokenizer.eos_token_id], mask + [1]
+
+
+# --------------------------------------------------------------------------- 8. losses [Eq. 4, 15-17]
+def sequence_logps(model, seqs, pad_id, device):
+    """Summed log-probs of the loss_mask tokens of each (ids, loss_mask) sequence and their counts, (B,) each."""
+    ids = right_pad([s[0] for s in seqs], pad_id).to(device)  # (B, T)
+    attention = right_pad([[1] * len(s[0]) for s in seqs], 0).to(device)  # (B, T)
+    mask = right_pad([s[1] for s in seqs], 0).to(device)[:, 1:].float()  # (B, T-1) shifted with the labels
+    logits = model(input_ids=ids, attention_mask=attention).logits  # (B, T, V)
+    logp = torch.log_softmax(logits[:, :-1].float(), -1).gather(-1, ids[:, 1:, None]).squeeze(-1)  # (B, T-1)
+    return (logp * mask).sum(-1), mask.sum(-1)
+
+
+def dpo_loss(pi_chosen, pi_rejected, ref_chosen, ref_rejected, beta):
+    """-log sigmoid(beta [(pi_c - ref_c) - (pi_r - ref_r)]) on summed masked log-probs, (B,) [Eq. 16]."""
+    margin = beta * ((pi_chosen - ref_chosen) - (pi_rejected - ref_rejected))  # (B,)
+    return -F.logsigmoid(margin), margin
+
+
+def sft_nll(logp_sums, counts):
+    """Token-mean NLL over the unmasked tokens [Eq. 4, 15] (a mean, spec §9.16, so that eta weighs like a mean)."""
+    return -logp_sums.sum() / counts.sum().clamp(min=1)
+
+
+# --------------------------------------------------------------------------- 9. SFT and IP-DPO training
+def linear(steps):
+    """Linear decay to 0 without warm-up (spec [R]; the paper gives no schedule)."""
+    return lambda s: max(0.0, 1 - s / max(steps, 1))
+
+
+def sft(accelerator, model, tokenizer, examples, args, world):
+    """Masked next-token loss on the SFT paths [Eq. 4]; AdamW, lr 5e-4, batch 128, weight decay 0.001 [§5.1.3]."""
+    rng = random.Random(args.seed)
+    steps = args.sft_steps or math.ceil(len(examples) / args.sft_batch_size)  # [§5.1.3] one epoch
+    optimizer = torch.optim.AdamW(model.parameters(), lr=args.sft_lr, weight_decay=args.weight_decay)
+    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, linear(steps))
+    model, optimizer = accelerator.prepare(model, optimizer)
+    model.train()
+    order, losses = [], []
+    bar = tqdm(range(steps), desc="SFT", disable=not accelerator.is_local_main_process)
+    for _ in bar:
+        if len(order) < args.sft_batch_size:
+            order += rng.sample(range(len(examples)), len(examples))
+        batch, order = order[: args.sft_batch_size], order[args.sft_batch_size :]
+        own = batch[accelerator.process_index :: accelerator.num_processes]  # same order on every process, own share
+        seqs = [sft_sequence(examples[i], tokenizer, args, rng, world) for i in own]
+        n_tokens, total = max(sum(sum(m[1:]) for _, m in seqs), 1), 0.0
+        optimizer.zero_grad()
+        for m in range(0, len(seqs), args.micro_batch_size):  # gradient accumulation over micro-batches
+            logp, _ = sequence_logps(model, seqs[m : m + args.micro_batch_size], tokenizer.pad_token_id, model.device)
+            loss = -logp.sum() / n_tokens  # token mean over the batch [Eq. 4]
+            accelerator.backward(loss)
+            total += loss.item()
+        optimizer.step()
+        scheduler.step()
+        losses.append(total)
+        bar.set_postfix(loss=f"{sum(losses[-20:]) / len(losses[-20:]):.3f}")
+    return accelerator.unwrap_model(model), steps
+
+
+def sample_round(model, tokenizer, system, rows, args, seed, name):
+    """R sampled paths per question with their rewards, and the pairs built from them [§4.3.2]."""
+    paths, pairs, kinds = [], [], Counter()
+    model.eval()
+    bar = tqdm(range(0, len(rows), args.rollout_batch), desc=name, disable=not PartialState().is_local_main_process)
+    for i in bar:
+        batch = rollout(
+            model, tokenizer, system, rows[i : i + args.rollout_batch], args, args.n_rollouts, False, seed + i
+        )
+        for q in range(0, len(batch), args.n_rollouts):
+            group = batch[q : q + args.n_rollouts]
+            evidence = golden_evidence(group[0].row, system.docs)
+            for p in group:
+                p.rewards = path_rewards(p, evidence, system.sim)
+            for c, r, kind in build_pairs([p.rewards for p in group], single_hop=not evidence):
+                pairs.append((group[c], group[r]))
+                kinds[kind] += 1
+        paths += batch
+    model.train()
+    return paths, pairs, kinds
+
+
+def dpo_round(accelerator, model, tokenizer, pairs, eta, epochs, args, rng):
+    """DPO [Eq. 16] + eta SFT on the chosen paths [Eq. 15, 17], the model at the round's start as the reference."""
+    device, pad, mb = model.device, tokenizer.pad_token_id, args.micro_batch_size
+    seq = lambda p: (p.prompt + p.ids, [0] * len(p.prompt) + p.mask)
+    logps = lambda part: sequence_logps(model, [seq(p) for pair in part for p in pair], pad, device)[0].view(-1, 2)
+    model.eval()
+    with torch.no_grad():  # the reference Theta_{p-1}: the model that sampled this round's paths [Eq. 16]
+        ref = torch.cat(
+            [logps(pairs[i : i + mb]) for i in range(0, len(pairs), mb)] + [torch.zeros(0, 2, device=device)]
+        )
+    optimizer = torch.optim.AdamW(model.parameters(), lr=args.dpo_lr, weight_decay=args.weight_decay)
+    per_process = max(1, args.dpo_batch_size // accelerator.num_processes)  # each process trains on its own pairs
+    n_steps = epochs * math.ceil(len(pairs) / per_process)
+    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, linear(n_steps))
+    model, optimizer = accelerator.prepare(model, optimizer)
+    model.train()
+    stats = defaultdict(list)
+    for _ in range(epochs):
+        order = rng.sample(range(len(pairs)), len(pairs))
+        for b in range(0, len(order), per_process):
+            batch = order[b : b + per_process]
+            optimizer.zero_grad()
+            for m in range(0, len(batch), mb):
+                part = batch[m : m + mb]
+                seqs = [seq(pairs[i][0]) for i in part] + [seq(pairs[i][1]) for i in part]  # chosen, then rejected
+                logp, count = sequence_logps(model, seqs, pad, device)  # (2b,) each
+                (pi_c, pi_r), n_c = logp.chunk(2), count.chunk(2)[0]
+                l_dpo, margin = dpo_loss(pi_c, pi_r, ref[part, 0], ref[part, 1], args.beta)
+                l_sft = sft_nll(pi_c, n_c)
+                accelerator.backward((eta * l_sft + l_dpo.mean()) * len(part) / len(batch))  # L_ALL [Eq. 17]
+                for name, value in (("dpo", l_dpo.mean()), ("sft", l_sft), ("margin", margin.mean())):
+                    stats[f"losses/{name}"].append(value.item())
+                stats["losses/accuracy"].append((margin > 0).float().mean().item())
+            optimizer.step()
+            scheduler.step()
+    return accelerator.unwrap_model(model), {k: sum(v) / len(v) for k, v in stats.items()}, n_steps
+
+
+# --------------------------------------------------------------------------- 10. evaluation [§5.1.1, §5.3.2]
+def path_record(p):
+    """What one greedy path scored and cost, tokens counted as the paper counts them [§5.3.2]."""
+    golds, k, thinking = p.row["golden_answers"], len(p.contexts), len(p.ids) - p.retrieved
+    supporting = {str(i) for i in (p.row.get("metadata") or {}).get("supporting_doc_ids") or []}
+    seen = {it["doc_id"] for ctx in p.contexts for it in ctx}
+    ans = p.answer
+    record = {"em": exact_match(ans, golds), "f1": f1_score(ans, golds), "acc": sub_exact_match(ans, golds)}
+    record |= {"format": float(p.format_ok), "retrievals": k, "llm_calls": p.calls, "generated_tokens": thinking}
+    record |= {"thinking_tokens": thinking, "retrieved_tokens": p.retrieved, "total_tokens": len(p.ids)}  # [§5.3.2]
+    record["content_per_retrieval"] = p.retrieved / k if k else 0.0  # CpR
+    return record | {"evidence_recall": len(supporting & seen) / len(supporting) if supporting else 1.0}
+
+
+def evaluate(model, tokenizer, system, rows, args, predictions=None):
+    """Greedy paths on the held-out questions: EM, F1, steps and tokens per question, overall and by type."""
+    model.eval()
+    size, main = 2 * args.rollout_batch, PartialState().is_local_main_process
+    bar = tqdm(range(0, len(rows), size), desc="eval", leave=False, disable=not main)
+    paths = [p for i in bar for p in rollout(model, tokenizer, system, rows[i : i + size], args, seed=i)]
+    model.train()
+    groups = defaultdict(lambda: defaultdict(list))
+    for p in paths:
+        for key in ("all", f"type={(p.row.get('metadata') or {}).get('type')}"):
+            for name, value in path_record(p).items():
+                groups[key][name].append(value)
+    summary = {k: {n: sum(v) / len(v) for n, v in g.items()} | {"n": len(g["em"])} for k, g in groups.items()}
+    if predictions is not None and PartialState().is_main_process:
+        row = lambda p: {"id": p.row.get("id"), "question": p.row["question"], "golds": p.row["golden_answers"]}
+        write_jsonl(predictions, [row(p) | {"prediction": p.answer, "path": p.text} | path_record(p) for p in paths])
+    return summary.pop("all") | {"groups": {k: v for k, v in summary.items() if k != "type=None"}}
+
+
+def brief(r):
+    """One log line of an evaluation."""
+    out = f"em={r['em']:.3f} f1={r['f1']:.3f} format={r['format']:.2f} steps={r['retrievals']:.2f} "
+    return out + f"thinking={r['thinking_tokens']:.1f} retrieved={r['retrieved_tokens']:.1f}"
+
+
+def table(results):
+    """The table that ends a training run: EM, F1, steps and tokens per question at each stage [§5.3.2]."""
+    lines = ["| stage | EM | F1 | steps | thinking tokens | retrieved tokens | total tokens |", "|---" * 7 + "|"]
+    for name, r in results.items():
+        cells = [r["em"], r["f1"], r["retrievals"], r["thinking_tokens"], r["retrieved_tokens"], r["total_tokens"]]
+        lines.append(
+            f"| {name} | "
+            + " | ".join(f"{c:.{3 if i < 2 else 2 if i == 2 else 1}f}" for i, c in enumerate(cells))
+            + " |"
+        )
+    return "\n".join(lines)
+
+
+# --------------------------------------------------------------------------- 11. train / eval / ask
+def load_policy(args, device):
+    """The policy LLM with the format tokens (and LoRA r, alpha 32, dropout 0.1 on q/k/v/o when lora_r > 0)."""
+    # fp32 master weights, bf16 autocast (accelerate); only a frozen LoRA base may be stored in bf16
+    dtype = torch.bfloat16 if device.type == "cuda" and args.lora_r else torch.float32
+    model, tokenizer = load_model_and_tokenizer(args.model, dtype=dtype, world=args.data_dir)
+    new_ids = add_format_tokens(model, tokenizer)
+    if args.lora_r and not hasattr(model, "peft_config"):
+        from common.llm import add_lora
+
+        lora = {"r": args.lora_r, "lora_alpha": 32, "lora_dropout": 0.1, "target_modules": ["q_proj", "k_proj"]}
+        lora["target_modules"] += ["v_proj", "o_proj"]  # [§5.1.3]
+        # simplification: one adapter through SFT and every round, never merged (header item 7); new token rows trained
+        model = add_lora(model, lora | ({"trainable_token_indices": new_ids} if new_ids else {}))
+    for p in model.parameters():  # never Adam on bf16 weights
+        if p.requires_grad:
+            p.data = p.data.float()
+    return model.to(device), tokenizer
+
+
+def result_record(args, stages, steps, wall):
+    """The project's result contract (DESIGN: results.json)."""
+    final = stages.get("after") or stages["before"]
+    record = {"method": "tearag", "mode": "train" if args.train else "eval", "preset": args.preset, "seed": args.seed}
+    record |= {"model": args.model, "dataset": args.data_dir, "n_eval": final["n"]}
+    record |= {"before_sft": stages.get("before_sft"), "before": stages["before"], "after": final}
+    record |= {"rounds": stages.get("rounds", []), "train_steps": steps}
+    record |= {"retrievals_per_question": final["retrievals"], "llm_calls_per_question": final["llm_calls"]}
+    record |= {"generated_tokens_per_question": final["generated_tokens"], "wall_s": round(wall, 1)}
+    return record | {"args": asdict(args)}
+
+
+def round_stats(rnd, paths, kinds, pairs, seconds):
+    """What a round's sampling logs (Table 8: # pairs, # steps)."""
+    mean = lambda xs: sum(xs) / max(len(xs), 1)
+    stats = {"round": rnd, "pairs": pairs, **{f"pairs/{k}": v for k, v in sorted(kinds.items())}}
+    for i, name in enumerate(("format", "outcome", "process")):
+        stats[f"rollout/{name}"] = mean([p.rewards[i] for p in paths])
+    stats["rollout/steps"] = mean([len(p.contexts) for p in paths])
+    stats["rollout/thinking_tokens"] = mean([len(p.ids) - p.retrieved for p in paths])
+    return stats | {"charts/seconds": seconds}
+
+
+def train(args):
+    """SFT, then the IP-DPO rounds (sample, score, pair, DPO + SFT), evaluations before and after; --resume."""
+    start, out = time.time(), start_run(args, "tearag", stages=("sft", "dpo"))
+    accelerator = make_accelerator(args.report_to, out)
+    out.mkdir(parents=True, exist_ok=True)
+    accelerator.init_trackers(args.run_name, {k: "None" if v is None else v for k, v in asdict(args).items()})
+    set_seed(args.seed)
+    sft_rows = load_split(args.data_dir, args.sft_split, args.sft_types)
+    dpo_rows = sample_rows(load_split(args.data_dir, args.dpo_split, args.dpo_types), args.n_dpo, args.seed)
+    test_rows = load_split(args.data_dir, "test")[: args.n_eval]
+    system = RetrievalSystem(args, accelerator.device)
+    log = lambda record: append_metrics(out / "metrics.jsonl", record, accelerator.is_main_process)
+    save = lambda name, state: accelerator.is_main_process and save_checkpoint(out / name, model, tokenizer, state)
+    stages, steps = {}, {"sft": 0, "dpo": 0}
+    if state := load_state(out / "dpo") or load_state(out / "sft"):  # resume from the last checkpoint
+        model_name, args.model = args.model, str(out / ("dpo" if state["round"] else "sft"))
+        model, tokenizer = load_policy(args, accelerator.device)
+        args.model, stages, steps = model_name, state["stages"], state["steps"]
+    else:
+        model, tokenizer = load_policy(args, accelerator.device)
+        with accelerator.autocast():
+            stages["before_sft"] = evaluate(model, tokenizer, system, test_rows, args, out / "predictions_raw.jsonl")
+        accelerator.print(f"raw start | {brief(stages['before_sft'])}")
+        if not (examples := sft_examples(sft_rows, system, args, random.Random(args.seed))):
+            need = "metadata sub_queries, sub_answers and supporting_doc_ids"
+            raise UserError(f"{args.data_dir}/{args.sft_split}.jsonl: no row with a decomposition ({need}) for SFT")
+        accelerator.print(f"SFT: {len(examples)} paths from {len(sft_rows)} questions")
+        world = load_world(args.data_dir) if args.augment_p else None  # simplification: toy renaming (header item 4)
+        model, steps["sft"] = sft(accelerator, model, tokenizer, examples, args, world)
+        with accelerator.autocast():
+            stages["before"] = evaluate(model, tokenizer, system, test_rows, args, out / "predictions_sft.jsonl")
+        accelerator.print(f"after SFT | {brief(stages['before'])}")
+        log({"stage": "sft", "eval": stages["before"]})
+        save("sft", {"stages": stages, "steps": steps, "round": 0, "data_dir": args.data_dir, "args": asdict(args)})
+    etas, epochs = [float(x) for x in args.eta.split(",")], [int(x) for x in args.dpo_epochs.split(",")]
+    shard = dpo_rows[accelerator.process_index :: accelerator.num_processes]
+    for rnd in range(state["round"] if state else 0, args.rounds):  # Theta_p from Theta_{p-1} [§4.3.2]
+        t0, seed = time.time(), args.seed * 100_003 + rnd * 7919 + accelerator.process_index
+        with accelerator.autocast():
+            paths, pairs, kinds = sample_round(model, tokenizer, system, shard, args, seed, f"round {rnd + 1}")
+        pairs = pairs[: min(gather_object([len(pairs)]))]  # every process takes the same number of steps
+        rng = random.Random(args.seed + rnd)
+        model, stats, n_steps = dpo_round(accelerator, model, tokenizer, pairs, etas[rnd], epochs[rnd], args, rng)
+        stats |= round_stats(rnd + 1, paths, kinds, len(pairs), time.time() - t0)
+        log(stats)
+        accelerator.log(stats, step=rnd + 1)
+        accelerator.print(" | ".join(f"{k}={v:.4g}" if isinstance(v, float) else f"{k}={v}" for k, v in stats.items()))
+        steps["dpo"] += n_steps
+        stages.setdefault("rounds", []).append(stats)
+        accelerator.wait_for_everyone()
+        save(
+            "dpo",
+            {"stages": stages, "steps": steps, "round": rnd + 1, "data_dir": args.data_dir, "args": asdict(args)},
+        )
+    with accelerator.autocast():
+        stages["after"] = evaluate(model, tokenizer, system, test_rows, args, out / "predictions_dpo.jsonl")
+    accelerator.print(f"after IP-DPO | {brief(stages['after'])}")
+    log({"stage": "dpo", "eval": stages["after"]})
+    accelerator.end_training()
+    names = {"before_sft": "raw start", "before": "after SFT", "after": f"after IP-DPO ({args.rounds} rounds)"}
+    accelerator.print(table({names[k]: stages[k] for k in names if stages.get(k)}))
+    accelerator.print(f"checkpoint: {out / ('dpo' if args.rounds else 'sft')}")
+    write_results(out, result_record(args, stages, steps, time.time() - start), accelerator.is_main_process)
+
+
+def run_eval(args):
+    """Evaluate --model (a checkpoint folder, or the untrained start) on the test split."""
+    start, out = time.time(), Path(args.output_dir)
+    refuse_training_results(out)
+    accelerator = make_accelerator()
+    out.mkdir(parents=True, exist_ok=True)
+    set_seed(args.seed)
+    rows = load_split(args.data_dir, "test")[: args.n_eval]  # a bad data file fails first
+    system = RetrievalSystem(args, accelerator.device)  # a bad corpus or graph fails before the model loads
+    model, tokenizer = load_policy(args, accelerator.device)
+    with accelerator.autocast():
+        result = evaluate(model, tokenizer, system, rows, args, out / "predictions_eval.jsonl")
+    accelerator.print(f"eval | {brief(result)}")
+    record = result_record(args, {"before": result}, {"sft": 0, "dpo": 0}, time.time() - start)
+    write_results(out, record, accelerator.is_main_process)
+
+
+def ask(args):
+    """One question through the agent loop (greedy), printing the reasoning path."""
+    device = make_accelerator().device
+    model, tokenizer = load_policy(args, device)
+    if unknown := unknown_words(tokenizer, args.ask):
+        print(f"warning: words the model's tokenizer does not know (read as <unk>): {' '.join(unknown)}")
+    row = {"id": "ask", "question": args.ask, "golden_answers": [""], "metadata": {}}
+    path = rollout(model.eval(), tokenizer, RetrievalSystem(args, device), [row], args)[0]
+    print(path.text.strip())
+    print(f"answer: {path.answer} | steps: {len(path.contexts)} | format ok: {path.format_ok}")
+
+
+def main(argv=None):
+    """Parse the flags, fill the preset, dispatch on the mode."""
+    (args,) = HfArgumentParser(Args).parse_args_into_dataclasses(args=argv)
+    if args.ask and args.model is None:
+        raise UserError("--ask needs --model: a trained checkpoint (e.g. runs/<run_name>/dpo after --train)")
+    if args.data_dir is None and args.model and (state := load_state(args.model)):
+        args.data_dir = state.get("data_dir")  # a checkpoint remembers its world (tokenizer, corpus, graph)
+    apply_preset(args)
+    if args.train:
+        train(args)
+    elif args.eval:
+        run_eval(args)
+    elif args.ask:
+        ask(args)
+    else:
+        raise UserError('choose a mode: --train, --eval or --ask "question" (see --help)')
+
+
+if __name__ == "__main__":
+    run_main(main)  # a user's mistake (bad file, missing field) ends in one line, not a traceback

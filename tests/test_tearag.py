@@ -1,0 +1,554 @@
+"""TeaRAG: the KAG and PPR against the spec's worked graph, the rewards, pairs and DPO loss against hand-computed
+numbers, the parser and format check, the masks, the agent loop with a scripted LLM; then the CLI end to end."""
+
+import json
+import math
+import subprocess
+import sys
+from pathlib import Path
+from types import SimpleNamespace
+
+import numpy as np
+import pytest
+import torch
+from conftest import check_contract
+
+import tearag as T
+from common.llm import Generation
+from common.toy_lm import load_toy_lm
+
+ROOT = Path(__file__).resolve().parents[1]
+WORLD = ROOT / "data" / "toy"
+
+
+# --------------------------------------------------------------------------- the KAG and PPR [spec §8.1-8.3, §8.12]
+def chunk(i, title, score):
+    return {"kind": "chunk", "id": i, "doc_id": i, "title": title, "text": f"{title} text", "score": score}
+
+
+def triplet(i, head, rel, tail, doc, score):
+    return {"kind": "triplet", "id": i, "head": head, "relation": rel, "tail": tail, "doc_id": doc, "score": score}
+
+
+def citibank(d2_score=0.0, e1_doc="d1"):
+    """The spec's §8.2 graph (Fig. 4c): subquery "In what year was Citibank founded?", key entity Citibank."""
+    chunks = [chunk("d1", "Citibank", 3.0), chunk("d2", "Citigroup", d2_score)]
+    triplets = [triplet("e1", "Citibank", "founded in", "1812", e1_doc, 2.0),
+                triplet("e2", "Citibank (China)", "founded on", "1 April 2007", "dx", -1.0)]  # fmt: skip
+    return chunks, triplets
+
+
+def ppr_of(entities, chunks, triplets, alpha=0.5, p_scale=1.0, n_iter=200):
+    nodes, adjacency = T.build_kag(entities, chunks, triplets, tau=0.2)
+    seeds = {("V", T.norm_name(v)) for v in entities}
+    p = p_scale * np.array([1.0 if n == ("Q",) else 0.5 if n in seeds else 0.0 for n in nodes])
+    return nodes, adjacency, T.personalized_pagerank(adjacency, p, alpha, n_iter)
+
+
+def test_kag_of_the_worked_graph_has_the_spec_edges_and_weights():
+    nodes, adjacency = T.build_kag(["Citibank"], *citibank(), tau=0.2)
+    index = {n: i for i, n in enumerate(nodes)}
+    assert len(nodes) == 10 and np.count_nonzero(np.triu(adjacency)) == 14
+    assert np.allclose(adjacency, adjacency.T)
+    w = lambda a, b: adjacency[index[a], index[b]]
+    q, d1, d2, e1, e2 = ("Q",), ("D", "d1"), ("D", "d2"), ("T", "e1"), ("T", "e2")
+    v = lambda name: ("V", name)
+    assert w(q, d1) == pytest.approx(0.952574, abs=1e-6)  # sigmoid(3) [Eq. 1]
+    assert w(q, d2) == pytest.approx(0.5)
+    assert w(q, e1) == pytest.approx(0.680797, abs=1e-6)  # sigmoid(2) - 0.2 [Eq. 2]
+    assert w(q, e2) == pytest.approx(0.068941, abs=1e-6)  # sigmoid(-1) - 0.2
+    ones = [(v("citibank"), v("1812")), (v("citibank (china)"), v("1 april 2007")), (e1, v("citibank")),
+            (e1, v("1812")), (e2, v("citibank (china)")), (e2, v("1 april 2007")), (d1, e1), (d1, v("citibank")),
+            (d1, v("1812")), (d2, v("citigroup"))]  # fmt: skip
+    assert all(w(a, b) == 1.0 for a, b in ones)  # co-occurrence: weight 1, the title edge of d1 not doubled
+    assert w(e2, d1) == w(e2, d2) == 0  # e2's source chunk was not retrieved: no chunk-triplet edge
+
+
+def test_triplet_below_tau_has_no_subquery_edge_but_keeps_its_co_occurrence_edges():
+    assert T.sigmoid(-1.5) - 0.2 < 0  # the §8.1 row: weight max(sigmoid(-1.5) - 0.2, 0) = 0
+    chunks, triplets = citibank()
+    triplets[0]["score"] = -1.5
+    nodes, adjacency = T.build_kag(["Citibank"], chunks, triplets, tau=0.2)
+    index = {n: i for i, n in enumerate(nodes)}
+    e1 = index[("T", "e1")]
+    assert adjacency[index[("Q",)], e1] == 0
+    assert adjacency[e1, index[("D", "d1")]] == adjacency[e1, index[("V", "1812")]] == 1.0
+
+
+def test_ppr_on_the_worked_graph_matches_the_spec_values():
+    chunks, triplets = citibank()
+    nodes, adjacency, pi = ppr_of(["Citibank"], chunks, triplets)
+    expected = {("Q",): 0.370587, ("V", "citibank"): 0.213326, ("D", "d1"): 0.144128, ("T", "e1"): 0.122811,
+                ("V", "1812"): 0.070469, ("D", "d2"): 0.050482, ("V", "citigroup"): 0.016827, ("T", "e2"): 0.006914,
+                ("V", "citibank (china)"): 0.002228, ("V", "1 april 2007"): 0.002228}  # fmt: skip
+    for node, value in expected.items():
+        assert pi[nodes.index(node)] == pytest.approx(value, abs=1e-6), node
+    assert pi.sum() == pytest.approx(1.0, abs=1e-12)
+    assert [it["id"] for it in T.top_nodes(nodes, pi, chunks + triplets, 5)] == ["d1", "e1", "d2", "e2"]
+    assert [it["id"] for it in T.top_nodes(nodes, pi, chunks + triplets, 3)] == ["d1", "e1", "d2"]
+    # (d) an unnormalised p gives the same pi (p is normalised); (e) the closed form; (f) a uniform start
+    assert np.allclose(ppr_of(["Citibank"], chunks, triplets, p_scale=1.5)[2], pi, atol=1e-15)
+    degree = adjacency.sum(0)
+    W = adjacency / degree
+    p = np.array([1.0 if n == ("Q",) else 0.5 if n == ("V", "citibank") else 0.0 for n in nodes])
+    closed = 0.5 * np.linalg.solve(np.eye(len(nodes)) - 0.5 * W, p / p.sum())
+    assert np.allclose(closed, pi, atol=1e-12)
+    assert not np.allclose(ppr_of(["Citibank"], chunks, triplets, n_iter=1)[2], pi, atol=1e-3)  # iterations matter
+
+
+@pytest.mark.parametrize("alpha", [0.1, 0.3, 0.5, 0.7, 0.9])
+def test_ppr_ranking_of_the_worked_graph_is_robust_to_alpha(alpha):
+    chunks, triplets = citibank()
+    nodes, _, pi = ppr_of(["Citibank"], chunks, triplets, alpha=alpha)
+    assert [it["id"] for it in T.top_nodes(nodes, pi, chunks + triplets, 4)] == ["d1", "e1", "d2", "e2"]
+
+
+def test_co_occurrence_and_the_entity_seed_beat_raw_similarity():
+    chunks, triplets = citibank(d2_score=3.5)  # d2 now more similar than d1
+    nodes, _, pi = ppr_of(["Citibank"], chunks, triplets)
+    at = lambda key: pi[nodes.index(key)]
+    assert at(("D", "d1")) == pytest.approx(0.128219, abs=1e-6) and at(("D", "d2")) == pytest.approx(
+        0.078701, abs=1e-6
+    )
+    chunks, triplets = citibank(d2_score=3.5, e1_doc="elsewhere")  # no co-occurrence of d1 and e1, no key entity
+    nodes, _, pi = ppr_of([], chunks, triplets)
+    assert at(("D", "d2")) == pytest.approx(0.117883, abs=1e-6) and at(("D", "d1")) == pytest.approx(
+        0.109396, abs=1e-6
+    )
+
+
+def test_ppr_on_a_star_graph_ranks_by_relevance_weight():
+    chunks = [chunk(f"c{i}", "", float(np.log(w / (1 - w)))) for i, w in enumerate([0.9, 0.5, 0.2])]
+    _, _, pi = ppr_of([], chunks, [])
+    assert np.allclose(pi, [2 / 3, 0.1875, 0.104167, 0.041667], atol=1e-6)  # 1/(1+a), a/(1+a) w_i / sum w
+
+
+# --------------------------------------------------------------------------- rewards [spec §8.4-8.7]
+@pytest.mark.parametrize("answer,gold,f1", [("Kreuzlingen", "Kreuzlingen", 1.0), ("the city of Kreuzlingen", "Kreuzlingen", 0.5),
+                                            ("Kreuzlingen, Switzerland", "Kreuzlingen", 2 / 3), ("Berlin", "Kreuzlingen", 0.0),
+                                            ("Carl Friedrich Otto Westphal", "Carl Westphal", 2 / 3)])  # fmt: skip
+def test_outcome_reward_is_token_f1(answer, gold, f1):
+    path = T.ReasoningPath({"golden_answers": [gold]}, [], steps=[{}], answer=answer, format_ok=True)
+    assert T.path_rewards(path, [], None) == pytest.approx((1.0, f1, 0.0))  # single-hop rule with k = 1
+
+
+def test_cover_exact_match_and_consistency():
+    assert T.cover_exact_match(["Alexander Carl Otto Westphal"], "Who was the father of Alexander Carl Otto Westphal?")
+    assert not T.cover_exact_match(["Carl Friedrich Otto Westphal"], "Where did Carl Westphal die?")
+    assert not T.cover_exact_match([], "anything")
+    assert T.cover_exact_match(["A", "b c"], "about a and  B C") == 1.0
+
+
+SIM_Q, SIM_S = np.array([[0.9, 0.3], [0.2, 0.7]]), np.array([[0.8, 0.1], [0.2, 0.9]])
+SIM_C = np.full((2, 10), 0.1)
+SIM_C[0, 3], SIM_C[1, 7] = 0.95, 0.85
+
+
+def test_process_reward_of_the_worked_path():
+    assert T.process_reward([1, 0], SIM_Q, SIM_C, SIM_S) == pytest.approx(
+        0.815
+    )  # 0.1 * 0.5 + 0.3 * (0.8 + 0.9 + 0.85)
+    extra = lambda m: np.concatenate([m, m[:, 1:]], 1)  # a third step with step 2's similarities, its CEM 1
+    assert T.process_reward([1, 0, 1], extra(SIM_Q), SIM_C, extra(SIM_S)) == pytest.approx(0.576667, abs=1e-6)  # /k
+    assert T.process_reward([1, 0, 0], extra(SIM_Q), SIM_C, extra(SIM_S)) == pytest.approx(0.543333, abs=1e-6)
+    assert T.process_reward([1, 1], np.full((4, 2), 0.9), np.full((4, 5), 0.9), np.full((4, 2), 0.9)) == pytest.approx(
+        1.72
+    )
+
+
+def fake_path(answer, k, fmt=True, gold="Kreuzlingen"):
+    steps = [{"entities": ["A"], "subquery": f"q{i} about A", "summary": f"s{i}"} for i in range(k)]
+    contexts = [[{"kind": "triplet", "head": "A", "relation": "r", "tail": f"t{i}"}] * 5 for i in range(k)]
+    return T.ReasoningPath(
+        {"golden_answers": [gold]}, [], contexts=contexts, steps=steps, answer=answer, format_ok=fmt
+    )
+
+
+def test_path_rewards_use_the_evidence_similarities_and_divide_by_the_step_count():
+    calls = []
+
+    def sim(golds, texts):
+        calls.append(texts)
+        return np.full((len(golds), len(texts)), 0.9)
+
+    r = T.path_rewards(fake_path("Kreuzlingen", 2), ["g1", "g2"], sim)
+    assert r == pytest.approx((1.0, 1.0, 0.1 + 0.3 * 3 * 1.8 / 2))  # CEM 1; each memory vector sums 1.8, / k = 2
+    assert sorted(map(len, calls)) == [2, 2, 10]  # subqueries, summaries, every context item of the path
+    r3 = T.path_rewards(fake_path("Kreuzlingen", 3), ["g1", "g2"], sim)
+    assert r3[2] == pytest.approx(0.1 + 0.3 * 3 * 1.8 / 3)  # the same evidence over 3 steps earns less
+
+
+@pytest.mark.parametrize("k,f1,fmt,role", [(1, 1.0, 1, "chosen"), (2, 1.0, 1, None), (3, 1.0, 1, None), (4, 1.0, 1, "easy"),
+                                           (1, 0.0, 1, "easy"), (2, 1.0, 0, "format")])  # fmt: skip
+def test_single_hop_rule_scales_the_outcome_by_the_step_count(k, f1, fmt, role):
+    r = T.path_rewards(fake_path("Kreuzlingen" if f1 else "Berlin", k, bool(fmt)), [], None)
+    assert r[1] == pytest.approx(f1 / k) and r[2] == 0.0
+    best = (1, 1.0, 0.0)
+    assert T.is_chosen(r, single_hop=True) == (role == "chosen")
+    assert T.rejection_type(r, best, single_hop=True) == (role if role != "chosen" else None)
+
+
+# --------------------------------------------------------------------------- pairs [spec §8.6, §8.8]
+def test_pairs_of_the_first_worked_example():
+    rewards = [(1, 1.0, 0.90), (1, 1.0, 0.75), (1, 0.85, 0.82), (0, 0.0, 0.10), (1, 0.0, 0.30), (1, 0.4, 0.95),
+               (1, 0.5, 0.50), (1, 1.0, 0.40)]  # fmt: skip
+    assert T.build_pairs(rewards, single_hop=False) == [(0, 3, "format"), (1, 4, "easy"), (2, 6, "hard")]
+
+
+def test_pairs_of_the_second_worked_example_leave_a_valid_hard_rejection_unused():
+    rewards = [(1, 1.0, 0.85), (1, 0.8, 0.9), (1, 1.0, 0.5), (0, 0.0, 0.2), (1, 0.0, 0.4), (1, 0.5, 0.6),
+               (1, 0.6, 0.95), (0, 1.0, 0.6)]  # fmt: skip
+    assert T.is_chosen(rewards[1], single_hop=False)  # the relaxed branch: 0.8 and 0.9 (floats compared with 1e-9)
+    assert T.build_pairs(rewards, single_hop=False) == [(0, 3, "format"), (1, 4, "easy")]
+
+
+def test_redundant_correct_path_is_neither_chosen_nor_rejected():
+    redundant, good = (1, 1.0, 0.576667), (1, 1.0, 0.815)
+    assert T.is_chosen(good, False) and not T.is_chosen(redundant, False)
+    assert T.rejection_type(redundant, good, False) is None
+    assert T.build_pairs([good, redundant], single_hop=False) == []
+
+
+def test_hard_rejection_needs_a_lower_outcome_and_process_and_is_not_for_single_hop():
+    chosen = (1, 1.0, 0.8)
+    assert T.rejection_type((1, 0.6, 0.7), chosen, False) == "hard"
+    assert T.rejection_type((1, 0.6, 0.7), chosen, True) is None
+    assert T.rejection_type((1, 0.75, 0.7), chosen, False) is None  # 0.75 > 1.0 - 0.3
+    assert T.rejection_type((1, 0.6, 0.85), chosen, False) is None  # process above the chosen's
+    assert T.rejection_type((1, 0.7, 0.8), chosen, False) == "hard"  # both bounds inclusive (1e-9 tolerance)
+
+
+# --------------------------------------------------------------------------- losses [spec §8.9-8.10]
+def test_dpo_loss_on_known_log_probs():
+    pi = torch.tensor([-10.0], requires_grad=True)
+    loss, margin = T.dpo_loss(pi, torch.tensor([-12.0]), torch.tensor([-11.0]), torch.tensor([-11.5]), beta=0.5)
+    assert margin.item() == pytest.approx(0.75) and loss.item() == pytest.approx(0.386871, abs=1e-6)
+    loss.sum().backward()
+    assert pi.grad.item() == pytest.approx(-0.5 * 0.320821, abs=1e-6)  # dL/dmargin = -sigmoid(-0.75), times beta
+    same = T.dpo_loss(torch.tensor([-3.0, -7.0]), torch.tensor([-5.0, -1.0]), torch.tensor([-3.0, -7.0]),
+                      torch.tensor([-5.0, -1.0]), 0.5)[0]  # fmt: skip
+    assert torch.allclose(same, torch.full((2,), math.log(2)))
+    sft = T.sft_nll(torch.tensor([-6.0, -4.0]), torch.tensor([3.0, 2.0]))
+    assert sft.item() == pytest.approx(2.0)  # token mean: 10 / 5
+    for eta, total in ((1, 2.386871), (0.5, 1.386871), (0.25, 0.886871)):  # L_ALL [Eq. 17]
+        assert eta * sft.item() + loss.item() == pytest.approx(total, abs=1e-6)
+
+
+@pytest.fixture(scope="module")
+def toy():
+    model, tokenizer = load_toy_lm("toy-lm:layers=1,hidden=32,heads=2,kv_heads=2,intermediate=64", world=WORLD)
+    T.add_format_tokens(model, tokenizer)
+    return model.eval(), tokenizer
+
+
+def test_format_tokens_are_single_tokens_and_decode_back(toy):
+    _, tokenizer = toy
+    for tag in (T.REF_OPEN, T.REF_CLOSE):
+        assert len(tokenizer(tag, add_special_tokens=False)["input_ids"]) == 1
+    text = tokenizer.decode(
+        tokenizer(T.step_header(1, ["voben"], "voben born"), add_special_tokens=False)["input_ids"]
+    )
+    assert T.parse_header(text) == (1, ["voben"], "voben born") and text.endswith(T.REF_OPEN)
+    assert tokenizer.unk_token_id not in tokenizer(T.FORMAT_WORDS, add_special_tokens=False)["input_ids"]
+
+
+def test_sequence_logps_sums_the_next_token_log_probs_on_the_mask(toy):
+    model, tokenizer = toy
+    ids = tokenizer("voben was born in 1967 . golul", add_special_tokens=False)["input_ids"]
+    mask = [0, 0, 1, 1, 0, 1, 1]
+    with torch.no_grad():
+        total, count = T.sequence_logps(model, [(ids, mask), (ids[:4], mask[:4])], tokenizer.pad_token_id, "cpu")
+        logp = torch.log_softmax(model(torch.tensor([ids])).logits[0].float(), -1)
+    manual = sum(logp[j - 1, ids[j]].item() for j in range(1, len(ids)) if mask[j])  # token j predicted at j - 1
+    assert total[0].item() == pytest.approx(manual, abs=1e-4) and count.tolist() == [4.0, 2.0]
+    assert total[1].item() == pytest.approx(
+        logp[1, ids[2]].item() + logp[2, ids[3]].item(), abs=1e-4
+    )  # padding ignored
+
+
+def test_sft_mask_is_zero_exactly_on_the_prompt_and_the_reference_blocks(toy):
+    _, tokenizer = toy
+    args = SimpleNamespace(augment_p=0.0, templates="compact")
+    ctx = [{"kind": "chunk", "title": "voben", "text": "voben was born in 1967 ."}]
+    segments = [(T.step_header(1, ["voben"], "voben born"), True), (T.reference_block(ctx), False),
+                ("Summary: voben birth year 1967\n", True), ("Final answer: 1967", True)]  # fmt: skip
+    ids, mask = T.sft_sequence(("what is the birth year of voben ?", segments), tokenizer, args, None, None)
+    n_prompt = len(T.encode_prompts(tokenizer, ["what is the birth year of voben ?"], "compact")[0])
+    open_at, close_at = (
+        ids.index(tokenizer.convert_tokens_to_ids(T.REF_OPEN)),
+        ids.index(tokenizer.convert_tokens_to_ids(T.REF_CLOSE)),
+    )
+    expected = (
+        [0] * n_prompt + [1] * (open_at + 1 - n_prompt) + [0] * (close_at - open_at) + [1] * (len(ids) - close_at - 1)
+    )
+    assert mask == expected and ids[-1] == tokenizer.eos_token_id and mask[-1] == 1
+    ctx2 = [{"kind": "chunk", "title": "golul", "text": "golul was born in 1921 . more words here ."}]
+    _, mask2 = T.sft_sequence(("what is the birth year of voben ?", [segments[0], (T.reference_block(ctx2), False), *segments[2:]]),
+                              tokenizer, args, None, None)  # fmt: skip
+    assert sum(mask2) == sum(mask)  # other evidence: the same trained tokens
+
+
+# --------------------------------------------------------------------------- parsing and the format check [spec §8.11]
+GOOD = ("Step 1:\nImportant entity: A\nSubquery: who is A ?\n<Reference>\nEvidence 1: Triplet: A r B\n</Reference>\n"
+        "Summary: A r B.\nStep 2:\nImportant entity: B; C\nSubquery: B and C ?\n<Reference>\nEvidence 1: x\n</Reference>\n"
+        "Summary: so D.\nFinal answer: D")  # fmt: skip
+
+
+def test_parse_path_of_a_valid_path():
+    parsed = T.parse_path(GOOD)
+    assert parsed["format_ok"] and parsed["answer"] == "D"
+    assert parsed["steps"] == [{"entities": ["A"], "subquery": "who is A ?", "summary": "A r B."},
+                               {"entities": ["B", "C"], "subquery": "B and C ?", "summary": "so D."}]  # fmt: skip
+    toy_text = GOOD.lower().replace(":", " : ").replace("\n", " ").replace("<reference>", "<Reference>")
+    assert T.parse_path(toy_text.replace("</reference>", "</Reference>"))["format_ok"]  # word-level decoding
+
+
+@pytest.mark.parametrize("broken", [
+    GOOD.replace("Summary: A r B.\n", ""),  # a missing summary
+    GOOD.replace("Step 2:", "Step 3:"),  # non-consecutive step numbers
+    GOOD + "\nStep 3: more",  # text after the final answer
+    GOOD + "\nFinal answer: E",  # two final answers
+    GOOD.replace("Final answer: D", "Final answer: "),  # an empty final answer
+    GOOD.replace("Important entity: A", "Important entity: "),  # no entity
+    "Final answer: D",  # no step
+    "Some words. " + GOOD,  # text before the first step
+    GOOD.replace("Summary: so D.\n", "Summary: so D.\n</Reference>"),  # a stray tag
+    GOOD.rsplit("Summary: so D.", 1)[0],  # no final answer
+])  # fmt: skip
+def test_format_check_rejects_malformed_paths(broken):
+    assert not T.parse_path(broken)["format_ok"]
+
+
+def test_parse_header_reads_the_last_header_and_refuses_garbage():
+    assert T.parse_header("Summary: x. Step 2: Important entity: a ;b Subquery: a b? <Reference>") == (
+        2,
+        ["a", "b"],
+        "a b?",
+    )
+    assert T.parse_header("Step 1: Subquery: a <Reference>") is None
+    assert T.parse_header("no header at all") is None
+
+
+# --------------------------------------------------------------------------- the agent loop with a scripted LLM
+class ScriptedSystem:
+    """Stands in for the retrieval system: k_f fixed items per call, every call recorded."""
+
+    def __init__(self):
+        self.calls = []
+
+    def retrieve(self, subqueries, entity_lists):
+        self.calls.append((subqueries, entity_lists))
+        return [[{"kind": "triplet", "id": n, "doc_id": "0", "head": "a", "relation": "r", "tail": f"t{n}"} for n in range(5)]
+                for _ in subqueries]  # fmt: skip
+
+
+def scripted_generate(tokenizer, script, calls):
+    """A generate() that continues each path with the next text of its script (one script per question)."""
+
+    def fake(model, tok, prompts, max_new_tokens, seed=None, **kw):
+        calls.append(len(prompts))
+        texts, ids = [], []
+        for prompt in prompts:
+            n_turns = tok.decode(prompt).count("Reference>") // 2 + ("final answer" in tok.decode(prompt).lower())
+            text = script(tok.decode(prompt), n_turns)
+            texts.append(text)
+            ids.append(
+                tok(text, add_special_tokens=False)["input_ids"]
+                + ([] if text.endswith(T.REF_OPEN) else [tok.eos_token_id])
+            )
+        return Generation(texts, ids, prompts, [True] * len(prompts))
+
+    return fake
+
+
+def loop_args(**kw):
+    return SimpleNamespace(templates="compact", max_steps=5, max_new_tokens=40, temperature=1.0, **kw)
+
+
+def test_rollout_retrieves_once_per_step_masks_the_evidence_and_stops_at_the_answer(toy, monkeypatch):
+    model, tokenizer = toy
+    script = ["Step 1: Important entity: voben Subquery: voben born <Reference>",
+              "Summary: voben birth year 1967 . Step 2: Important entity: golul Subquery: golul born <Reference>",
+              "Summary: golul birth year 1965 . Final answer: no"]  # fmt: skip
+    calls = []
+    monkeypatch.setattr(T, "generate", scripted_generate(tokenizer, lambda prompt, n: script[n], calls))
+    system = ScriptedSystem()
+    rows = [{"question": "was voben born before golul ?", "golden_answers": ["no"]}]
+    paths = T.rollout(model, tokenizer, system, rows, loop_args(), n_samples=3, greedy=False)
+    assert calls == [3, 3, 3]  # one batched generate per step for the 3 paths
+    assert [c[0] for c in system.calls] == [["voben born"] * 3, ["golul born"] * 3]  # one retrieval per <Reference>
+    assert system.calls[0][1] == [["voben"]] * 3
+    p = paths[0]
+    assert p.format_ok and p.answer == "no" and len(p.contexts) == 2 and p.text.count("Evidence 5:") == 2
+    blocks = [tokenizer(T.reference_block(c), add_special_tokens=False)["input_ids"] for c in p.contexts]
+    assert p.retrieved == sum(map(len, blocks)) and len(p.mask) == len(p.ids)
+    assert sum(p.mask) == len(p.ids) - p.retrieved  # loss_mask: 1 exactly on the generated tokens
+    start = p.ids.index(tokenizer.convert_tokens_to_ids(T.REF_OPEN)) + 1
+    assert p.mask[start : start + len(blocks[0])] == [0] * len(blocks[0]) and p.mask[start - 1] == 1
+    assert p.ids[start : start + len(blocks[0])] == blocks[0] and p.ids[-1] == tokenizer.eos_token_id
+
+
+def test_rollout_never_retrieves_a_sixth_time_and_forces_the_answer(toy, monkeypatch):
+    model, tokenizer = toy
+
+    def script(prompt, n):
+        if n == 6:
+            return "1967"
+        return (
+            "Summary: more . " if n else ""
+        ) + f"Step {n + 1}: Important entity: voben Subquery: voben born <Reference>"
+
+    calls = []
+    monkeypatch.setattr(T, "generate", scripted_generate(tokenizer, script, calls))
+    system = ScriptedSystem()
+    p = T.rollout(model, tokenizer, system, [{"question": "what is the birth year of voben ?", "golden_answers": ["1967"]}],
+                  loop_args(), greedy=True)[0]  # fmt: skip
+    assert len(system.calls) == 5 and len(p.contexts) == 5
+    assert p.answer == "1967" and not p.format_ok and p.forced
+    assert "step 6" not in p.text.lower() and p.text.rstrip().endswith("1967")
+    forced = tokenizer("\nFinal answer:", add_special_tokens=False)["input_ids"]
+    assert p.mask[-len(forced) - 2 : -2] == [0] * len(forced)  # written by the environment
+
+
+def test_rollout_ends_a_path_whose_header_does_not_parse(toy, monkeypatch):
+    model, tokenizer = toy
+    monkeypatch.setattr(T, "generate", scripted_generate(tokenizer, lambda prompt, n: "Subquery: x <Reference>", []))
+    system = ScriptedSystem()
+    p = T.rollout(model, tokenizer, system, [{"question": "q ?", "golden_answers": ["a"]}], loop_args())[0]
+    assert system.calls == [] and not p.format_ok and p.done
+
+
+# --------------------------------------------------------------------------- the retrieval system on the toy world
+@pytest.fixture(scope="module")
+def system():
+    (args,) = T.HfArgumentParser(T.Args).parse_args_into_dataclasses(args=[])
+    return T.RetrievalSystem(T.apply_preset(args))
+
+
+def test_retrieval_invariants_on_the_toy_world(system, monkeypatch):
+    queries = []
+    search = system.entities.search
+    monkeypatch.setattr(system.entities, "search", lambda qs, k: queries.extend(qs) or search(qs, k))
+    (ctx,) = system.retrieve(["dites born"], [["dites"]])
+    assert queries == ["Key entity: dites. Query: dites born."]  # [§4.2.3] verbatim
+    assert len(ctx) == 5 and {it["kind"] for it in ctx} == {"chunk", "triplet"}
+    assert ctx[0]["kind"] == "chunk" and ctx[0]["title"] == "dites"  # the gold passage, its triplets next
+    assert any(it["kind"] == "triplet" and it["head"] == "dites" and it["tail"] == "makux" for it in ctx)
+    for mode, n in (("semantic", 5), ("graph", 5), ("concat", 10)):
+        monkeypatch.setattr(system.args, "retrieval", mode)
+        (ctx,) = system.retrieve(["dites born"], [["dites"]])
+        assert len(ctx) == n and (mode != "semantic" or {it["kind"] for it in ctx} == {"chunk"})
+
+
+def test_lexical_reranker_logit_is_8_f1_minus_4_of_idf_weighted_content_words(system):
+    pairs = [("dites born", "dites was born in makux ."), ("dites born", "dites was born in makux . dites was born in 1952 ."),
+             ("dites born", "sokor is a city in lolas ."), ("", "anything"), ("who is dites", "dites")]  # fmt: skip
+    logits = system.rerank(pairs)
+    idf = system.rerank.idf
+    d, b, m = idf["dites"], idf["born"], idf["makux"]
+    assert logits[0] == pytest.approx(8 * 2 * (d + b) / (2 * (d + b) + m) - 4)  # stopwords (was, in) ignored
+    assert logits[1] < logits[0] and logits[2] == logits[3] == -4.0 and logits[4] == pytest.approx(4.0)
+    assert T.sigmoid(logits).min() > 0.017 and T.sigmoid(logits).max() < 0.983
+
+
+def item_ends(item):
+    return (item["head"], item["tail"])
+
+
+def test_sft_paths_follow_the_decomposition(system):
+    """(1)-(5) of §4.3.1; with the toy preset's 3 retrieved distractors per context (spec §9.26)."""
+    rows = [json.loads(line) for line in (WORLD / "train.jsonl").open()][:40]
+    row = next(r for r in rows if r["metadata"]["type"] == "two_hop" and r["metadata"]["answerable"])
+    steps = T.sft_steps(row, system, __import__("random").Random(0))
+    m = row["metadata"]
+    assert [s["subquery"] for s in steps] == m["sub_queries"] and [s["answer"] for s in steps] == m["sub_answers"]
+    assert steps[0]["entities"] == [m["entities"][0]] and steps[1]["entities"] == [m["entities"][1]]
+    for s, doc, answer in zip(steps, m["supporting_doc_ids"], m["sub_answers"]):
+        gold = [
+            it for it in s["context"] if it["doc_id"] == doc and (it["kind"] == "chunk" or answer in item_ends(it))
+        ]
+        assert [it["kind"] for it in gold].count("chunk") == 1 and len(gold) >= 2  # the passage and its triplet(s)
+        assert len(s["context"]) - len(gold) <= 3 and len({(it["kind"], it["id"]) for it in s["context"]}) == len(
+            s["context"]
+        )
+        assert s["summary"].endswith(f"{answer}.") and all(
+            f"{T.item_text(t)}" in s["summary"] for t in gold if t["kind"] == "triplet"
+        )
+    examples = T.sft_examples([row], system, SimpleNamespace(sft_single_steps=True), __import__("random").Random(0))
+    assert [e[0] for e in examples] == [row["question"], *m["sub_queries"]]  # the path, then each step as 1-hop
+
+
+# --------------------------------------------------------------------------- the CLI end to end (tier 1)
+TINY = ["--n_dpo", "6", "--n_rollouts", "2", "--n_eval", "12", "--rounds", "1", "--eta", "1", "--dpo_epochs", "1",
+        "--rollout_batch", "6", "--max_new_tokens", "32"]  # fmt: skip
+
+
+def run(*argv, cwd=ROOT):
+    return subprocess.run(
+        [sys.executable, str(ROOT / "tearag.py"), *argv], cwd=cwd, capture_output=True, text=True, check=False
+    )
+
+
+def test_train_on_a_fresh_world_then_eval_and_ask(tmp_path):
+    """--train on a world written by python -m common.toy --seed 3: the SFT model writes well-formed paths, the raw
+    start does not; the contract, the table, the checkpoint; then --eval (a Table 7 variant) and --ask on it."""
+    world = tmp_path / "world3"
+    subprocess.run(
+        [sys.executable, "-m", "common.toy", "--seed", "3", "--out", str(world)],
+        cwd=ROOT,
+        check=True,
+        capture_output=True,
+    )
+    out = tmp_path / "run"
+    result = run("--train", "--data_dir", str(world), "--output_dir", str(out), "--sft_steps", "150", *TINY)
+    assert result.returncode == 0, result.stderr[-3000:]
+    results = check_contract(out, result.stdout)
+    assert results["method"] == "tearag" and results["train_steps"]["sft"] == 150 and results["dataset"] == str(world)
+    assert results["before"]["format"] > results["before_sft"]["format"] and results["before"]["retrievals"] > 0
+    assert "| after SFT |" in result.stdout and f"checkpoint: {out / 'dpo'}" in result.stdout
+    assert (out / "dpo" / "run_state.json").is_file() and (out / "predictions_dpo.jsonl").is_file()
+    rounds = [json.loads(line) for line in (out / "metrics.jsonl").open() if '"round"' in line]
+    assert rounds and "rollout/steps" in rounds[0] and "pairs" in rounds[0]
+    ev = run(
+        "--eval", "--model", str(out / "dpo"), "--n_eval", "4", "--max_new_tokens", "24", "--retrieval", "semantic"
+    )
+    assert ev.returncode == 0, ev.stderr[-3000:]
+    assert check_contract(out / "dpo" / "eval", ev.stdout)["n_eval"] == 4  # the checkpoint remembers its world
+    question = json.loads((world / "test.jsonl").open().readline())["question"]
+    ask = run("--ask", question, "--model", str(out / "dpo"), "--max_new_tokens", "24")
+    assert ask.returncode == 0 and "answer:" in ask.stdout and "warning" not in ask.stdout, ask.stderr[-3000:]
+
+
+def test_eval_on_a_flashrag_folder_without_metadata(tmp_path):
+    data = tmp_path / "flat"
+    data.mkdir()
+    for name in ("corpus.jsonl", "triples.jsonl"):
+        (data / name).write_text((WORLD / name).read_text())
+    rows = [json.loads(line) for line in (WORLD / "test.jsonl").open()][:3]
+    (data / "test.jsonl").write_text(
+        "".join(json.dumps({k: r[k] for k in ("id", "question", "golden_answers")}) + "\n" for r in rows)
+    )
+    out = tmp_path / "ev"
+    result = run(
+        "--eval", "--model", "toy-lm", "--data_dir", str(data), "--output_dir", str(out), "--max_new_tokens", "8"
+    )
+    # toy-lm takes its vocabulary from a toy world: a folder without one is a one-line user error
+    assert result.returncode == 2 and result.stderr.strip().count("\n") == 0 and "world" in result.stderr
+    ckpt = tmp_path / "ckpt"
+    model, tokenizer = load_toy_lm("toy-lm:layers=1,hidden=32,heads=2,kv_heads=2,intermediate=64", world=WORLD)
+    T.add_format_tokens(model, tokenizer)
+    model.save_pretrained(ckpt)
+    tokenizer.save_pretrained(ckpt)
+    result = run(
+        "--eval", "--model", str(ckpt), "--data_dir", str(data), "--output_dir", str(out), "--max_new_tokens", "8"
+    )
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert check_contract(out, result.stdout)["n_eval"] == 3
+
+
+@pytest.mark.parametrize("argv,needle", [(["--train", "--eta", "1,2"], "--eta needs 3"),
+                                         (["--eval", "--triples", "/nonexistent.jsonl"], "/nonexistent.jsonl"),
+                                         (["--train", "--preset", "nope"], "--preset")])  # fmt: skip
+def test_user_errors_end_in_one_line(tmp_path, argv, needle):
+    result = run(*argv, "--output_dir", str(tmp_path / "x"))
+    assert result.returncode == 2 and needle in result.stderr and len(result.stderr.strip().splitlines()) == 1
