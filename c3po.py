@@ -22,7 +22,7 @@ Deviations from the paper (each marked `# simplification: ... (header N)` where 
 7. --teacher llm plays the proxy roles zero-shot (the authors' pipeline adds 2 few-shot examples per prompt).
 8. With --teacher llm a forced prefix (`[Retrieval]`) ends the user message instead of starting the reply.
 9. RL starts from the final SFT model (the paper: the model after one of the three SFT epochs).
-10. Advantages are whitened over the rollout, one PPO epoch (OpenRLHF defaults; the paper is silent).
+10. Advantages are whitened over the rollout (OpenRLHF; the paper is silent); toy preset: 2 PPO epochs (OpenRLHF 1).
 11. The value loss clips around the old values (OpenRLHF, 0.2) where Eq. 10 prints the MSE (--value_clip 0: Eq. 10).
 12. The policy loss is a token mean over the minibatch (OpenRLHF) where Eq. 9 sums over each sequence's tokens.
 13. The value head is zero-initialised (the paper does not say how).
@@ -119,7 +119,7 @@ class Args:
     ppo_iterations: int | None = arg(None, "PPO updates (chosen on validation; impl ~150)")
     rollout_batch: int | None = arg(None, "questions (trees) per PPO update")
     ppo_batch_size: int | None = arg(None, "agent-node samples per minibatch [Tab. 7: 1024]")
-    ppo_epochs: int = arg(1, "epochs over each rollout (OpenRLHF: 1)")
+    ppo_epochs: int | None = arg(None, "epochs over each rollout (OpenRLHF: 1)")
     policy_lr: float | None = arg(None, "policy learning rate [Tab. 7: 5e-7]")
     value_lr: float | None = arg(None, "value model learning rate [Tab. 7: 5e-6]")
     kl_coef: float = arg(0.005, "KL coefficient beta, a per-token penalty in the reward [Tab. 7: 0.005]")
@@ -153,7 +153,8 @@ PRESETS = {  # field: (toy, paper), for the fields left at None; any flag overri
     "micro_batch_size": (8, 4),
     "augment_p": (1.0, 0.0),  # simplification: toy renaming (header 3)
     "rl_augment_p": (1.0, 0.0),
-    "ppo_iterations": (10, 150),  # impl
+    "ppo_iterations": (20, 150),  # impl
+    "ppo_epochs": (2, 1),  # simplification: header 10
     "rollout_batch": (32, 64),
     "ppo_batch_size": (32, 1024),  # [Tab. 7]
     "forced_weight": (0.1, 1.0),  # simplification: header 4

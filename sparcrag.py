@@ -1,5 +1,6 @@
-# Paper: SPARC-RAG: Adaptive Sequential–Parallel Scaling with Context Management for Retrieval-Augmented Generation (anonymous ACL submission, no arXiv id) — docs: docs/sparcrag.md
-"""SPARC-RAG: depth (rounds) and width (branches) of RAG scaled around one shared note; DPO on process-level preferences.
+# Paper: SPARC-RAG: Adaptive Sequential–Parallel Scaling with Context Management for Retrieval-Augmented
+# Generation (anonymous ACL submission, no arXiv id; section and equation tags cite it). Docs: docs/sparcrag.md
+"""SPARC-RAG: depth (rounds) and width (branches) of RAG scaled around one shared note; DPO on process preferences.
 
 One backbone plays every agent [§3.2, App. D]. Each round of Algorithm 1, the Query Rewriter writes W complementary
 sub-queries in one call, each naming its retriever (bm25 or dense); each opens an isolated branch that retrieves,
@@ -18,15 +19,19 @@ a wrong stop weighted lambda = 2), trained by weighted DPO with LoRA against the
     accelerate launch sparcrag.py --train --preset paper --data_dir DATA --bm25_index IDX1 --dense_index IDX2
 
 Deviations from the paper (each marked `# simplification:` where it lives):
-1. Toy world: the trained roles (Query Rewriter, Answer Evaluator) are a tiny toy-lm; the Context Manager and the Answer Generator are the toy reader (`--llm toy`, its note and answer modes), not the same backbone.
-2. Toy world: the untuned start is a warm-up SFT on an oracle teacher's traces (the raw toy-lm writes nothing valid), a teacher that over-accepts wrong answers and writes near-duplicate rewrites, as §5.2 and Fig. 7 describe base models.
-3. Toy world: warm-up SFT examples and DPO pairs get the toy world's consistent entity renaming (a tiny model learns to copy names only then).
-4. Toy preset: greedy rewrites (paper: T 0.5), top-3 passages (paper: 6), depth 4 untuned and tuned (paper: 6 fixed, cap 8; Tab. 3's caption: 6), compact templates with single-token tags, DPO lr 1e-4 (paper: 5e-5).
+1. Toy world: the trained roles (Query Rewriter, Answer Evaluator) are a tiny toy-lm; the Context Manager and the
+   Answer Generator are the toy reader (`--llm toy`, its note and answer modes), not the same backbone.
+2. Toy world: the untuned start is a warm-up SFT on an oracle teacher's traces (the raw toy-lm writes nothing valid),
+   a teacher that over-accepts wrong answers and writes near-duplicate rewrites (base models in §5.2 and Fig. 7).
+3. Toy world: warm-up SFT examples and DPO pairs are entity-renamed (a tiny model learns to copy names only then).
+4. Toy preset: greedy rewrites (paper: T 0.5), top-3 passages (paper: 6), depth 4 untuned and tuned (paper: 6 fixed,
+   cap 8; Tab. 3's caption: 6), compact templates with single-token tags, DPO lr 1e-4 (paper: 5e-5).
 5. The Answer Evaluator's prompt is the spec's proposal (§4.6): the paper prints none.
-6. DPO's reference is the adapter-disabled model (TRL's sigmoid DPO); the paper's literal reference-free loss is --reference_free.
-7. Paper preset: BM25 and E5 over wiki-18 (the paper: Elasticsearch BM25 and BGE-large-en-v1.5 over IRCoT and DPR corpora).
-8. Cost: every role's tokens (toy reader included) in the trained model's tokenizer; latency is batched wall time; the rewrite-group overlap (App. B.2) uses the branches' own retrieved sets.
-9. Correctness labels (evaluator pairs, incorrect acceptance) use EM in the toy preset: FlashRAG's acc finds "no" in "unknown".
+6. DPO's reference is the adapter-disabled model (TRL's sigmoid DPO); the paper's printed loss: --reference_free.
+7. Paper preset: BM25 and E5 over wiki-18 (the paper: Elasticsearch BM25, BGE-large-en-v1.5, IRCoT and DPR corpora).
+8. Cost: every role's tokens (toy reader included) in the trained model's tokenizer; latency is batched wall time;
+   the rewrite-group overlap (App. B.2) uses the branches' own retrieved sets.
+9. Toy preset: EM labels correctness (evaluator pairs, incorrect acceptance): FlashRAG's acc finds "no" in "unknown".
 """
 
 import random
@@ -42,24 +47,15 @@ from accelerate import PartialState
 from accelerate.utils import gather_object
 from tokenizers import AddedToken
 from tqdm import tqdm
-from transformers import HfArgumentParser, set_seed
+from transformers import set_seed
 
+from common import runs
 from common.data import load_split, sample_rows, write_jsonl
 from common.llm import add_lora, chat_prompts, generate, right_pad, unknown_words
-from common.metrics import exact_match, f1_score, normalize_answer, sub_exact_match
+from common.metrics import answer_scores, exact_match, f1_score, normalize_answer, sub_exact_match
 from common.models import load_model_and_tokenizer, make_llm
 from common.retrieval import open_retriever
-from common.runs import (
-    append_metrics,
-    load_state,
-    make_accelerator,
-    refuse_training_results,
-    run_main,
-    save_checkpoint,
-    start_run,
-    write_results,
-)
-from common.toy import load_world, rename_entities  # toy renaming (header item 3)
+from common.toy import rename_entities, world_or_none  # toy renaming (header item 3)
 
 
 @dataclass
@@ -81,13 +77,7 @@ class Args:
     dense_index: str = field(default="", metadata={"help": "saved dense retriever folder [App. A.2: BGE-large]"})
     encoder: str | None = field(default=None, metadata={"help": "dense encoder when --dense_index is empty"})
     model: str | None = field(default=None, metadata={"help": "the backbone [§4.2: Qwen2.5-7B-Instruct]"})
-    llm: str | None = field(
-        default=None,
-        metadata={
-            "help": "Context Manager and Answer Generator: policy (the "
-            "same backbone, §4.2), toy, hf:<name>, http(s)://.../v1"
-        },
-    )
+    llm: str | None = field(default=None, metadata={"help": "untrained roles: policy [§4.2], toy, hf:<name> or a URL"})
     llm_model: str = field(default="", metadata={"help": "served model name when --llm is an endpoint URL"})
     templates: str | None = field(default=None, metadata={"help": "paper (App. D verbatim) or compact"})
     n_train: int | None = field(default=None, metadata={"help": "training questions (None: all)"})
@@ -138,62 +128,37 @@ class Args:
     naive_n: int = field(default=3, metadata={"help": "answers (parallel) or attempts (sequential) [App. A.5: D=3]"})
 
 
-PRESETS = {  # values for the fields left at None; any flag overrides them
-    # simplification: the toy preset (header items 1-4, 9)
-    "toy": {
-        "data_dir": "data/toy",
-        "encoder": "tfidf",
-        "model": "toy-lm",
-        "llm": "toy",
-        "templates": "compact",
-        "n_train": 400,
-        "depth": 4,
-        "untuned_depth": 4,
-        "top_k": 3,
-        "temperature": 0.0,
-        "max_new_tokens": 64,
-        "evaluator_max_tokens": 8,
-        "format_tokens": True,
-        "correct_by": "em",
-        "dpo_lr": 1e-4,
-        "micro_batch_size": 16,
-        "warmup": "teacher",
-        "sft_steps": 800,
-        "augment_p": 1.0,
-        "dpo_augment_p": 1.0,
-    },
-    "paper": {  # simplification: BM25 and E5 over wiki-18 (header item 7)
-        "data_dir": "data/sparcrag",
-        "encoder": "intfloat/e5-base-v2",
-        "model": "Qwen/Qwen2.5-7B-Instruct",
-        "llm": "policy",
-        "templates": "paper",
-        "n_train": None,
-        "depth": 8,
-        "untuned_depth": 6,
-        "top_k": 6,
-        "temperature": 0.5,
-        "max_new_tokens": 600,
-        "evaluator_max_tokens": 600,
-        "format_tokens": False,
-        "correct_by": "acc",
-        "dpo_lr": 5e-5,
-        "micro_batch_size": 1,
-        "warmup": "none",
-        "sft_steps": 0,
-        "augment_p": 0.0,
-        "dpo_augment_p": 0.0,
-    },
+PRESETS = {  # field: (toy, paper), for the fields left at None; any flag overrides them
+    "data_dir": ("data/toy", "data/sparcrag"),
+    "encoder": ("tfidf", "intfloat/e5-base-v2"),  # simplification: E5 over wiki-18 (header item 7)
+    "model": ("toy-lm", "Qwen/Qwen2.5-7B-Instruct"),  # [§4.2]; simplification: a tiny toy-lm (header item 1)
+    "llm": ("toy", "policy"),  # [§4.2]; simplification: the toy reader (header item 1)
+    "templates": ("compact", "paper"),  # simplification: header item 4
+    "n_train": (400, None),
+    "depth": (4, 8),  # [§4.5]; simplification: header item 4
+    "untuned_depth": (4, 6),  # [§4.5]
+    "top_k": (3, 6),  # [App. A.3]
+    "temperature": (0.0, 0.5),  # [App. A.4]
+    "max_new_tokens": (64, 600),  # [App. A.4]
+    "evaluator_max_tokens": (8, 600),  # [App. A.4]
+    "format_tokens": (True, False),  # simplification: single-token tags (header item 4)
+    "correct_by": ("em", "acc"),  # simplification: header item 9
+    "dpo_lr": (1e-4, 5e-5),  # [App. A.4]; simplification: header item 4
+    "micro_batch_size": (16, 1),
+    "warmup": ("teacher", "none"),  # simplification: the toy's warm-up (header item 2)
+    "sft_steps": (800, 0),
+    "augment_p": (1.0, 0.0),  # simplification: toy renaming (header item 3)
+    "dpo_augment_p": (1.0, 0.0),
 }
 
 
 def apply_preset(args):
-    """Fill the fields left at None from the preset and check the choices."""
-    if args.preset not in PRESETS:
-        raise SystemExit(f"--preset must be one of {sorted(PRESETS)}, got {args.preset!r}")
-    for key, value in PRESETS[args.preset].items():
+    """Fill the fields left at None from the preset's column and check the choices."""
+    if args.preset not in ("toy", "paper"):
+        raise SystemExit(f"--preset must be one of ['paper', 'toy'], got {args.preset!r}")
+    for key, values in PRESETS.items():
         if getattr(args, key) is None:
-            setattr(args, key, value)
+            setattr(args, key, values[args.preset == "paper"])
     args.corpus = args.corpus or str(Path(args.data_dir) / "corpus.jsonl")
     if args.llm == "toy":  # the toy reader of the world being trained on
         args.llm = f"toy:{args.data_dir}"
@@ -211,9 +176,12 @@ def apply_preset(args):
 
 # --------------------------------------------------------------------------- 1. prompts [App. D; spec §4]
 CONTEXT_MANAGER_PROMPT = """\
-Act as the context manager for a Retrieval-Augmented Generation (RAG) system. Your job is to maintain a single, up-to-date note that contains all the information relevant to answering the original query. Please ensure that the note includes all original text information useful for answering the question.
+Act as the context manager for a Retrieval-Augmented Generation (RAG) system. Your job is to maintain a single, \
+up-to-date note that contains all the information relevant to answering the original query. Please ensure that the \
+note includes all original text information useful for answering the question.
 Steps:
-- Based on the retrieved documents, supplement the notes with content not yet included but useful for answering the question.
+- Based on the retrieved documents, supplement the notes with content not yet included but useful for answering the \
+question.
 - Resolve conflicts: if statements disagree, keep the most reliable or recent version.
 End your response with the literal tag [END].
 Original query: {query}
@@ -232,7 +200,9 @@ Question: {query}
 Answer:"""
 
 REWRITE_PROMPT = """\
-You are an intelligent assistant in a Retrieval-Augmented Generation (RAG) system. Your goal is to (a) diagnose retrieval needs for the current question and (b) produce exactly {N} rewritten queries, each paired with the most suitable retrieval strategy for that specific rewrite.
+You are an intelligent assistant in a Retrieval-Augmented Generation (RAG) system. Your goal is to (a) diagnose \
+retrieval needs for the current question and (b) produce exactly {N} rewritten queries, each paired with the most \
+suitable retrieval strategy for that specific rewrite.
 Information:
 - Original Query: {query}
 - Current Query: {current_query}
@@ -241,7 +211,8 @@ Available Retrieval Strategies:
 - bm25 (sparse / lexical): Prioritizes exact token and phrase matches.
 - dense (semantic / vector similarity): Matches by meaning despite paraphrases.
 Instructions:
-1. Use the context to reflect on what is missing to answer the query. Think about both the big picture and the small atomic facts that might need verification.
+1. Use the context to reflect on what is missing to answer the query. Think about both the big picture and the small \
+atomic facts that might need verification.
 2. Generate exactly {N} rewritten queries.
  - Do not just paraphrase – each query should explore a different angle, granularity, or fact.
  - Avoid near-duplicates.
@@ -273,18 +244,24 @@ ANSWER_SELECTION_PROMPT = """\
 Question: {question}
 All Generated Answers:
 {answer_blocks}
-Based on all the answers and reasoning provided, select the best answer. Consider accuracy and relevance to the question. Give the final answer directly. Then, provide a direct, concise, and accurate answer inside <answer> </answer> tags. End your response with the literal tag [END].
+Based on all the answers and reasoning provided, select the best answer. Consider accuracy and relevance to the \
+question. Give the final answer directly. Then, provide a direct, concise, and accurate answer inside \
+<answer> </answer> tags. End your response with the literal tag [END].
 Final answer:"""
 
 CONTEXT_MERGING_PROMPT = """\
-You are an expert at combining contexts in a Retrieval Augmented Generation system for answering question {question}. Here are several notes: {reasoning_list}.
-Combine the above notes into a single note that includes all information and is useful for final answer generation. Please ensure that the note includes all original text information useful for answering the question. End your response with the literal tag [END].
+You are an expert at combining contexts in a Retrieval Augmented Generation system for answering question {question}. \
+Here are several notes: {reasoning_list}.
+Combine the above notes into a single note that includes all information and is useful for final answer generation. \
+Please ensure that the note includes all original text information useful for answering the question. End your \
+response with the literal tag [END].
 Your response:"""
 
-# simplification: ours (spec §4.6, header item 5): the paper describes the Answer Evaluator (inputs q0, q_t, a_t, m_t; STOP or CONTINUE on
-# correctness and grounding) but prints no prompt (header item 5)
+# simplification: ours (spec §4.6, header item 5): the paper describes the Answer Evaluator (inputs q0, q_t, a_t,
+# m_t; STOP or CONTINUE on correctness and grounding) but prints no prompt
 EVALUATOR_PROMPT = """\
-You are the answer evaluator in a Retrieval-Augmented Generation (RAG) system. Decide whether the candidate answer can be accepted as the final answer (STOP) or whether more retrieval and reasoning are needed (CONTINUE).
+You are the answer evaluator in a Retrieval-Augmented Generation (RAG) system. Decide whether the candidate answer \
+can be accepted as the final answer (STOP) or whether more retrieval and reasoning are needed (CONTINUE).
 Accept only if both conditions hold:
 1. Correctness: the candidate answer directly and completely answers the original query, not only the current query.
 2. Grounding: the facts needed to support the candidate answer are explicitly stated in the note.
@@ -293,7 +270,8 @@ Original query: {query}
 Current query: {current_query}
 Note: {note}
 Candidate answer: {answer}
-Give a one-sentence justification, then output your decision as <decision>STOP</decision> or <decision>CONTINUE</decision>. End your response with the literal tag [END].
+Give a one-sentence justification, then output your decision as <decision>STOP</decision> or \
+<decision>CONTINUE</decision>. End your response with the literal tag [END].
 Evaluation:"""
 
 # ours (spec §9.34): the self-evaluation of the Sequential (Naive) baseline [App. A.5], which the paper does not print
@@ -302,7 +280,8 @@ The following are given documents:
 {note}
 Question: {query}
 Answer: {answer}
-How likely is the answer to be correct? Output only a confidence score between 0 and 1. End your response with the literal tag [END].
+How likely is the answer to be correct? Output only a confidence score between 0 and 1. End your response with the \
+literal tag [END].
 Confidence:"""
 
 TEMPLATES = {
@@ -319,9 +298,10 @@ TEMPLATES = {
     "compact": {
         "update": "keep what answers the query , end with [END] . original query : {query} old note : {note} "
         "new information : {new_context} updated note :",
-        "answer": "answer the question based on the notes , end with [END] . notes : {note} question : {query} answer :",
-        "rewrite": "write {N} queries , each with a strategy bm25 or dense , end with [END] . original query : {query} "
-        "current query : {current_query} context : {context} output :",
+        "answer": "answer the question based on the notes , end with [END] . notes : {note} question : {query} "
+        "answer :",
+        "rewrite": "write {N} queries , each with a strategy bm25 or dense , end with [END] . original query : "
+        "{query} current query : {current_query} context : {context} output :",
         "select": "question : {question} answers : {answer_blocks} select the best answer in <answer> </answer> , "
         "end with [END] . final answer :",
         "merge": "combine the notes into a single note for {question} , end with [END] . notes : {reasoning_list} "
@@ -777,7 +757,7 @@ def warmup_examples(rows, policy, tokenizer, llm, retrievers, args):
 
 
 def sft(accelerator, model, tokenizer, examples, args, world):
-    """Cross-entropy on the output, [END] and EOS (loss_mask 1); AdamW, warm-up, linear decay; toy renaming."""
+    """Cross-entropy on the output, [END] and EOS (runs.sft_step); AdamW, warm-up, linear decay; toy renaming."""
     rng, warm = random.Random(args.seed), max(1, args.sft_steps // 20)
     optimizer = torch.optim.AdamW(model.parameters(), lr=args.sft_lr, betas=(0.9, 0.98), weight_decay=0.0)
     schedule = lambda s: min((s + 1) / warm, 1 - 0.9 * s / args.sft_steps)  # warm-up, then linear decay to 0.1
@@ -793,20 +773,14 @@ def sft(accelerator, model, tokenizer, examples, args, world):
         texts = [rename(x) if world and rng.random() < args.augment_p else x for x in texts]
         seqs = [encode(tokenizer, *x) for x in texts]
         ids, mask, attention = batch_tensors(seqs, tokenizer.pad_token_id, accelerator.device)
-        logits = model(input_ids=ids, attention_mask=attention).logits[:, :-1].float()  # (B, T-1, V)
-        nll = F.cross_entropy(logits.flatten(0, 1), ids[:, 1:].flatten(), reduction="none").view_as(mask[:, 1:])
-        loss = (nll * mask[:, 1:]).sum() / mask[:, 1:].sum()  # (B, T-1) -> the mean over output tokens
-        optimizer.zero_grad()
-        accelerator.backward(loss)
-        accelerator.clip_grad_norm_(model.parameters(), 1.0)
-        optimizer.step()
-        scheduler.step()
+        labels = ids.masked_fill(mask == 0, -100)  # (B, T): the loss on the output, [END] and EOS only
+        loss = runs.sft_step(accelerator, model, optimizer, scheduler, ids, labels, attention, len(ids))
         if step % 100 == 0 or step + 1 == args.sft_steps:
-            accelerator.print(f"sft step {step + 1}/{args.sft_steps} | loss={loss.item():.4f}")
+            accelerator.print(f"sft step {step + 1}/{args.sft_steps} | loss={loss:.4f}")
     return accelerator.unwrap_model(model)
 
 
-# --------------------------------------------------------------------------- 10. weighted DPO with LoRA [§3.4, App. A.4]
+# ------------------------------------------------------------------------- 10. weighted DPO with LoRA [§3.4, App. A.4]
 def pair_tensors(micro, tokenizer, rng, world, args, device):
     """(ids, loss_mask, attention) of the chosen then the rejected sequences, and the weights (B,)."""
     seqs = []
@@ -819,7 +793,7 @@ def pair_tensors(micro, tokenizer, rng, world, args, device):
     return *tensors, torch.tensor([p["weight"] for p in micro], device=device)
 
 
-def dpo_train(accelerator, model, tokenizer, pairs, args, world, log):
+def dpo_train(accelerator, model, tokenizer, pairs, args, world, out):
     """Weighted DPO on the combined rewriter and evaluator pairs in one run [§4.5]: LoRA on q/k/v/o, the reference
     the same model with its adapter disabled, AdamW, linear decay, gradient clipping 1.0 (spec §9.16)."""
     rng = random.Random(args.seed)
@@ -854,9 +828,7 @@ def dpo_train(accelerator, model, tokenizer, pairs, args, world, log):
         optimizer.step()
         scheduler.step()
         record = {k: v / max(stats["n"], 1) for k, v in stats.items() if k != "n"} | {"step": step + 1}
-        log(record)
-        if (step + 1) % 20 == 0 or step + 1 == steps:
-            accelerator.print(" | ".join(f"{k}={v:.4g}" for k, v in record.items()))
+        runs.log_update(accelerator, out, record, step + 1)
     return accelerator.unwrap_model(model), steps
 
 
@@ -871,7 +843,7 @@ def run_record(run, args, upto=None):
     # simplification: the B.2 overlap of each round's own retrievals, not a dense re-retrieval (header item 8)
     overlaps = [o for r in range(1, rounds + 1) if (o := jaccard_avg([s for t, s in retrieved if t == r])) is not None]
     gold = run["row"]["metadata"].get("supporting_doc_ids")
-    record = {"em": exact_match(answer, golds), "f1": f1_score(answer, golds), "acc": sub_exact_match(answer, golds)}
+    record = answer_scores(answer, golds)
     record["recall"] = paragraph_recall(set().union(*[s for _, s in retrieved]), gold)
     record |= {k: snap.get(k, 0) for k in ("tokens", "generated_tokens", "llm_calls", "retrievals")}
     record |= {"rounds": rounds, "wrong_judged": len(wrong), "wrong_stops": wrong.count(STOP)}
@@ -944,18 +916,15 @@ def load_policy(args, device, model_name=None):
 
 
 def result_record(args, results, steps, wall, pairs=None):
-    """The result contract (DESIGN: results.json); `before` is the untuned system at fixed depth [§4.5]."""
+    """runs.result_record, tokens and pairs per question; `before` is the untuned system at fixed depth [§4.5]."""
     final = results.get("after") or results["before"]
-    costs = {f"{k}_per_question": final[k] for k in ("retrievals", "llm_calls", "generated_tokens", "tokens")}
-    record = {"method": "sparcrag", "mode": "train" if args.train else "eval", "preset": args.preset}
-    record |= {"seed": args.seed, "model": args.model, "dataset": args.data_dir, "n_eval": final["n"]}
-    record |= results | {"after": final} | costs | {"wall_s": round(wall, 1), "train_steps": steps, "pairs": pairs}
-    return record | {"args": asdict(args)}
+    record = runs.result_record("sparcrag", args, results.get("before_sft"), results["before"], final, steps, wall)
+    return record | results | {"after": final, "tokens_per_question": final["tokens"], "pairs": pairs}
 
 
 def warm_up(accelerator, args, out, rows, test_rows, llm, retrievers, world, results):
     """The toy's untuned start (header item 2): raw evaluation, teacher runs, SFT, sft/ (resumed: loaded)."""
-    state = load_state(out / "sft") if args.warmup == "teacher" else None
+    state = runs.load_state(out / "sft") if args.warmup == "teacher" else None
     policy, tokenizer = load_policy(args, accelerator.device, str(out / "sft") if state else None)
     if args.warmup == "none" or state:  # simplification: the toy's warm-up follows (header item 2)
         results["before_sft"] = state and state["before_sft"]
@@ -970,24 +939,23 @@ def warm_up(accelerator, args, out, rows, test_rows, llm, retrievers, world, res
     policy = sft(accelerator, policy, tokenizer, examples, args, world)
     if accelerator.is_main_process:
         state = {"before_sft": results["before_sft"], "steps": args.sft_steps, "data_dir": args.data_dir}
-        save_checkpoint(out / "sft", policy, tokenizer, state | {"args": asdict(args)})
+        runs.save_checkpoint(out / "sft", policy, tokenizer, state | {"args": asdict(args)})
     accelerator.wait_for_everyone()
     return policy, tokenizer, args.sft_steps
 
 
 def train(args):
     """Warm-up, the untuned system's evaluations, pairs from its runs, weighted DPO, the tuned evaluation."""
-    start, out = time.time(), start_run(args, "sparcrag", stages=("sft", "dpo"))
-    accelerator = make_accelerator(args.report_to, out)
+    start, out = time.time(), runs.start_run(args, "sparcrag", stages=("sft", "dpo"))  # (runs.start: sft/, ppo/)
+    accelerator = runs.make_accelerator(args.report_to, out)
     out.mkdir(parents=True, exist_ok=True)
     accelerator.init_trackers(args.run_name, {k: "None" if v is None else v for k, v in asdict(args).items()})
     set_seed(args.seed)
     train_rows = sample_rows(load_split(args.data_dir, "train", args.question_types), args.n_train, args.seed)
     test_rows = load_split(args.data_dir, "test", args.question_types)[: args.n_eval]
     (retrievers, llm), results = frozen_parts(args), {}
-    toy = (args.augment_p or args.dpo_augment_p) and (Path(args.data_dir) / "world.json").is_file()
-    world = load_world(args.data_dir) if toy else None  # simplification: toy renaming (header item 3)
-    log = lambda record: append_metrics(out / "metrics.jsonl", record, accelerator.is_main_process)
+    # simplification: toy renaming (header item 3)
+    world = world_or_none(args.data_dir) if args.augment_p or args.dpo_augment_p else None
     policy, tokenizer, n_sft = warm_up(accelerator, args, out, train_rows, test_rows, llm, retrievers, world, results)
     policy.name_or_path = str((out / "sft").resolve()) if args.warmup == "teacher" else args.model  # the LoRA base
     ctx = make_ctx(policy, tokenizer, retrievers, llm, args)
@@ -996,41 +964,38 @@ def train(args):
         results["before"] = evaluate(ctx, test_rows, args.width, args.untuned_depth, False, predictions=fixed)
         results["before_adaptive"] = evaluate(ctx, test_rows, args.width, args.depth, True)
     accelerator.print("\n".join(f"untuned, {k} | {brief(results[k])}" for k in ("before", "before_adaptive")))
-    if (state := load_state(out / "dpo")) is not None:  # resume: tuned
+    if (state := runs.load_state(out / "dpo")) is not None:  # resume: tuned
         policy, tokenizer = load_policy(args, accelerator.device, str(out / "dpo"))
     else:
         with accelerator.autocast():  # the base model's own runs on training questions [§3.4, spec §5.2]
             mine = train_rows[accelerator.process_index :: accelerator.num_processes]
-            runs = sparc_rag(mine, ctx, args.width, args.untuned_depth, early_exit=False, seed=args.seed)
-            pairs = build_pairs(runs, ctx, sampler(policy, tokenizer, args), args)
+            own = sparc_rag(mine, ctx, args.width, args.untuned_depth, early_exit=False, seed=args.seed)
+            pairs = build_pairs(own, ctx, sampler(policy, tokenizer, args), args)
             pairs = [p for ps in gather_object([pairs]) for p in ps]
         counts = dict(Counter(p["role"] for p in pairs) + Counter(f"weight_{p['weight']:g}" for p in pairs))
         accelerator.print(f"pairs: {counts} from {len(train_rows)} training questions")
         if not pairs:
             raise SystemExit("no preference pair: every sampled rewrite set tied and every sampled decision agreed")
-        policy, steps = dpo_train(accelerator, policy, tokenizer, pairs, args, world, log)
+        policy, steps = dpo_train(accelerator, policy, tokenizer, pairs, args, world, out)
         state = {"pairs": counts, "steps": steps, "data_dir": args.data_dir, "args": asdict(args)}
         if accelerator.is_main_process:
-            save_checkpoint(out / "dpo", policy, tokenizer, state)
+            runs.save_checkpoint(out / "dpo", policy, tokenizer, state)
     with accelerator.autocast():  # the tuned system: adaptive depth, capped at D_max [§4.5]
         ctx = make_ctx(policy, tokenizer, retrievers, llm, args)
         tuned = out / "predictions_dpo.jsonl"
         results["after"] = evaluate(ctx, test_rows, args.width, args.depth, True, predictions=tuned)
     accelerator.print(f"tuned, adaptive (cap {args.depth}) | {brief(results['after'])}")
-    log({"stage": "eval"} | {k: results[k] for k in ("before", "before_adaptive", "after")})
+    evaluations = {"stage": "eval"} | {k: results[k] for k in ("before", "before_adaptive", "after")}
+    runs.append_metrics(out / "metrics.jsonl", evaluations, accelerator.is_main_process)
     accelerator.end_training()
     steps = {"sft": n_sft, "dpo": state["steps"]}
     record = result_record(args, results, steps, time.time() - start, state["pairs"])
-    write_results(out, record, accelerator.is_main_process)
+    runs.write_results(out, record, accelerator.is_main_process)
 
 
 def run_eval(args):
     """Evaluate --model as one system (--system, --width, --depth, --early_exit) on the test split."""
-    start, out = time.time(), Path(args.output_dir)
-    refuse_training_results(out)
-    accelerator = make_accelerator()
-    out.mkdir(parents=True, exist_ok=True)
-    set_seed(args.seed)
+    start, (accelerator, out) = time.time(), runs.start_eval(args)
     rows = load_split(args.data_dir, "test", args.question_types)[: args.n_eval]  # a bad data file fails first
     policy, tokenizer = load_policy(args, accelerator.device)
     ctx = make_ctx(policy, tokenizer, *frozen_parts(args), args)
@@ -1039,12 +1004,12 @@ def run_eval(args):
         result = evaluate(ctx, rows, args.width, args.depth, args.early_exit, args.system, saved)
     accelerator.print(f"eval {result['setting']} | {brief(result)}")
     record = result_record(args, {"before": result}, {"sft": 0, "dpo": 0}, time.time() - start)
-    write_results(out, record, accelerator.is_main_process)
+    runs.write_results(out, record, accelerator.is_main_process)
 
 
 def ask(args):
     """One question through Algorithm 1 with --model, printing every agent call."""
-    policy, tokenizer = load_policy(args, make_accelerator().device)
+    policy, tokenizer = load_policy(args, runs.make_accelerator().device)
     if unknown := unknown_words(tokenizer, args.ask):
         print(f"warning: words the model's tokenizer does not know (read as <unk>): {' '.join(unknown)}")
     ctx = make_ctx(policy, tokenizer, *frozen_parts(args), args)
@@ -1058,16 +1023,10 @@ def ask(args):
 
 def main(argv=None):
     """Parse the flags, fill the preset, dispatch on the mode."""
-    (args,) = HfArgumentParser(Args).parse_args_into_dataclasses(args=argv)
-    if args.ask and args.model is None:
-        raise SystemExit("--ask needs --model: a trained checkpoint (e.g. runs/<run_name>/dpo after --train)")
-    if args.data_dir is None and args.model and (state := load_state(args.model)):
-        args.data_dir = state.get("data_dir")  # a checkpoint remembers its world (tokenizer, reader, corpus)
-    apply_preset(args)
-    if not (args.train or args.eval or args.ask):
-        raise SystemExit('choose a mode: --train, --eval or --ask "question" (see --help)')
+    untrained = "the raw toy-lm writes no valid rewrite (the tuned model: runs/<run_name>/dpo)"
+    args = apply_preset(runs.parse_args(Args, argv, untrained))
     (train if args.train else run_eval if args.eval else ask)(args)
 
 
 if __name__ == "__main__":
-    run_main(main)
+    runs.run_main(main)

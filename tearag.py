@@ -1,4 +1,5 @@
-# Paper: TeaRAG: A Token-Efficient Agentic Retrieval-Augmented Generation Framework (arXiv:2511.05385v1) — docs: docs/tearag.md
+# TeaRAG: A Token-Efficient Agentic Retrieval-Augmented Generation Framework
+# arXiv:2511.05385v1, 2025 (equation and section tags cite this version). Docs: docs/tearag.md
 """TeaRAG: an agent that reasons in short steps over hybrid (chunk + triplet) retrieval, trained by SFT then IP-DPO.
 
 Each step names its important entities, writes a subquery and emits `<Reference>`; the environment retrieves chunks
@@ -32,7 +33,7 @@ import random
 import re
 import time
 from collections import Counter, defaultdict
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 
 import numpy as np
@@ -41,23 +42,14 @@ import torch.nn.functional as F
 from accelerate import PartialState
 from accelerate.utils import gather_object
 from tqdm import tqdm
-from transformers import HfArgumentParser, set_seed
 
+from common import runs
 from common.data import UserError, load_split, read_jsonl, sample_rows, write_jsonl
-from common.llm import chat_prompts, generate, load_model_and_tokenizer, right_pad, unknown_words
-from common.metrics import exact_match, f1_score, sub_exact_match
+from common.llm import add_lora, chat_prompts, generate, right_pad, unknown_words
+from common.metrics import answer_scores, f1_score, summarize
+from common.models import load_model_and_tokenizer
 from common.retrieval import DenseRetriever, load_retriever, make_encoder, open_retriever, tokenize_words
-from common.runs import (
-    append_metrics,
-    load_state,
-    make_accelerator,
-    refuse_training_results,
-    run_main,
-    save_checkpoint,
-    start_run,
-    write_results,
-)
-from common.toy import load_world, rename_entities
+from common.toy import rename_entities, world_or_none
 
 
 def arg(default, help, **metadata):
@@ -301,11 +293,11 @@ class LexicalReranker:
     def __call__(self, pairs):
         """Logits of (query, passage) pairs, (n,)."""
         words = lambda text: {w for w in tokenize_words(text) if w in self.idf and w not in STOPWORDS}
+        weight = lambda ws: sum(self.idf[w] for w in sorted(ws))  # sorted: a set's order follows the hash seed
         out = []
         for query, passage in pairs:
             q, p = words(query), words(passage)
-            total = sum(self.idf[w] for w in q) + sum(self.idf[w] for w in p)
-            out.append(8 * (2 * sum(self.idf[w] for w in q & p) / total if q and p else 0.0) - 4)
+            out.append(8 * (2 * weight(q & p) / (weight(q) + weight(p)) if q and p else 0.0) - 4)
         return np.array(out, dtype=np.float64)
 
 
@@ -467,7 +459,7 @@ def build_kag(key_entities, chunks, triplets, tau):
 
 
 def personalized_pagerank(adjacency, p, alpha=0.5, n_iter=200):
-    """pi = alpha W pi + (1 - alpha) p for N rounds [Eq. 3]; W column-stochastic, p normalised, pi_0 = p (spec §9.4)."""
+    """pi = alpha W pi + (1 - alpha) p, N rounds [Eq. 3]; W column-stochastic, p normalised, pi_0 = p (spec §9.4)."""
     degree = adjacency.sum(0)  # (n,)
     W = np.divide(adjacency, degree, out=np.zeros_like(adjacency), where=degree > 0)  # W[j, i] = A[j, i] / deg(i)
     p = p / p.sum()  # (n,)
@@ -754,7 +746,7 @@ def sft(accelerator, model, tokenizer, examples, args, world):
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, linear(steps))
     model, optimizer = accelerator.prepare(model, optimizer)
     model.train()
-    order, losses = [], []
+    order, losses, mb = [], [], args.micro_batch_size
     bar = tqdm(range(steps), desc="SFT", disable=not accelerator.is_local_main_process)
     for _ in bar:
         if len(order) < args.sft_batch_size:
@@ -762,16 +754,13 @@ def sft(accelerator, model, tokenizer, examples, args, world):
         batch, order = order[: args.sft_batch_size], order[args.sft_batch_size :]
         own = batch[accelerator.process_index :: accelerator.num_processes]  # same order on every process, own share
         seqs = [sft_sequence(examples[i], tokenizer, args, rng, world) for i in own]
-        n_tokens, total = max(sum(sum(m[1:]) for _, m in seqs), 1), 0.0
-        optimizer.zero_grad()
-        for m in range(0, len(seqs), args.micro_batch_size):  # gradient accumulation over micro-batches
-            logp, _ = sequence_logps(model, seqs[m : m + args.micro_batch_size], tokenizer.pad_token_id, model.device)
-            loss = -logp.sum() / n_tokens  # token mean over the batch [Eq. 4]
-            accelerator.backward(loss)
-            total += loss.item()
-        optimizer.step()
-        scheduler.step()
-        losses.append(total)
+        ids = right_pad([x for x, _ in seqs], tokenizer.pad_token_id)  # (B, T)
+        labels = right_pad(
+            [[t if m else -100 for t, m in zip(x, mask)] for x, mask in seqs], -100
+        )  # loss_mask 0: -100
+        attention = right_pad([[1] * len(x) for x, _ in seqs], 0)  # (B, T)
+        # token mean over the batch [Eq. 4], in micro-batches; no gradient clipping (the paper states none)
+        losses.append(runs.sft_step(accelerator, model, optimizer, scheduler, ids, labels, attention, mb, math.inf))
         bar.set_postfix(loss=f"{sum(losses[-20:]) / len(losses[-20:]):.3f}")
     return accelerator.unwrap_model(model), steps
 
@@ -842,8 +831,7 @@ def path_record(p):
     golds, k, thinking = p.row["golden_answers"], len(p.contexts), len(p.ids) - p.retrieved
     supporting = {str(i) for i in (p.row.get("metadata") or {}).get("supporting_doc_ids") or []}
     seen = {it["doc_id"] for ctx in p.contexts for it in ctx}
-    ans = p.answer
-    record = {"em": exact_match(ans, golds), "f1": f1_score(ans, golds), "acc": sub_exact_match(ans, golds)}
+    record = answer_scores(p.answer, golds)  # FlashRAG's EM and F1 (the paper's metrics) and sub-EM
     record |= {"format": float(p.format_ok), "retrievals": k, "llm_calls": p.calls, "generated_tokens": thinking}
     record |= {"thinking_tokens": thinking, "retrieved_tokens": p.retrieved, "total_tokens": len(p.ids)}  # [§5.3.2]
     record["content_per_retrieval"] = p.retrieved / k if k else 0.0  # CpR
@@ -851,22 +839,19 @@ def path_record(p):
 
 
 def evaluate(model, tokenizer, system, rows, args, predictions=None):
-    """Greedy paths on the held-out questions: EM, F1, steps and tokens per question, overall and by type."""
+    """Greedy paths on the held-out questions: EM, F1, steps and tokens per question, overall and by metadata group."""
     model.eval()
     size, main = 2 * args.rollout_batch, PartialState().is_local_main_process
     bar = tqdm(range(0, len(rows), size), desc="eval", leave=False, disable=not main)
     paths = [p for i in bar for p in rollout(model, tokenizer, system, rows[i : i + size], args, seed=i)]
     model.train()
-    groups = defaultdict(lambda: defaultdict(list))
-    for p in paths:
-        for key in ("all", f"type={(p.row.get('metadata') or {}).get('type')}"):
-            for name, value in path_record(p).items():
-                groups[key][name].append(value)
-    summary = {k: {n: sum(v) / len(v) for n, v in g.items()} | {"n": len(g["em"])} for k, g in groups.items()}
+    records = [path_record(p) for p in paths]
     if predictions is not None and PartialState().is_main_process:
         row = lambda p: {"id": p.row.get("id"), "question": p.row["question"], "golds": p.row["golden_answers"]}
-        write_jsonl(predictions, [row(p) | {"prediction": p.answer, "path": p.text} | path_record(p) for p in paths])
-    return summary.pop("all") | {"groups": {k: v for k, v in summary.items() if k != "type=None"}}
+        write_jsonl(
+            predictions, [row(p) | {"prediction": p.answer, "path": p.text} | r for p, r in zip(paths, records)]
+        )
+    return summarize(records, [p.row for p in paths])
 
 
 def brief(r):
@@ -879,13 +864,22 @@ def table(results):
     """The table that ends a training run: EM, F1, steps and tokens per question at each stage [§5.3.2]."""
     lines = ["| stage | EM | F1 | steps | thinking tokens | retrieved tokens | total tokens |", "|---" * 7 + "|"]
     for name, r in results.items():
-        cells = [r["em"], r["f1"], r["retrievals"], r["thinking_tokens"], r["retrieved_tokens"], r["total_tokens"]]
-        lines.append(
-            f"| {name} | "
-            + " | ".join(f"{c:.{3 if i < 2 else 2 if i == 2 else 1}f}" for i, c in enumerate(cells))
-            + " |"
-        )
+        tokens = " | ".join(f"{r[k]:.1f}" for k in ("thinking_tokens", "retrieved_tokens", "total_tokens"))
+        lines.append(f"| {name} | {r['em']:.3f} | {r['f1']:.3f} | {r['retrievals']:.2f} | {tokens} |")
     return "\n".join(lines)
+
+
+STAGES = {"raw": "raw start", "sft": "after SFT", "dpo": "after IP-DPO", "eval": "eval"}
+
+
+def evaluate_stage(accelerator, out, stage, model, tokenizer, system, rows, args, step=None):
+    """The greedy evaluation of a stage (raw, sft, dpo, eval) with predictions_<stage>.jsonl and a log line."""
+    with accelerator.autocast():
+        result = evaluate(model, tokenizer, system, rows, args, out / f"predictions_{stage}.jsonl")
+    accelerator.print(f"{STAGES[stage]} | {brief(result)}")
+    if step is not None:
+        runs.log_eval(accelerator, out, stage, result, step)
+    return result
 
 
 # --------------------------------------------------------------------------- 11. train / eval / ask
@@ -896,8 +890,6 @@ def load_policy(args, device):
     model, tokenizer = load_model_and_tokenizer(args.model, dtype=dtype, world=args.data_dir)
     new_ids = add_format_tokens(model, tokenizer)
     if args.lora_r and not hasattr(model, "peft_config"):
-        from common.llm import add_lora
-
         lora = {"r": args.lora_r, "lora_alpha": 32, "lora_dropout": 0.1, "target_modules": ["q_proj", "k_proj"]}
         lora["target_modules"] += ["v_proj", "o_proj"]  # [§5.1.3]
         # simplification: one adapter through SFT and every round, never merged (header item 7); new token rows trained
@@ -906,18 +898,6 @@ def load_policy(args, device):
         if p.requires_grad:
             p.data = p.data.float()
     return model.to(device), tokenizer
-
-
-def result_record(args, stages, steps, wall):
-    """The project's result contract (DESIGN: results.json)."""
-    final = stages.get("after") or stages["before"]
-    record = {"method": "tearag", "mode": "train" if args.train else "eval", "preset": args.preset, "seed": args.seed}
-    record |= {"model": args.model, "dataset": args.data_dir, "n_eval": final["n"]}
-    record |= {"before_sft": stages.get("before_sft"), "before": stages["before"], "after": final}
-    record |= {"rounds": stages.get("rounds", []), "train_steps": steps}
-    record |= {"retrievals_per_question": final["retrievals"], "llm_calls_per_question": final["llm_calls"]}
-    record |= {"generated_tokens_per_question": final["generated_tokens"], "wall_s": round(wall, 1)}
-    return record | {"args": asdict(args)}
 
 
 def round_stats(rnd, paths, kinds, pairs, seconds):
@@ -933,41 +913,32 @@ def round_stats(rnd, paths, kinds, pairs, seconds):
 
 def train(args):
     """SFT, then the IP-DPO rounds (sample, score, pair, DPO + SFT), evaluations before and after; --resume."""
-    start, out = time.time(), start_run(args, "tearag", stages=("sft", "dpo"))
-    accelerator = make_accelerator(args.report_to, out)
-    out.mkdir(parents=True, exist_ok=True)
-    accelerator.init_trackers(args.run_name, {k: "None" if v is None else v for k, v in asdict(args).items()})
-    set_seed(args.seed)
+    start, (accelerator, out) = time.time(), runs.start(args, "tearag")
     sft_rows = load_split(args.data_dir, args.sft_split, args.sft_types)
     dpo_rows = sample_rows(load_split(args.data_dir, args.dpo_split, args.dpo_types), args.n_dpo, args.seed)
     test_rows = load_split(args.data_dir, "test")[: args.n_eval]
     system = RetrievalSystem(args, accelerator.device)
-    log = lambda record: append_metrics(out / "metrics.jsonl", record, accelerator.is_main_process)
-    save = lambda name, state: accelerator.is_main_process and save_checkpoint(out / name, model, tokenizer, state)
     stages, steps = {}, {"sft": 0, "dpo": 0}
-    if state := load_state(out / "dpo") or load_state(out / "sft"):  # resume from the last checkpoint
-        model_name, args.model = args.model, str(out / ("dpo" if state["round"] else "sft"))
-        model, tokenizer = load_policy(args, accelerator.device)
-        args.model, stages, steps = model_name, state["stages"], state["steps"]
+    if state := runs.load_training(accelerator, out / "dpo", {}) or runs.load_training(accelerator, out / "sft", {}):
+        last = str(out / ("dpo" if state["round"] else "sft"))  # --resume from the last checkpoint
+        model, tokenizer = load_policy(replace(args, model=last), accelerator.device)
+        stages, steps = state["stages"], state["steps"]
     else:
         model, tokenizer = load_policy(args, accelerator.device)
-        with accelerator.autocast():
-            stages["before_sft"] = evaluate(model, tokenizer, system, test_rows, args, out / "predictions_raw.jsonl")
-        accelerator.print(f"raw start | {brief(stages['before_sft'])}")
+        stages["before_sft"] = evaluate_stage(accelerator, out, "raw", model, tokenizer, system, test_rows, args)
         if not (examples := sft_examples(sft_rows, system, args, random.Random(args.seed))):
             need = "metadata sub_queries, sub_answers and supporting_doc_ids"
             raise UserError(f"{args.data_dir}/{args.sft_split}.jsonl: no row with a decomposition ({need}) for SFT")
         accelerator.print(f"SFT: {len(examples)} paths from {len(sft_rows)} questions")
-        world = load_world(args.data_dir) if args.augment_p else None  # simplification: toy renaming (header item 4)
+        # simplification: toy renaming (header item 4)
+        world = world_or_none(args.data_dir) if args.augment_p else None
         model, steps["sft"] = sft(accelerator, model, tokenizer, examples, args, world)
-        with accelerator.autocast():
-            stages["before"] = evaluate(model, tokenizer, system, test_rows, args, out / "predictions_sft.jsonl")
-        accelerator.print(f"after SFT | {brief(stages['before'])}")
-        log({"stage": "sft", "eval": stages["before"]})
-        save("sft", {"stages": stages, "steps": steps, "round": 0, "data_dir": args.data_dir, "args": asdict(args)})
+        stages["before"] = evaluate_stage(accelerator, out, "sft", model, tokenizer, system, test_rows, args, 0)
+        state = {"stages": stages, "steps": steps, "round": 0, "data_dir": args.data_dir, "args": asdict(args)}
+        runs.save_training(accelerator, out / "sft", model, tokenizer, state, {})
     etas, epochs = [float(x) for x in args.eta.split(",")], [int(x) for x in args.dpo_epochs.split(",")]
     shard = dpo_rows[accelerator.process_index :: accelerator.num_processes]
-    for rnd in range(state["round"] if state else 0, args.rounds):  # Theta_p from Theta_{p-1} [§4.3.2]
+    for rnd in range(state["round"], args.rounds):  # Theta_p from Theta_{p-1} [§4.3.2]
         t0, seed = time.time(), args.seed * 100_003 + rnd * 7919 + accelerator.process_index
         with accelerator.autocast():
             paths, pairs, kinds = sample_round(model, tokenizer, system, shard, args, seed, f"round {rnd + 1}")
@@ -975,47 +946,37 @@ def train(args):
         rng = random.Random(args.seed + rnd)
         model, stats, n_steps = dpo_round(accelerator, model, tokenizer, pairs, etas[rnd], epochs[rnd], args, rng)
         stats |= round_stats(rnd + 1, paths, kinds, len(pairs), time.time() - t0)
-        log(stats)
-        accelerator.log(stats, step=rnd + 1)
-        accelerator.print(" | ".join(f"{k}={v:.4g}" if isinstance(v, float) else f"{k}={v}" for k, v in stats.items()))
+        runs.log_update(accelerator, out, stats, step=rnd + 1)
         steps["dpo"] += n_steps
         stages.setdefault("rounds", []).append(stats)
-        accelerator.wait_for_everyone()
-        save(
-            "dpo",
-            {"stages": stages, "steps": steps, "round": rnd + 1, "data_dir": args.data_dir, "args": asdict(args)},
-        )
-    with accelerator.autocast():
-        stages["after"] = evaluate(model, tokenizer, system, test_rows, args, out / "predictions_dpo.jsonl")
-    accelerator.print(f"after IP-DPO | {brief(stages['after'])}")
-    log({"stage": "dpo", "eval": stages["after"]})
+        state = {"stages": stages, "steps": steps, "round": rnd + 1, "data_dir": args.data_dir, "args": asdict(args)}
+        runs.save_training(accelerator, out / "dpo", model, tokenizer, state, {})
+    stages["after"] = evaluate_stage(accelerator, out, "dpo", model, tokenizer, system, test_rows, args, args.rounds)
     accelerator.end_training()
     names = {"before_sft": "raw start", "before": "after SFT", "after": f"after IP-DPO ({args.rounds} rounds)"}
     accelerator.print(table({names[k]: stages[k] for k in names if stages.get(k)}))
     accelerator.print(f"checkpoint: {out / ('dpo' if args.rounds else 'sft')}")
-    write_results(out, result_record(args, stages, steps, time.time() - start), accelerator.is_main_process)
+    wall = time.time() - start
+    results = runs.result_record(
+        "tearag", args, stages.get("before_sft"), stages["before"], stages["after"], steps, wall
+    )
+    runs.write_results(out, results | {"rounds": stages.get("rounds", [])}, accelerator.is_main_process)
 
 
 def run_eval(args):
     """Evaluate --model (a checkpoint folder, or the untrained start) on the test split."""
-    start, out = time.time(), Path(args.output_dir)
-    refuse_training_results(out)
-    accelerator = make_accelerator()
-    out.mkdir(parents=True, exist_ok=True)
-    set_seed(args.seed)
+    start, (accelerator, out) = time.time(), runs.start_eval(args)
     rows = load_split(args.data_dir, "test")[: args.n_eval]  # a bad data file fails first
     system = RetrievalSystem(args, accelerator.device)  # a bad corpus or graph fails before the model loads
     model, tokenizer = load_policy(args, accelerator.device)
-    with accelerator.autocast():
-        result = evaluate(model, tokenizer, system, rows, args, out / "predictions_eval.jsonl")
-    accelerator.print(f"eval | {brief(result)}")
-    record = result_record(args, {"before": result}, {"sft": 0, "dpo": 0}, time.time() - start)
-    write_results(out, record, accelerator.is_main_process)
+    result = evaluate_stage(accelerator, out, "eval", model, tokenizer, system, rows, args)
+    results = runs.result_record("tearag", args, None, result, None, {"sft": 0, "dpo": 0}, time.time() - start)
+    runs.write_results(out, results | {"rounds": []}, accelerator.is_main_process)
 
 
 def ask(args):
     """One question through the agent loop (greedy), printing the reasoning path."""
-    device = make_accelerator().device
+    device = runs.make_accelerator().device
     model, tokenizer = load_policy(args, device)
     if unknown := unknown_words(tokenizer, args.ask):
         print(f"warning: words the model's tokenizer does not know (read as <unk>): {' '.join(unknown)}")
@@ -1027,21 +988,9 @@ def ask(args):
 
 def main(argv=None):
     """Parse the flags, fill the preset, dispatch on the mode."""
-    (args,) = HfArgumentParser(Args).parse_args_into_dataclasses(args=argv)
-    if args.ask and args.model is None:
-        raise UserError("--ask needs --model: a trained checkpoint (e.g. runs/<run_name>/dpo after --train)")
-    if args.data_dir is None and args.model and (state := load_state(args.model)):
-        args.data_dir = state.get("data_dir")  # a checkpoint remembers its world (tokenizer, corpus, graph)
-    apply_preset(args)
-    if args.train:
-        train(args)
-    elif args.eval:
-        run_eval(args)
-    elif args.ask:
-        ask(args)
-    else:
-        raise UserError('choose a mode: --train, --eval or --ask "question" (see --help)')
+    args = apply_preset(runs.parse_args(Args, argv, "the untrained start writes no reasoning path"))
+    (train if args.train else run_eval if args.eval else ask)(args)
 
 
 if __name__ == "__main__":
-    run_main(main)  # a user's mistake (bad file, missing field) ends in one line, not a traceback
+    runs.run_main(main)  # a user's mistake (bad file, missing field) ends in one line, not a traceback

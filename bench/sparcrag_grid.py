@@ -19,6 +19,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from transformers import HfArgumentParser
 
 import sparcrag
+from common import runs
 from common.data import load_split
 
 
@@ -55,30 +56,30 @@ def table(rows, types):
 
 def main(argv=None):
     args, grid = HfArgumentParser((sparcrag.Args, Grid)).parse_args_into_dataclasses(args=argv)
-    if args.data_dir is None and args.model and (state := sparcrag.load_state(args.model)):
+    if args.data_dir is None and args.model and (state := runs.load_state(args.model)):
         args.data_dir = state.get("data_dir")
     args.eval = True
     sparcrag.apply_preset(args)
     out = Path(args.output_dir)
     out.mkdir(parents=True, exist_ok=True)
-    accelerator = sparcrag.make_accelerator()
+    accelerator = runs.make_accelerator()
     rows = load_split(args.data_dir, "test", args.question_types)[: args.n_eval]
     policy, tokenizer = sparcrag.load_policy(args, accelerator.device)
     ctx = sparcrag.make_ctx(policy, tokenizer, *sparcrag.frozen_parts(args), args)
     depths, results = [int(d) for d in grid.grid_depths.split(",")], []
     for width in (int(w) for w in grid.grid_widths.split(",")):
-        runs = sparcrag.sparc_rag(rows, ctx, width, max(depths), early_exit=False, seed=args.seed)
+        played = sparcrag.sparc_rag(rows, ctx, width, max(depths), early_exit=False, seed=args.seed)
         for depth in depths:
-            records = [sparcrag.run_record(run, args, depth) for run in runs]
+            records = [sparcrag.run_record(run, args, depth) for run in played]
             results.append({"system": f"SPARC-RAG W={width} D={depth}", **sparcrag.summarize(records, rows)})
     for spec in grid.naive.split(","):
         system, n = spec.split(":")
-        runs = sparcrag.naive(rows, ctx, system, int(n), args.seed)
-        summary = sparcrag.summarize([sparcrag.run_record(run, args) for run in runs], rows)
+        played = sparcrag.naive(rows, ctx, system, int(n), args.seed)
+        summary = sparcrag.summarize([sparcrag.run_record(run, args) for run in played], rows)
         results.append({"system": f"{system} (naive) n={n}", **summary})
     (out / "grid.json").write_text(json.dumps(results, indent=1))
     print(table(results, sorted(results[0]["groups"])))
 
 
 if __name__ == "__main__":
-    sparcrag.run_main(main)
+    runs.run_main(main)

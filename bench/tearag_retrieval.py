@@ -19,6 +19,8 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from transformers import HfArgumentParser
+
 import tearag as T
 from common.data import load_split
 from common.toy import load_world
@@ -73,7 +75,7 @@ def main():
     parser.add_argument("--split", default="test")
     parser.add_argument("--k_f", type=int, default=5)
     cli = parser.parse_args()
-    (args,) = T.HfArgumentParser(T.Args).parse_args_into_dataclasses(
+    (args,) = HfArgumentParser(T.Args).parse_args_into_dataclasses(
         args=["--data_dir", cli.data_dir, "--k_f", str(cli.k_f)]
     )
     system = T.RetrievalSystem(T.apply_preset(args))
@@ -83,9 +85,8 @@ def main():
              "ppr": "TeaRAG (KAG + PPR)"}  # fmt: skip
     results = {names[m]: measure(system, tokenizer, rows, m) for m in names}
     columns = list(next(iter(results.values())))
-    print(
-        f"{cli.data_dir} {cli.split}: {sum(bool(steps_of(r)) for r in rows)} questions with a decomposition, k_f = {cli.k_f}"
-    )
+    n = sum(bool(steps_of(r)) for r in rows)
+    print(f"{cli.data_dir} {cli.split}: {n} questions with a decomposition, k_f = {cli.k_f}")
     print("| retrieval | " + " | ".join(columns) + " |\n" + "|---" * (len(columns) + 1) + "|")
     for name, r in results.items():
         print(f"| {name} | " + " | ".join(f"{r[c]:.3f}" if r[c] <= 1 else f"{r[c]:.1f}" for c in columns) + " |")

@@ -12,6 +12,7 @@ import numpy as np
 import pytest
 import torch
 from conftest import check_contract
+from transformers import HfArgumentParser
 
 import tearag as T
 from common.llm import Generation
@@ -124,9 +125,16 @@ def test_ppr_on_a_star_graph_ranks_by_relevance_weight():
 
 
 # --------------------------------------------------------------------------- rewards [spec §8.4-8.7]
-@pytest.mark.parametrize("answer,gold,f1", [("Kreuzlingen", "Kreuzlingen", 1.0), ("the city of Kreuzlingen", "Kreuzlingen", 0.5),
-                                            ("Kreuzlingen, Switzerland", "Kreuzlingen", 2 / 3), ("Berlin", "Kreuzlingen", 0.0),
-                                            ("Carl Friedrich Otto Westphal", "Carl Westphal", 2 / 3)])  # fmt: skip
+@pytest.mark.parametrize(
+    "answer,gold,f1",
+    [
+        ("Kreuzlingen", "Kreuzlingen", 1.0),
+        ("the city of Kreuzlingen", "Kreuzlingen", 0.5),
+        ("Kreuzlingen, Switzerland", "Kreuzlingen", 2 / 3),
+        ("Berlin", "Kreuzlingen", 0.0),
+        ("Carl Friedrich Otto Westphal", "Carl Westphal", 2 / 3),
+    ],
+)
 def test_outcome_reward_is_token_f1(answer, gold, f1):
     path = T.ReasoningPath({"golden_answers": [gold]}, [], steps=[{}], answer=answer, format_ok=True)
     assert T.path_rewards(path, [], None) == pytest.approx((1.0, f1, 0.0))  # single-hop rule with k = 1
@@ -178,8 +186,17 @@ def test_path_rewards_use_the_evidence_similarities_and_divide_by_the_step_count
     assert r3[2] == pytest.approx(0.1 + 0.3 * 3 * 1.8 / 3)  # the same evidence over 3 steps earns less
 
 
-@pytest.mark.parametrize("k,f1,fmt,role", [(1, 1.0, 1, "chosen"), (2, 1.0, 1, None), (3, 1.0, 1, None), (4, 1.0, 1, "easy"),
-                                           (1, 0.0, 1, "easy"), (2, 1.0, 0, "format")])  # fmt: skip
+@pytest.mark.parametrize(
+    "k,f1,fmt,role",
+    [
+        (1, 1.0, 1, "chosen"),
+        (2, 1.0, 1, None),
+        (3, 1.0, 1, None),
+        (4, 1.0, 1, "easy"),
+        (1, 0.0, 1, "easy"),
+        (2, 1.0, 0, "format"),
+    ],
+)
 def test_single_hop_rule_scales_the_outcome_by_the_step_count(k, f1, fmt, role):
     r = T.path_rewards(fake_path("Kreuzlingen" if f1 else "Berlin", k, bool(fmt)), [], None)
     assert r[1] == pytest.approx(f1 / k) and r[2] == 0.0
@@ -190,8 +207,16 @@ def test_single_hop_rule_scales_the_outcome_by_the_step_count(k, f1, fmt, role):
 
 # --------------------------------------------------------------------------- pairs [spec §8.6, §8.8]
 def test_pairs_of_the_first_worked_example():
-    rewards = [(1, 1.0, 0.90), (1, 1.0, 0.75), (1, 0.85, 0.82), (0, 0.0, 0.10), (1, 0.0, 0.30), (1, 0.4, 0.95),
-               (1, 0.5, 0.50), (1, 1.0, 0.40)]  # fmt: skip
+    rewards = [
+        (1, 1.0, 0.90),
+        (1, 1.0, 0.75),
+        (1, 0.85, 0.82),
+        (0, 0.0, 0.10),
+        (1, 0.0, 0.30),
+        (1, 0.4, 0.95),
+        (1, 0.5, 0.50),
+        (1, 1.0, 0.40),
+    ]
     assert T.build_pairs(rewards, single_hop=False) == [(0, 3, "format"), (1, 4, "easy"), (2, 6, "hard")]
 
 
@@ -283,15 +308,17 @@ def test_sft_mask_is_zero_exactly_on_the_prompt_and_the_reference_blocks(toy):
     )
     assert mask == expected and ids[-1] == tokenizer.eos_token_id and mask[-1] == 1
     ctx2 = [{"kind": "chunk", "title": "golul", "text": "golul was born in 1921 . more words here ."}]
-    _, mask2 = T.sft_sequence(("what is the birth year of voben ?", [segments[0], (T.reference_block(ctx2), False), *segments[2:]]),
-                              tokenizer, args, None, None)  # fmt: skip
+    example = ("what is the birth year of voben ?", [segments[0], (T.reference_block(ctx2), False), *segments[2:]])
+    _, mask2 = T.sft_sequence(example, tokenizer, args, None, None)
     assert sum(mask2) == sum(mask)  # other evidence: the same trained tokens
 
 
 # --------------------------------------------------------------------------- parsing and the format check [spec §8.11]
-GOOD = ("Step 1:\nImportant entity: A\nSubquery: who is A ?\n<Reference>\nEvidence 1: Triplet: A r B\n</Reference>\n"
-        "Summary: A r B.\nStep 2:\nImportant entity: B; C\nSubquery: B and C ?\n<Reference>\nEvidence 1: x\n</Reference>\n"
-        "Summary: so D.\nFinal answer: D")  # fmt: skip
+GOOD = (
+    "Step 1:\nImportant entity: A\nSubquery: who is A ?\n<Reference>\nEvidence 1: Triplet: A r B\n</Reference>\n"
+    "Summary: A r B.\nStep 2:\nImportant entity: B; C\nSubquery: B and C ?\n<Reference>\nEvidence 1: x\n</Reference>\n"
+    "Summary: so D.\nFinal answer: D"
+)
 
 
 def test_parse_path_of_a_valid_path():
@@ -338,8 +365,8 @@ class ScriptedSystem:
 
     def retrieve(self, subqueries, entity_lists):
         self.calls.append((subqueries, entity_lists))
-        return [[{"kind": "triplet", "id": n, "doc_id": "0", "head": "a", "relation": "r", "tail": f"t{n}"} for n in range(5)]
-                for _ in subqueries]  # fmt: skip
+        item = lambda n: {"kind": "triplet", "id": n, "doc_id": "0", "head": "a", "relation": "r", "tail": f"t{n}"}
+        return [[item(n) for n in range(5)] for _ in subqueries]
 
 
 def scripted_generate(tokenizer, script, calls):
@@ -401,8 +428,8 @@ def test_rollout_never_retrieves_a_sixth_time_and_forces_the_answer(toy, monkeyp
     calls = []
     monkeypatch.setattr(T, "generate", scripted_generate(tokenizer, script, calls))
     system = ScriptedSystem()
-    p = T.rollout(model, tokenizer, system, [{"question": "what is the birth year of voben ?", "golden_answers": ["1967"]}],
-                  loop_args(), greedy=True)[0]  # fmt: skip
+    row = {"question": "what is the birth year of voben ?", "golden_answers": ["1967"]}
+    p = T.rollout(model, tokenizer, system, [row], loop_args(), greedy=True)[0]
     assert len(system.calls) == 5 and len(p.contexts) == 5
     assert p.answer == "1967" and not p.format_ok and p.forced
     assert "step 6" not in p.text.lower() and p.text.rstrip().endswith("1967")
@@ -421,7 +448,7 @@ def test_rollout_ends_a_path_whose_header_does_not_parse(toy, monkeypatch):
 # --------------------------------------------------------------------------- the retrieval system on the toy world
 @pytest.fixture(scope="module")
 def system():
-    (args,) = T.HfArgumentParser(T.Args).parse_args_into_dataclasses(args=[])
+    (args,) = HfArgumentParser(T.Args).parse_args_into_dataclasses(args=[])
     return T.RetrievalSystem(T.apply_preset(args))
 
 
@@ -441,8 +468,13 @@ def test_retrieval_invariants_on_the_toy_world(system, monkeypatch):
 
 
 def test_lexical_reranker_logit_is_8_f1_minus_4_of_idf_weighted_content_words(system):
-    pairs = [("dites born", "dites was born in makux ."), ("dites born", "dites was born in makux . dites was born in 1952 ."),
-             ("dites born", "sokor is a city in lolas ."), ("", "anything"), ("who is dites", "dites")]  # fmt: skip
+    pairs = [
+        ("dites born", "dites was born in makux ."),
+        ("dites born", "dites was born in makux . dites was born in 1952 ."),
+        ("dites born", "sokor is a city in lolas ."),
+        ("", "anything"),
+        ("who is dites", "dites"),
+    ]
     logits = system.rerank(pairs)
     idf = system.rerank.idf
     d, b, m = idf["dites"], idf["born"], idf["makux"]
