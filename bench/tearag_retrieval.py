@@ -9,6 +9,8 @@ round: the Single-* rows). Per retrieval mode it prints:
 - step recall: the share of steps whose fact is in the context (a chunk of the step's supporting passage, or a
   triplet of that passage that holds the step's answer);
 - question recall (single round only): the share of all the question's step facts found by the one retrieval;
+- passage recall (single round only): the share of the question's supporting passages that a context item comes
+  from (a chunk of it or a triplet extracted from it: `evidence_recall` of tearag.py's evaluation);
 - distractor share: the share of context items from a decoy passage (metadata distractor_doc_ids);
 - items and tokens per retrieval (the toy model's tokenizer over the evidence block, CpR in the paper).
 """
@@ -59,12 +61,15 @@ def measure(system, tokenizer, rows, mode):
     covered = [
         mean([any(holds(it, s[3], s[1], s[2]) for it in ctx) for s in steps_of(r)]) for r, ctx in zip(rows, single)
     ]
+    sources = lambda r, ctx: {str(d) for d in r["metadata"]["supporting_doc_ids"]} & {it["doc_id"] for it in ctx}
+    passages = [len(sources(r, ctx)) / len(r["metadata"]["supporting_doc_ids"]) for r, ctx in zip(rows, single)]
     return {
         "step recall": mean(found),
         "distractor share": mean([x for (r, _), ctx in zip(steps, iterative) for x in decoy(r, ctx)]),
         "items": mean([len(ctx) for ctx in iterative]),
         "tokens": mean([tokens(ctx) for ctx in iterative]),
         "single: question recall": mean(covered),
+        "single: passage recall": mean(passages),
         "single: tokens": mean([tokens(ctx) for ctx in single]),
     }
 
