@@ -32,6 +32,8 @@ Deviations from the paper (each marked `# simplification:` where it lives):
 8. Cost: every role's tokens (toy reader included) in the trained model's tokenizer; latency is batched wall time;
    the rewrite-group overlap (App. B.2) uses the branches' own retrieved sets.
 9. Toy preset: EM labels correctness (evaluator pairs, incorrect acceptance): FlashRAG's acc finds "no" in "unknown".
+10. Toy preset: wrong-stop weight lambda = 4 (paper: 2; Fig. 6 sweeps it): at 2 the tuned toy evaluator kept stopping
+    on some "unknown" answers (docs/sparcrag.md, Toy results).
 """
 
 import random
@@ -98,7 +100,7 @@ class Args:
     gen_batch_size: int = field(default=512, metadata={"help": "prompts per generate call (memory only)"})
     # preference pairs [§3.4]
     n_samples: int = field(default=4, metadata={"help": "samples per state (spec §5.3-5.4 [R]: 4)"})
-    lam: float = field(default=2.0, metadata={"help": "weight of continue over a wrong stop [§5.2: 2]"})
+    lam: float | None = field(default=None, metadata={"help": "weight of continue over a wrong stop [§5.2: 2]"})
     correct_by: str | None = field(default=None, metadata={"help": "answer correctness: acc, em or f1 (>= 0.5)"})
     synthesize_missing: bool = field(default=False, metadata={"help": "missing side -> canonical decision (spec)"})
     # DPO with LoRA [App. A.4]
@@ -144,6 +146,7 @@ PRESETS = {  # field: (toy, paper), for the fields left at None; any flag overri
     "format_tokens": (True, False),  # simplification: single-token tags (header item 4)
     "correct_by": ("em", "acc"),  # simplification: header item 9
     "dpo_lr": (1e-4, 5e-5),  # [App. A.4]; simplification: header item 4
+    "lam": (4.0, 2.0),  # [§5.2, Fig. 6]; simplification: header item 10
     "micro_batch_size": (16, 1),
     "warmup": ("teacher", "none"),  # simplification: the toy's warm-up (header item 2)
     "sft_steps": (800, 0),
