@@ -19,7 +19,7 @@ Deviations from the paper (each marked `# simplification: ... (header N)` where 
 1. Toy world: the warm-up teacher is an oracle reading the thoughts and the question's metadata (--teacher_noise).
 2. Toy preset: the warm-up keeps only the cheapest successful paths (fewest retrievals, then steps; --warmup_select).
 3. Toy world: SFT examples and not-popular PPO trees are entity-renamed for the proxy (--augment_p, --rl_augment_p).
-4. Toy preset: compact templates, one- and two-hop questions, top-3 documents, 5 triples, L = 2, smaller PPO sizes.
+4. Toy preset: compact templates, top-3 documents, 5 triples, L = 2, smaller PPO sizes.
 5. --teacher llm plays the proxy roles zero-shot with the agents' prompts (the paper: Qwen2.5-72B, prompts unstated).
 6. The thoughts so far go to the LLM as an assistant message (impl: the assistant turn continued raw).
 7. PPO trains the sampled tokens, not the authors' canonical re-renders of QF and KI outputs (spec §9.11).
@@ -84,7 +84,7 @@ class Args:
     templates: str | None = arg(None, "the App. A figures, or compact", choices=["paper", "compact"])
     n_train: int | None = arg(None, "training questions (None: all) [§D.3: 7,500]")
     n_eval: int | None = arg(None, "test questions evaluated (None: all) [§4.1: 1,000]")
-    question_types: str | None = arg(None, "comma-separated metadata types to keep (empty: all)")
+    question_types: str = arg("", "comma-separated metadata types to keep (empty: all)")
     # agents, loop, tree rollout [§2.2, §3.1, Alg. 1]
     top_k: int | None = arg(None, "documents per retrieval [§D.3: 10]")
     n_triples: int | None = arg(None, "candidate triples for KI [§D.3: 20] (impl: 25)")
@@ -140,7 +140,6 @@ PRESETS = {  # field: (toy, paper), for the fields left at None; any flag overri
     "model": ("toy-lm", "Qwen/Qwen2.5-3B-Instruct"),  # [§4.1]
     "llm": ("toy", "hf:Qwen/Qwen2.5-7B-Instruct"),  # [§4.1]
     "templates": ("compact", "paper"),  # simplification: no instruction prose in the toy world (header 4)
-    "question_types": ("one_hop,two_hop", ""),
     "top_k": (3, 10),  # [§D.3]
     "n_triples": (5, 20),  # [§D.3]
     "tree_depth": (2, 4),  # [§D.3]
@@ -155,7 +154,7 @@ PRESETS = {  # field: (toy, paper), for the fields left at None; any flag overri
     "augment_p": (1.0, 0.0),  # simplification: toy renaming (header 3)
     "rl_augment_p": (1.0, 0.0),
     "ppo_iterations": (10, 120),  # impl: one episode of 7,500 questions, 64 per rollout
-    "rollout_batch": (32, 64),  # impl
+    "rollout_batch": (64, 64),  # impl
     "ppo_batch_size": (32, 1024),  # [Tab. 6]
     "policy_lr": (1e-4, 5e-7),  # [Tab. 6]
     "value_lr": (1e-3, 5e-6),  # [Tab. 6]
