@@ -19,7 +19,7 @@ Deviations from the paper (each marked `# simplification: ... (header N)` where 
 1. Toy world: the warm-up teacher is an oracle reading the thoughts and the question's metadata (--teacher_noise).
 2. Toy preset: the warm-up keeps only the cheapest successful paths (fewest retrievals, then steps; --warmup_select).
 3. Toy world: SFT examples and not-popular PPO trees are entity-renamed for the proxy (--augment_p, --rl_augment_p).
-4. Toy preset: compact templates, one- and two-hop questions, top-3 documents, 5 triples, L = 2, smaller PPO sizes.
+4. Toy preset: compact templates, top-3 documents, 5 triples, L = 2, smaller PPO sizes.
 5. --teacher llm plays the proxy roles zero-shot with the agents' prompts (the paper: Qwen2.5-72B, prompts unstated).
 6. The thoughts so far go to the LLM as an assistant message (impl: the assistant turn continued raw).
 7. PPO trains the sampled tokens, not the authors' canonical re-renders of QF and KI outputs (spec §9.11).
@@ -27,6 +27,7 @@ Deviations from the paper (each marked `# simplification: ... (header N)` where 
 9. Advantages are whitened over the rollout, one PPO epoch, value clipping 0.2 (the authors' OpenRLHF settings).
 10. The ablations' prompts are ours (the paper describes them; App. D.2); w/o QF keeps the QF output format.
 11. The LLM's steps are capped at --llm_max_tokens; latency is batched wall time per question.
+12. Toy preset: the forced RD answers' policy loss is scaled by --forced_weight 0.1 (paper preset 1; c3po.py item 4).
 """
 
 import copy
@@ -83,7 +84,7 @@ class Args:
     templates: str | None = arg(None, "the App. A figures, or compact", choices=["paper", "compact"])
     n_train: int | None = arg(None, "training questions (None: all) [§D.3: 7,500]")
     n_eval: int | None = arg(None, "test questions evaluated (None: all) [§4.1: 1,000]")
-    question_types: str | None = arg(None, "comma-separated metadata types to keep (empty: all)")
+    question_types: str = arg("", "comma-separated metadata types to keep (empty: all)")
     # agents, loop, tree rollout [§2.2, §3.1, Alg. 1]
     top_k: int | None = arg(None, "documents per retrieval [§D.3: 10]")
     n_triples: int | None = arg(None, "candidate triples for KI [§D.3: 20] (impl: 25)")
@@ -125,6 +126,7 @@ class Args:
     gamma: float = arg(1.0, "GAE gamma within an operation (impl: 1)")
     lam: float = arg(0.95, "GAE lambda (impl: 0.95)")
     clip: float = arg(0.2, "PPO clip epsilon (impl: 0.2)")
+    forced_weight: float | None = arg(None, "policy-loss weight of the forced RD answers of Eq. 1 (spec §9.10: 1)")
     vf_coef: float = arg(0.5, "value loss coefficient (impl: 0.5)")
     value_clip: float = arg(0.2, "value clip around the old values (impl: 0.2); 0: plain MSE")
     max_grad_norm: float = arg(1.0, "gradient clipping (impl: 1.0)")
@@ -138,7 +140,6 @@ PRESETS = {  # field: (toy, paper), for the fields left at None; any flag overri
     "model": ("toy-lm", "Qwen/Qwen2.5-3B-Instruct"),  # [§4.1]
     "llm": ("toy", "hf:Qwen/Qwen2.5-7B-Instruct"),  # [§4.1]
     "templates": ("compact", "paper"),  # simplification: no instruction prose in the toy world (header 4)
-    "question_types": ("one_hop,two_hop", ""),
     "top_k": (3, 10),  # [§D.3]
     "n_triples": (5, 20),  # [§D.3]
     "tree_depth": (2, 4),  # [§D.3]
@@ -153,11 +154,12 @@ PRESETS = {  # field: (toy, paper), for the fields left at None; any flag overri
     "augment_p": (1.0, 0.0),  # simplification: toy renaming (header 3)
     "rl_augment_p": (1.0, 0.0),
     "ppo_iterations": (10, 120),  # impl: one episode of 7,500 questions, 64 per rollout
-    "rollout_batch": (32, 64),  # impl
+    "rollout_batch": (64, 64),  # impl
     "ppo_batch_size": (32, 1024),  # [Tab. 6]
     "policy_lr": (1e-4, 5e-7),  # [Tab. 6]
     "value_lr": (1e-3, 5e-6),  # [Tab. 6]
     "critic_init": ("sft", "base"),  # simplification: header 8
+    "forced_weight": (0.1, 1.0),  # simplification: header 12
 }
 
 
@@ -768,7 +770,7 @@ def op_samples(trees):
             if n["kind"] in AGENTS and n["action_ids"] and credit is not None:
                 mask = [0] * len(n["prompt_ids"]) + [1] * len(n["action_ids"])
                 ids = n["prompt_ids"] + n["action_ids"]
-                samples.append(dict(ids=ids, credit=credit, agent=n["kind"], loss_mask=mask))
+                samples.append(dict(ids=ids, credit=credit, agent=n["kind"], loss_mask=mask, forced=bool(n["fixed"])))
     return samples
 
 
@@ -789,11 +791,11 @@ def token_rewards(credit, logp_old, logp_ref, beta, clip=10.0):
     return rewards
 
 
-def clipped_surrogate(new_logp, old_logp, advantages, mask, clip):
-    """Per operation, the masked mean over its action tokens of -min(r A, clip(r, 1-eps, 1+eps) A) (impl), and r."""
+def clipped_surrogate(new_logp, old_logp, advantages, mask, clip, weights=1.0):
+    """Per operation, the masked mean over its action tokens of -min(r A, clip(r, 1-eps, 1+eps) A) * weight, and r."""
     ratio = torch.exp(new_logp - old_logp)  # (B, T)
     surrogate = torch.min(ratio * advantages, ratio.clamp(1 - clip, 1 + clip) * advantages)
-    return -(surrogate * mask).sum(-1) / mask.sum(-1).clamp(min=1), ratio  # (B,)
+    return -(surrogate * mask * weights).sum(-1) / mask.sum(-1).clamp(min=1), ratio  # (B,)
 
 
 def value_loss(values, old_values, returns, mask, clip):
@@ -846,6 +848,7 @@ def ppo_update(accelerator, policy, value, ref, optimizers, schedulers, samples,
     old, old_values, returns = (on_mask([x for s in samples for x in s[k]]) for k in ("old", "val", "ret"))
     advantages = on_mask([(x - mean) * (1 / (std + 1e-8)) for s in samples for x in s["adv"]])
     lengths = [len(s["ids"]) for s in samples]
+    weights = torch.tensor([[args.forced_weight if s["forced"] else 1.0] for s in samples], device=device)  # (N, 1)
     policy.train()
     stats, rng = defaultdict(list), random.Random(args.seed + len(samples))
     # every process takes the same number of minibatches and micro-batches (DDP), set by the smallest rollout
@@ -864,7 +867,7 @@ def ppo_update(accelerator, policy, value, ref, optimizers, schedulers, samples,
                 r, t = torch.tensor(rows, device=device), slice(0, width - 1)
                 x, att, msk = ids[r, :width], attention[r, :width], mask[r, t]
                 logp = token_logp(policy, x, att)  # (B, T-1)
-                pg, ratio = clipped_surrogate(logp, old[r, t], advantages[r, t], msk, args.clip)
+                pg, ratio = clipped_surrogate(logp, old[r, t], advantages[r, t], msk, args.clip, weights[r])
                 vf = value_loss(value(x, att)[:, :-1].float(), old_values[r, t], returns[r, t], msk, args.value_clip)
                 # all agents' operations in one minibatch, a mean over operations; separate networks
                 accelerator.backward((pg + args.vf_coef * vf).sum() / len(mb))
@@ -1032,10 +1035,8 @@ def train(args):
             seed = args.seed * 100_003 + it * 7919 + accelerator.process_index
             trees = rollout(rows, actor, env, args, mode, seed)
         samples = op_samples(trees)
-        stats = rollout_stats(trees, samples)
-        stats |= ppo_update(
-            accelerator, policy, value, ref, optimizers, schedulers, samples, tokenizer.pad_token_id, args
-        )
+        stats = rollout_stats(trees, samples) | ppo_update(accelerator, policy, value, ref, optimizers, schedulers,
+                                                           samples, tokenizer.pad_token_id, args)  # fmt: skip
         stats |= {"iteration": it + 1, "charts/seconds": time.time() - t0}
         runs.log_update(accelerator, out, stats, step=it + 1)
         steps["ppo"] = it + 1

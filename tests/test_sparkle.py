@@ -75,7 +75,7 @@ def test_a_pruned_branch_gives_no_credit_and_no_sample():
     credit = {n["name"]: c for n, c in zip(nodes, sparkle.leaf_credits(nodes))}
     assert credit["N1"] == 0.0 and credit["Y2b"] is credit["Q2b"] is credit["T2b"] is None
     for n in nodes:
-        n.update(prompt_ids=[1, 2], action_ids=[3] if n["kind"] in sparkle.AGENTS else None)
+        n.update(prompt_ids=[1, 2], action_ids=[3] if n["kind"] in sparkle.AGENTS else None, fixed=None)
     samples = sparkle.op_samples([dict(nodes=nodes)])
     assert len(samples) == 12 - 3 and Counter_of(samples) == {"rd": 5, "qf": 2, "ki": 2}
 
@@ -217,7 +217,7 @@ class FakeLM(torch.nn.Module):
 
 
 def test_loss_mask_is_exactly_the_action_and_prompt_logits_get_no_gradient():
-    op = dict(kind="rd", parent=1, prompt_ids=[5, 6, 7], action_ids=[8, 9])
+    op = dict(kind="rd", parent=1, prompt_ids=[5, 6, 7], action_ids=[8, 9], fixed=None)
     nodes = [dict(kind="root", parent=None), dict(kind="llm", parent=0), op, dict(kind="leaf", parent=2, reward=0.5)]
     (sample,) = sparkle.op_samples([dict(nodes=nodes)])
     assert sample["ids"] == [5, 6, 7, 8, 9] and sample["loss_mask"] == [0, 0, 0, 1, 1] and sample["credit"] == 0.5
@@ -232,14 +232,30 @@ def test_loss_mask_is_exactly_the_action_and_prompt_logits_get_no_gradient():
     assert grad[2] > 0 and grad[3] > 0 and grad[0] == grad[1] == grad[4] == 0
 
 
+def test_forced_rd_answers_are_flagged_and_their_policy_loss_scaled_by_the_forced_weight():
+    nodes = [dict(kind="root", parent=None), dict(kind="llm", parent=0)]
+    nodes += [dict(kind="rd", parent=1, prompt_ids=[5], action_ids=[8, 2], fixed=f) for f in ("yes", None)]
+    nodes += [dict(kind="leaf", parent=2, reward=1.0), dict(kind="leaf", parent=3, reward=0.0)]
+    forced, sampled = sparkle.op_samples([dict(nodes=nodes)])
+    assert forced["forced"] is True and sampled["forced"] is False  # Eq. 1's forced Yes, a sampled RD output
+    logp, mask, adv = torch.zeros(2, 2, requires_grad=True), torch.ones(2, 2), torch.ones(2, 2)
+    loss, _ = sparkle.clipped_surrogate(logp, logp.detach(), adv, mask, 0.2, torch.tensor([[0.1], [1.0]]))
+    assert loss.tolist() == pytest.approx([-0.1, -1.0])  # the forced operation's term times 0.1, the other's whole
+    loss.sum().backward()
+    assert logp.grad[0].tolist() == pytest.approx([-0.05, -0.05]) and logp.grad[1].tolist() == pytest.approx(
+        [-0.5, -0.5]
+    )
+    assert sparkle.Args().forced_weight is None and sparkle.PRESETS["forced_weight"] == (0.1, 1.0)
+
+
 def test_ppo_update_whitens_over_the_rollout_with_the_population_variance(monkeypatch):
     from accelerate import Accelerator
 
     from common.toy_lm import load_toy_lm
 
     model, tokenizer = load_toy_lm(TINY_LM)
-    samples = [dict(ids=[4, 7, 8], loss_mask=[0, 1, 1], credit=0.75, agent="rd"),
-               dict(ids=[4, 9, 10, 11], loss_mask=[0, 1, 1, 1], credit=0.5, agent="qf")]  # fmt: skip
+    samples = [dict(ids=[4, 7, 8], loss_mask=[0, 1, 1], credit=0.75, agent="rd", forced=True),
+               dict(ids=[4, 9, 10, 11], loss_mask=[0, 1, 1, 1], credit=0.5, agent="qf", forced=False)]  # fmt: skip
     hand = [
         dict(adv=[0.75, 0.75], ret=[0.0, 0.0], val=[0.0, 0.0]),
         dict(adv=[0.075, 1.0, 0.5], ret=[0.0] * 3, val=[0.0] * 3),
@@ -251,9 +267,10 @@ def test_ppo_update_whitens_over_the_rollout_with_the_population_variance(monkey
         for sample, h in zip(samples, hand):
             sample.update(h)
 
-    def spy(new, old, adv, mask, clip):
+    def spy(new, old, adv, mask, clip, weights):
         seen.append(adv[mask.bool()].tolist())
-        return surrogate(new, old, adv, mask, clip)
+        seen.append(sorted(weights.flatten().tolist()))
+        return surrogate(new, old, adv, mask, clip, weights)
 
     monkeypatch.setattr(sparkle, "score_samples", fake_score)
     monkeypatch.setattr(sparkle, "clipped_surrogate", spy)
@@ -263,6 +280,7 @@ def test_ppo_update_whitens_over_the_rollout_with_the_population_variance(monkey
     schedulers = [torch.optim.lr_scheduler.LambdaLR(o, lambda step: 1.0) for o in optimizers]
     sparkle.ppo_update(Accelerator(cpu=True), model, value, ref, optimizers, schedulers, samples, 0, args)
     assert sorted(seen[0]) == pytest.approx(sorted([0.4315, 0.4315, -1.7258, 1.2305, -0.3675]), abs=1e-4)
+    assert seen[1] == pytest.approx([0.1, 1.0])  # the forced operation's weight: the toy preset's --forced_weight
 
 
 # ---------------------------------------------------------------- the rollout with scripted agents, spec §8.3, §8.12
@@ -567,7 +585,8 @@ def test_trains_on_a_freshly_generated_world(tmp_path, capsys):
     world = write_world(tmp_path / "world", seed=3, size=0.5)
     out = tmp_path / "run"
     stdout = run(["--train", "--data_dir", str(world), "--output_dir", str(out), "--n_eval", "40", "--n_train", "120",
-                  "--sft_steps", "150", "--ppo_iterations", "1", "--rollout_batch", "4"], capsys)  # fmt: skip
+                  "--sft_steps", "150", "--ppo_iterations", "1", "--rollout_batch", "4",
+                  "--question_types", "one_hop,two_hop"], capsys)  # fmt: skip  # the world's plumbing, on easy types
     results = check_contract(out, stdout)
     assert results["dataset"] == str(world) and results["args"]["llm"] == f"toy:{world}"
     assert results["before"]["f1"] > results["before_sft"]["f1"] and results["before"]["recall"] > 0
