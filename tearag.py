@@ -119,6 +119,7 @@ class Args:
     dpo_lr: float | None = arg(None, "IP-DPO learning rate [§5.1.3: 1e-4]")
     dpo_batch_size: int = arg(16, "pairs per IP-DPO step [§5.1.3: 16]")
     rollout_batch: int | None = arg(None, "questions per batched rollout (times R paths)")
+    evidence: str = arg("passage", "golden evidence g_t of the process reward [spec §5.2]", choices=["passage", "sentence"])
 
 
 PRESETS = {  # values for the fields left at None; any flag overrides them
@@ -506,12 +507,19 @@ def path_rewards(path, evidence, sim):
     return r_format, r_outcome, process_reward(cem, sim_q, sim(evidence, items), sim_s)
 
 
-def golden_evidence(row, docs):
-    """G = [g_1..g_l]: the texts of a multi-hop question's supporting passages ([] for a single-hop question)."""
+def golden_evidence(row, docs, unit="passage"):
+    """G = [g_1..g_l] of a multi-hop question ([] for a single-hop one): its supporting passages (MuSiQue), or with
+    unit "sentence" the sentence of each that holds its hop's sub-answer (HotpotQA's supporting facts; spec §5.2)."""
     meta = row.get("metadata") or {}
     if int(meta.get("hops") or 1) < 2:
         return []
-    return [item_text(docs[str(i)]) for i in meta.get("supporting_doc_ids") or [] if str(i) in docs]
+    ids, answers = [str(i) for i in meta.get("supporting_doc_ids") or [] if str(i) in docs], meta.get("sub_answers")
+    gold = []
+    for t, i in enumerate(ids):
+        answer = str((answers or [])[t]).lower() if t < len(answers or []) else ""
+        hits = [s for s in re.split(r"(?<=[.!?])\s+", docs[i]["text"]) if answer and answer in s.lower().split()]
+        gold.append(hits[0] if unit == "sentence" and hits else item_text(docs[i]))  # no sentence found: the passage
+    return gold
 
 
 # --------------------------------------------------------------------------- 5. preference pairs [Eq. 14]
@@ -776,7 +784,7 @@ def sample_round(model, tokenizer, system, rows, args, seed, name):
         )
         for q in range(0, len(batch), args.n_rollouts):
             group = batch[q : q + args.n_rollouts]
-            evidence = golden_evidence(group[0].row, system.docs)
+            evidence = golden_evidence(group[0].row, system.docs, args.evidence)
             for p in group:
                 p.rewards = path_rewards(p, evidence, system.sim)
             for c, r, kind in build_pairs([p.rewards for p in group], single_hop=not evidence):
