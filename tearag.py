@@ -119,7 +119,7 @@ class Args:
     dpo_lr: float | None = arg(None, "IP-DPO learning rate [§5.1.3: 1e-4]")
     dpo_batch_size: int = arg(16, "pairs per IP-DPO step [§5.1.3: 16]")
     rollout_batch: int | None = arg(None, "questions per batched rollout (times R paths)")
-    evidence: str = arg("passage", "golden evidence g_t of the process reward [spec §5.2]", choices=["passage", "sentence"])
+    evidence: str = arg("passage", "golden evidence g_t [Eq. 9-11; spec §5.2]", choices=["passage", "sentence"])
 
 
 PRESETS = {  # values for the fields left at None; any flag overrides them
