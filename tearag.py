@@ -26,6 +26,7 @@ Deviations from the paper (each marked `# simplification:` where it lives):
 5. `</Reference>` is written by the environment and masked like the evidence between the tags.
 6. Toy preset: full fine-tuning of a 0.6M model; SFT by steps on all question types plus 3 retrieved distractors.
 7. One LoRA adapter is trained through SFT and all rounds (Theta_p starts from Theta_{p-1}, nothing merged).
+8. `--evidence sentence`: a hop's supporting sentence is the one holding its sub-answer, not an annotated fact.
 """
 
 import math
@@ -514,11 +515,12 @@ def golden_evidence(row, docs, unit="passage"):
     if int(meta.get("hops") or 1) < 2:
         return []
     ids, answers = [str(i) for i in meta.get("supporting_doc_ids") or [] if str(i) in docs], meta.get("sub_answers")
-    gold = []
+    gold, answers = [], [norm_name(a) for a in answers or []]
     for t, i in enumerate(ids):
-        answer = str((answers or [])[t]).lower() if t < len(answers or []) else ""
-        hits = [s for s in re.split(r"(?<=[.!?])\s+", docs[i]["text"]) if answer and answer in s.lower().split()]
-        gold.append(hits[0] if unit == "sentence" and hits else item_text(docs[i]))  # no sentence found: the passage
+        sentences = re.split(r"(?<=[.!?])\s+", docs[i]["text"])
+        hits = [s for s in sentences if t < len(answers) and f" {answers[t]} " in f" {norm_name(s)} "]
+        # simplification: the sentence holding the hop's sub-answer stands in for annotated facts (header item 8)
+        gold.append(hits[0] if unit == "sentence" and hits else item_text(docs[i]))  # none found: the passage
     return gold
 
 
