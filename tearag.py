@@ -26,6 +26,7 @@ Deviations from the paper (each marked `# simplification:` where it lives):
 5. `</Reference>` is written by the environment and masked like the evidence between the tags.
 6. Toy preset: full fine-tuning of a 0.6M model; SFT by steps on all question types plus 3 retrieved distractors.
 7. One LoRA adapter is trained through SFT and all rounds (Theta_p starts from Theta_{p-1}, nothing merged).
+8. `--evidence sentence`: a hop's supporting sentence is the one holding its sub-answer, not an annotated fact.
 """
 
 import math
@@ -119,6 +120,7 @@ class Args:
     dpo_lr: float | None = arg(None, "IP-DPO learning rate [§5.1.3: 1e-4]")
     dpo_batch_size: int = arg(16, "pairs per IP-DPO step [§5.1.3: 16]")
     rollout_batch: int | None = arg(None, "questions per batched rollout (times R paths)")
+    evidence: str = arg("passage", "golden evidence g_t [Eq. 9-11; spec §5.2]", choices=["passage", "sentence"])
 
 
 PRESETS = {  # values for the fields left at None; any flag overrides them
@@ -506,12 +508,20 @@ def path_rewards(path, evidence, sim):
     return r_format, r_outcome, process_reward(cem, sim_q, sim(evidence, items), sim_s)
 
 
-def golden_evidence(row, docs):
-    """G = [g_1..g_l]: the texts of a multi-hop question's supporting passages ([] for a single-hop question)."""
+def golden_evidence(row, docs, unit="passage"):
+    """G = [g_1..g_l] of a multi-hop question ([] for a single-hop one): its supporting passages (MuSiQue), or with
+    unit "sentence" the sentence of each that holds its hop's sub-answer (HotpotQA's supporting facts; spec §5.2)."""
     meta = row.get("metadata") or {}
     if int(meta.get("hops") or 1) < 2:
         return []
-    return [item_text(docs[str(i)]) for i in meta.get("supporting_doc_ids") or [] if str(i) in docs]
+    ids, answers = [str(i) for i in meta.get("supporting_doc_ids") or [] if str(i) in docs], meta.get("sub_answers")
+    gold, answers = [], [norm_name(a) for a in answers or []]
+    for t, i in enumerate(ids):
+        sentences = re.split(r"(?<=[.!?])\s+", docs[i]["text"])
+        hits = [s for s in sentences if t < len(answers) and f" {answers[t]} " in f" {norm_name(s)} "]
+        # simplification: the sentence holding the hop's sub-answer stands in for annotated facts (header item 8)
+        gold.append(hits[0] if unit == "sentence" and hits else item_text(docs[i]))  # none found: the passage
+    return gold
 
 
 # --------------------------------------------------------------------------- 5. preference pairs [Eq. 14]
@@ -776,7 +786,7 @@ def sample_round(model, tokenizer, system, rows, args, seed, name):
         )
         for q in range(0, len(batch), args.n_rollouts):
             group = batch[q : q + args.n_rollouts]
-            evidence = golden_evidence(group[0].row, system.docs)
+            evidence = golden_evidence(group[0].row, system.docs, args.evidence)
             for p in group:
                 p.rewards = path_rewards(p, evidence, system.sim)
             for c, r, kind in build_pairs([p.rewards for p in group], single_hop=not evidence):

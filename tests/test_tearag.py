@@ -483,6 +483,23 @@ def test_lexical_reranker_logit_is_8_f1_minus_4_of_idf_weighted_content_words(sy
     assert T.sigmoid(logits).min() > 0.017 and T.sigmoid(logits).max() < 0.983
 
 
+def test_golden_evidence_is_the_supporting_passage_or_the_sentence_holding_the_sub_answer(system):
+    docs = {"1": {"title": "dites", "text": "dites was born in makux . dites was born in 1952 ."},
+            "2": {"title": "makux", "text": "makux is a city in rusu ."}}  # fmt: skip
+    meta = {"hops": 2, "supporting_doc_ids": ["1", "2"], "sub_answers": ["makux", "vopa"]}
+    row = {"question": "in which country was dites born ?", "metadata": meta}
+    passages = ["dites dites was born in makux . dites was born in 1952 .", "makux makux is a city in rusu ."]
+    assert T.golden_evidence(row, docs) == passages
+    # doc 1: the sentence with "makux" (not the 1952 one); doc 2 holds no "vopa": its passage
+    assert T.golden_evidence(row, docs, "sentence") == ["dites was born in makux .", passages[1]]
+    assert T.golden_evidence({**row, "metadata": {**meta, "hops": 1}}, docs, "sentence") == []  # single-hop rule
+    # a summary stating the fact matches the sentence fully (logit 8 * 1 - 4) and the passage less (1952 unmatched)
+    idf, s = system.rerank.idf, "dites was born in makux"
+    d, b, m, y = idf["dites"], idf["born"], idf["makux"], idf["1952"]
+    logits = system.rerank([("dites was born in makux .", s), (passages[0], s)])
+    assert logits == pytest.approx([4.0, 8 * 2 * (d + b + m) / (2 * (d + b + m) + y) - 4])
+
+
 def item_ends(item):
     return (item["head"], item["tail"])
 
