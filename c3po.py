@@ -37,7 +37,7 @@ import random
 import re
 import time
 from collections import Counter, defaultdict
-from dataclasses import asdict, dataclass, field, replace
+from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 
 import torch
@@ -50,12 +50,8 @@ from common.llm import backbone_of, chat_prompts, generate, right_pad, unknown_w
 from common.metrics import answer_scores, cover_em, summarize
 from common.models import load_model_and_tokenizer, make_llm
 from common.retrieval import open_retriever
+from common.runs import arg
 from common.toy import RenamingEnv, oracle_c3po, rename_entities, rename_rows, world_or_none
-
-
-def arg(default, help, **metadata):
-    """A dataclass field with its --help text."""
-    return field(default=default, metadata={"help": help, **metadata})
 
 
 @dataclass

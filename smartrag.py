@@ -38,7 +38,7 @@ import math
 import random
 import time
 from collections import defaultdict
-from dataclasses import asdict, dataclass, field, replace
+from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 
 import torch
@@ -52,12 +52,8 @@ from common.llm import backbone_of, chat_prompts, generate, left_pad, right_pad,
 from common.metrics import answer_scores, cover_em, f1_score, summarize
 from common.models import load_model_and_tokenizer, make_llm
 from common.retrieval import open_retriever
+from common.runs import arg
 from common.toy import RenamingEnv, rename_entities, rename_rows, world_or_none
-
-
-def arg(default, help, **metadata):
-    """A dataclass field with its --help text."""
-    return field(default=default, metadata={"help": help, **metadata})
 
 
 @dataclass

@@ -36,7 +36,7 @@ import random
 import re
 import time
 from collections import Counter, defaultdict
-from dataclasses import asdict, dataclass, field, replace
+from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 
 import torch
@@ -49,14 +49,10 @@ from common.llm import backbone_of, chat_prompts, generate, right_pad, unknown_w
 from common.metrics import answer_scores, doc_recall, f1_score, summarize
 from common.models import load_model_and_tokenizer, make_llm
 from common.retrieval import TfidfEncoder, load_corpus, open_retriever
+from common.runs import arg
 from common.toy import RenamingEnv, oracle_sparkle, rename_entities, rename_rows, world_or_none
 
 ABLATIONS = ["none", "no_rd", "no_qf", "direct_qf", "no_ki", "direct_ki"]
-
-
-def arg(default, help, **metadata):
-    """A dataclass field with its --help text."""
-    return field(default=default, metadata={"help": help, **metadata})
 
 
 @dataclass

@@ -50,12 +50,8 @@ from common.llm import add_lora, chat_prompts, generate, right_pad, unknown_word
 from common.metrics import answer_scores, f1_score, summarize
 from common.models import load_model_and_tokenizer
 from common.retrieval import DenseRetriever, load_retriever, make_encoder, open_retriever, tokenize_words
+from common.runs import arg
 from common.toy import rename_entities, world_or_none
-
-
-def arg(default, help, **metadata):
-    """A dataclass field with its --help text."""
-    return field(default=default, metadata={"help": help, **metadata})
 
 
 @dataclass

@@ -7,7 +7,7 @@ import random
 import shutil
 import sys
 import time
-from dataclasses import asdict
+from dataclasses import asdict, field
 from pathlib import Path
 
 import numpy as np
@@ -17,6 +17,11 @@ import torch.nn.functional as F
 STATE = "run_state.json"
 # arguments that never change what a run computes (the modes excepted): a resumed run may differ in these only
 NOT_COMPARED = ("output_dir", "run_name", "resume", "eval_every", "report_to", "gradient_checkpointing")
+
+
+def arg(default, help, **metadata):
+    """A dataclass field with its --help text (the method files' Args)."""
+    return field(default=default, metadata={"help": help, **metadata})
 
 
 def save_checkpoint(folder, model, tokenizer, state, tensors=None):
