@@ -70,6 +70,9 @@ class Args:
     output_dir: str | None = field(default=None, metadata={"help": "default: runs/<run_name>; --eval: <model>/eval"})
     run_name: str | None = field(default=None, metadata={"help": "a training run's name: sparcrag__<seed>__<time>"})
     resume: bool = field(default=False, metadata={"help": "continue the run --run_name / --output_dir"})
+    dry_run: bool = field(
+        default=False, metadata={"help": "print the resolved configuration, check its paths, load nothing"}
+    )
     report_to: str = field(default="none", metadata={"help": "tracker", "choices": ["none", "tensorboard", "wandb"]})
     seed: int = field(default=42, metadata={"help": "seed of models, sampling and data order [App. A.4: 42]"})
     # data, retrievers, models
@@ -1028,7 +1031,7 @@ def main(argv=None):
     """Parse the flags, fill the preset, dispatch on the mode."""
     untrained = "the raw toy-lm writes no valid rewrite (the tuned model: runs/<run_name>/dpo)"
     args = apply_preset(runs.parse_args(Args, argv, untrained))
-    (train if args.train else run_eval if args.eval else ask)(args)
+    (runs.dry_run if args.dry_run else train if args.train else run_eval if args.eval else ask)(args)
 
 
 if __name__ == "__main__":

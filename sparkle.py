@@ -66,6 +66,7 @@ class Args:
     output_dir: str | None = arg(None, "results, metrics, checkpoints (default: runs/<run_name> or <model>/eval)")
     run_name: str | None = arg(None, "a training run's name (default: sparkle__<seed>__<time>)")
     resume: bool = arg(False, "continue the run --run_name / --output_dir from its last checkpoint")
+    dry_run: bool = arg(False, "print the resolved configuration, check its paths and models, load nothing")
     report_to: str = arg("none", "tracker beside metrics.jsonl", choices=["none", "tensorboard", "wandb"])
     seed: int = arg(0, "seed of models, sampling and data order")
     # data, retriever, models
@@ -1092,7 +1093,7 @@ def main(argv=None):
     if HfArgumentParser(Args).parse_args_into_dataclasses(args=argv)[0].extract_triples:
         return extract_triples(apply_preset(HfArgumentParser(Args).parse_args_into_dataclasses(args=argv)[0]))
     args = apply_preset(runs.parse_args(Args, argv, "the untrained proxy writes no valid action"))
-    (train if args.train else run_eval if args.eval else ask)(args)
+    (runs.dry_run if args.dry_run else train if args.train else run_eval if args.eval else ask)(args)
 
 
 if __name__ == "__main__":

@@ -64,6 +64,7 @@ class Args:
     output_dir: str | None = arg(None, "run folder (default: runs/<run_name>; --eval: <model>/eval)")
     run_name: str | None = arg(None, "a training run's name (default tearag__<seed>__<time>)")
     resume: bool = arg(False, "continue the run --run_name / --output_dir")
+    dry_run: bool = arg(False, "print the resolved configuration, check its paths and models, load nothing")
     report_to: str = arg("none", "tracker beside metrics.jsonl", choices=["none", "tensorboard", "wandb"])
     seed: int = arg(0, "seed of models, sampling and data order")
     # data, retrieval system, model
@@ -995,7 +996,7 @@ def ask(args):
 def main(argv=None):
     """Parse the flags, fill the preset, dispatch on the mode."""
     args = apply_preset(runs.parse_args(Args, argv, "the untrained start writes no reasoning path"))
-    (train if args.train else run_eval if args.eval else ask)(args)
+    (runs.dry_run if args.dry_run else train if args.train else run_eval if args.eval else ask)(args)
 
 
 if __name__ == "__main__":

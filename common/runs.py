@@ -16,7 +16,7 @@ import torch.nn.functional as F
 
 STATE = "run_state.json"
 # arguments that never change what a run computes (the modes excepted): a resumed run may differ in these only
-NOT_COMPARED = ("output_dir", "run_name", "resume", "eval_every", "report_to", "gradient_checkpointing")
+NOT_COMPARED = ("output_dir", "run_name", "resume", "dry_run", "eval_every", "report_to", "gradient_checkpointing")
 
 
 def arg(default, help, **metadata):
@@ -121,13 +121,38 @@ def parse_args(args_class, argv=None, untrained="the untrained start answers at 
     from transformers import HfArgumentParser
 
     (args,) = HfArgumentParser(args_class).parse_args_into_dataclasses(args=argv)
-    if not (args.train or args.eval or args.ask):
+    if not (args.train or args.eval or args.ask or getattr(args, "dry_run", False)):
         raise SystemExit('choose a mode: --train, --eval or --ask "question" (see --help)')
     if args.ask and args.model is None:
         raise SystemExit(f"--ask needs --model: a trained checkpoint (e.g. runs/<run_name>/ppo); {untrained}")
     if args.data_dir is None and args.model and (state := load_state(args.model)):
         args.data_dir = state.get("data_dir")  # a checkpoint remembers its world (tokenizer, reader, corpus)
     return args
+
+
+def dry_run(args):
+    """--dry_run: the configuration as resolved (preset filled in) as json, then every data file and model it names
+    found without loading anything; a missing one ends the run (exit 1) naming its flag and path."""
+    from common.models import where_is
+
+    config, lines, missing = asdict(args), [], []
+    print(json.dumps(config, indent=1))
+    splits = ["test"] * (args.train or args.eval) + ["train"] * args.train
+    splits += [v for k, v in config.items() if args.train and k.endswith("_split") and v]
+    paths = {f"data_dir ({s} split)": Path(args.data_dir or ".") / f"{s}.jsonl" for s in dict.fromkeys(splits)}
+    indexes = [config[k] for k in ("index", "bm25_index", "dense_index") if k in config]
+    files = ("triples", "index", "entity_index", "bm25_index", "dense_index") + ("corpus",) * (not all(indexes or [0]))
+    paths |= {k: Path(config[k]) for k in files if config.get(k)}  # a corpus is not read when every index is saved
+    where = {k: where_is(config.get(k)) for k in ("model", "llm", "encoder", "reranker", "rewriter", "base_llm")}
+    for flag, place in [(k, p.exists() and str(p)) for k, p in paths.items()] + [(k, w) for k, w in where.items()]:
+        if place:
+            lines.append(f"  {flag}: {place}")
+        elif flag in paths or config.get(flag):
+            missing.append(f"--{flag.split()[0]} {paths.get(flag) or config[flag]}")
+    print("\n".join(lines))
+    if missing:
+        raise SystemExit(f"dry run: not found: {'; '.join(missing)}")
+    print("dry run: configuration resolved, every path found, nothing loaded")
 
 
 def start(args, method):

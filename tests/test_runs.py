@@ -654,3 +654,48 @@ def test_result_record_is_the_result_contract():
     evaluated = runs.result_record("m", Args(train=False), None, before, None, {"sft": 0}, 1.0, "policy_calls")
     assert evaluated["mode"] == "eval" and evaluated["after"] == before  # --eval: the one evaluation is the final one
     assert evaluated["llm_calls_per_question"] == 3.0 and evaluated["retrievals_per_question"] == 1.5
+
+
+PAPER_MODELS = {  # each paper preset's models (spec §6 of each method), as its --dry_run must print them
+    "smartrag": ["meta-llama/Llama-2-7b-chat-hf", "intfloat/e5-base-v2"],
+    "c3po": ["Qwen/Qwen2-0.5B", "hf:Qwen/Qwen2-72B-Instruct", "facebook/contriever-msmarco"],
+    "sparkle": ["Qwen/Qwen2.5-3B-Instruct", "hf:Qwen/Qwen2.5-7B-Instruct", "intfloat/e5-large-v2"],
+    "tearag": ["meta-llama/Meta-Llama-3-8B-Instruct", "intfloat/e5-base-v2", "BAAI/bge-reranker-v2-m3"],
+    "sparcrag": ["Qwen/Qwen2.5-7B-Instruct", "intfloat/e5-base-v2"],
+}
+
+
+@pytest.mark.parametrize("method", list(PAPER_MODELS))
+def test_paper_preset_dry_run_resolves_checks_paths_and_loads_nothing(method, tmp_path, monkeypatch, capsys):
+    import importlib
+
+    import common.data
+    import common.llm
+    import common.models
+    import common.retrieval
+
+    module = importlib.import_module(method)
+
+    def work(*args, **kwargs):
+        raise AssertionError("a dry run loaded something")
+
+    for owner in (module, common.llm, common.models, common.data, common.retrieval):
+        for name in ("load_model_and_tokenizer", "make_llm", "load_split", "load_qa", "open_retriever", "load_world"):
+            if hasattr(owner, name):
+                monkeypatch.setattr(owner, name, work)
+    argv = ["--preset", "paper", "--dry_run", "--train", "--data_dir", str(tmp_path)]
+    argv += ["--rewriter", "http://127.0.0.1:9/v1"] * (method == "smartrag")  # its paper --train needs one
+    with pytest.raises(SystemExit, match=f"dry run: not found: --data_dir {tmp_path / 'test.jsonl'}; --data_dir "):
+        module.main(argv)  # an empty folder: each file named, nothing read
+    for name in ("train.jsonl", "test.jsonl", "corpus.jsonl", "triples.jsonl"):
+        (tmp_path / name).write_text("")
+    capsys.readouterr()
+    module.main(argv)
+    out = capsys.readouterr().out
+    config = json.loads(out[: out.index("\n}\n") + 2])  # the resolved configuration comes first
+    assert config["preset"] == "paper" and config["dry_run"] and config["data_dir"] == str(tmp_path)
+    assert [m for m in PAPER_MODELS[method] if m in config.values()] == PAPER_MODELS[method]
+    assert f"corpus: {tmp_path / 'corpus.jsonl'}" in out and "model: hub id" in out
+    assert out.rstrip().endswith("dry run: configuration resolved, every path found, nothing loaded")
+    with pytest.raises(SystemExit, match=r"not found: --model /no/such/folder$"):
+        module.main(argv + ["--model", "/no/such/folder"])  # a local path that is not there
