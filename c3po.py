@@ -896,7 +896,7 @@ def ppo_update(accelerator, policy, value, ref, optimizers, schedulers, samples,
                 clipfrac = (((ratio - 1).abs() > args.clip).float() * msk).sum() / msk.sum()
                 approx_kl = (((log_ratio.exp() - 1) - log_ratio) * msk).sum().item() / msk.sum().item()  # k3
                 for key, x in (("policy", pg), ("value", vf), ("clipfrac", clipfrac), ("approx_kl", approx_kl)):
-                    stats[f"losses/{key}"].append(float(x))
+                    stats[f"losses/{key}"].append(torch.as_tensor(x).item())
             for model, opt in zip((policy, value), optimizers):
                 accelerator.clip_grad_norm_(model.parameters(), args.max_grad_norm)
                 opt.step()

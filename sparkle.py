@@ -1088,10 +1088,8 @@ def extract_triples(args, batch=64):
 
 def main(argv=None):
     """Parse the flags, fill the preset, dispatch on the mode."""
-    from transformers import HfArgumentParser
-
-    if HfArgumentParser(Args).parse_args_into_dataclasses(args=argv)[0].extract_triples:
-        return extract_triples(apply_preset(HfArgumentParser(Args).parse_args_into_dataclasses(args=argv)[0]))
+    if (flags := runs.parse_flags(Args, argv)).extract_triples:
+        return extract_triples(apply_preset(flags))
     args = apply_preset(runs.parse_args(Args, argv, "the untrained proxy writes no valid action"))
     (runs.dry_run if args.dry_run else train if args.train else run_eval if args.eval else ask)(args)
 

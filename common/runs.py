@@ -115,12 +115,20 @@ def start_run(args, method, stages=("sft", "ppo")):
     return out
 
 
-def parse_args(args_class, argv=None, untrained="the untrained start answers at random"):
-    """The command line as an `args_class` dataclass (HfArgumentParser): one mode of --train, --eval, --ask; --ask
-    needs --model; a checkpoint given as --model without --data_dir brings its world (the data_dir it trained on)."""
+def parse_flags(args_class, argv=None):
+    """The command line as an `args_class` dataclass (HfArgumentParser); a flag it does not know ends in one line."""
     from transformers import HfArgumentParser
 
-    (args,) = HfArgumentParser(args_class).parse_args_into_dataclasses(args=argv)
+    try:
+        return HfArgumentParser(args_class).parse_args_into_dataclasses(args=argv)[0]
+    except ValueError as e:  # "Some specified arguments are not used by the HfArgumentParser: [...]"
+        raise SystemExit(f"unknown flags {str(e).rpartition(': ')[2]} (see --help)") from None
+
+
+def parse_args(args_class, argv=None, untrained="the untrained start answers at random"):
+    """The command line as an `args_class` dataclass (parse_flags): one mode of --train, --eval, --ask; --ask
+    needs --model; a checkpoint given as --model without --data_dir brings its world (the data_dir it trained on)."""
+    args = parse_flags(args_class, argv)
     if not (args.train or args.eval or args.ask or getattr(args, "dry_run", False)):
         raise SystemExit('choose a mode: --train, --eval or --ask "question" (see --help)')
     if args.ask and args.model is None:

@@ -608,6 +608,8 @@ def test_parse_args_checks_the_mode_and_takes_a_checkpoints_world(tmp_path):
 
     with pytest.raises(SystemExit, match="choose a mode"):
         runs.parse_args(Args, [])
+    with pytest.raises(SystemExit, match=r"^unknown flags \['--bogus', '3'\] \(see --help\)$"):
+        runs.parse_args(Args, ["--train", "--bogus", "3"])  # one line, not HfArgumentParser's traceback
     with pytest.raises(SystemExit, match="--ask needs --model: .* the raw start knows nothing$"):
         runs.parse_args(Args, ["--ask", "who ?"], "the raw start knows nothing")
     (tmp_path / runs.STATE).write_text(json.dumps({"data_dir": "worlds/w3"}))
