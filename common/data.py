@@ -1,4 +1,8 @@
-"""QA datasets in the FlashRAG jsonl format, with validation that names the file and line."""
+"""QA datasets in the FlashRAG jsonl format, with validation that names the file and line; `python -m common.data`
+mixes several into one split (a paper's training set drawn from several datasets):
+
+    python -m common.data --out data/c3po/train.jsonl --n 6000 flashrag/nq/train.jsonl flashrag/hotpotqa/train.jsonl
+"""
 
 import json
 import random
@@ -117,3 +121,39 @@ def sample_rows(rows, n, seed):
     """A seeded sample of n rows without replacement; all rows (in a seeded order) when n is None or >= len(rows)."""
     n = len(rows) if n is None or n >= len(rows) else n
     return random.Random(seed).sample(list(rows), n)
+
+
+def mix(paths, n=None, seed=0):
+    """The rows of several QA files (FlashRAG or C-3PO's raw rows), at most n sampled from each (seeded), each id
+    prefixed by its file's folder name (FlashRAG's ids, e.g. "train_0", repeat across datasets), recorded in
+    metadata "dataset"."""
+    rows = []
+    for path in paths:
+        name = Path(path).resolve().parent.name
+        for row in sample_rows(load_qa(path), n, seed):
+            row["metadata"].setdefault("dataset", name)
+            rows.append(row | {"id": f"{name}/{row['id']}"})
+    return rows
+
+
+def main(argv=None):
+    """The command line: mix QA files into one."""
+    import argparse
+
+    parser = argparse.ArgumentParser(prog="python -m common.data", description="mix FlashRAG QA files into one split")
+    parser.add_argument("files", nargs="+", help="QA jsonl files, e.g. flashrag/nq/train.jsonl")
+    parser.add_argument("--out", required=True, help="the split to write, e.g. data/c3po/train.jsonl")
+    parser.add_argument("--n", type=int, default=None, help="questions sampled from each file (default: all)")
+    parser.add_argument("--seed", type=int, default=0, help="sampling seed")
+    args = parser.parse_args(argv)
+    rows = mix(args.files, args.n, args.seed)
+    Path(args.out).parent.mkdir(parents=True, exist_ok=True)
+    write_jsonl(args.out, rows)
+    print(f"wrote {len(rows)} questions from {len(args.files)} files to {args.out}")
+
+
+if __name__ == "__main__":
+    from common.data import main as command_line  # this module's errors as common.data's, which run_main knows
+    from common.runs import run_main  # a malformed file: one line naming it, exit 2
+
+    run_main(command_line)

@@ -10,8 +10,8 @@ open_retriever(index, corpus, encoder) is what a run uses: the saved folder `ind
 A retriever folder holds retriever.json (kind "dense" or "bm25", corpus path, and for dense the encoder spec
 and faiss factory string), doc_ids.json, corpus.jsonl when it was built from an in-memory corpus rather than a
 file, and the index: index.faiss (dense) or bm25s's own files (BM25). Loading checks that the corpus has the
-ids of doc_ids.json, in order. IVF indexes search with faiss's nprobe=1 by default: raise it with
-faiss.ParameterSpace().set_index_parameter(retriever.index, "nprobe", 64).
+ids of doc_ids.json, in order. A dense folder also keeps faiss's search-time parameters (`--search_params nprobe=64`:
+IVF indexes search with nprobe=1 otherwise). Building at scale (shards over processes, resume): common/indexing.py.
 
 TF-IDF vectors are dense (passages x vocabulary, float32), so TF-IDF refuses corpora beyond TFIDF_MAX_CELLS
 (the toy world is 401 x 526); BM25 and transformers encoders have no such limit. BM25 tokenises as FlashRAG's
@@ -19,7 +19,6 @@ bm25s builder does (English stopwords), but does not stem unless asked, since Py
 `pip install PyStemmer` and build with `--stemmer english` (BM25Retriever.build(corpus, stemmer="english")).
 """
 
-import argparse
 import json
 import math
 import os
@@ -342,12 +341,30 @@ def new_index(dim, index_factory, encoder, texts, train_size, seed=0):
     return index
 
 
-class DenseRetriever:
-    """A faiss inner-product index over encoded passages, with the doc ids in index order."""
+def fit_tfidf(encoder, texts):
+    """A TF-IDF encoder fitted on texts (unless it is already), refused when its dense vectors would pass
+    TFIDF_MAX_CELLS."""
+    encoder = encoder if encoder.vocab else encoder.fit(texts)
+    if len(texts) * encoder.dim > TFIDF_MAX_CELLS:
+        raise EncoderLoadError(
+            f"TF-IDF over {len(texts)} passages x {encoder.dim} words is a dense {len(texts) * encoder.dim * 4e-9:.1f}"
+            f" GB matrix (more than TFIDF_MAX_CELLS = {TFIDF_MAX_CELLS:.0e} cells): use --encoder bm25, or a dense "
+            "encoder such as intfloat/e5-base-v2 with `python -m common.retrieval build`"
+        )
+    return encoder
 
-    def __init__(self, index, corpus, encoder, corpus_path=None, index_factory="Flat"):
+
+class DenseRetriever:
+    """A faiss inner-product index over encoded passages, with the doc ids in index order; `search_params` (faiss
+    ParameterSpace syntax: "nprobe=64", "efSearch=128") set the index's search-time parameters."""
+
+    def __init__(self, index, corpus, encoder, corpus_path=None, index_factory="Flat", search_params=""):
         self.index, self.corpus, self.encoder = index, corpus, encoder
-        self.corpus_path, self.index_factory = corpus_path, index_factory
+        self.corpus_path, self.index_factory, self.search_params = corpus_path, index_factory, search_params
+        if search_params:
+            import faiss
+
+            faiss.ParameterSpace().set_index_parameters(index, search_params)
 
     @classmethod
     def build(cls, corpus, encoder, index_factory="Flat", chunk_size=100_000, train_size=100_000):
@@ -355,15 +372,7 @@ class DenseRetriever:
         TF-IDF, and refuses one whose dense vectors would pass TFIDF_MAX_CELLS."""
         corpus_path, docs = resolve_corpus(corpus)
         texts = [d["contents"] for d in docs]
-        if isinstance(encoder, TfidfEncoder):
-            encoder = encoder if encoder.vocab else encoder.fit(texts)
-            if len(texts) * encoder.dim > TFIDF_MAX_CELLS:
-                gb = len(texts) * encoder.dim * 4e-9
-                raise EncoderLoadError(
-                    f"TF-IDF over {len(texts)} passages x {encoder.dim} words is a dense {gb:.1f} GB matrix "
-                    f"(more than TFIDF_MAX_CELLS = {TFIDF_MAX_CELLS:.0e} cells): use --encoder bm25, or a dense "
-                    "encoder such as intfloat/e5-base-v2 with `python -m common.retrieval build`"
-                )
+        encoder = fit_tfidf(encoder, texts) if isinstance(encoder, TfidfEncoder) else encoder
         index = new_index(encoder.dim, index_factory, encoder, texts, train_size)
         starts = range(0, len(texts), chunk_size)
         for start in tqdm(starts, desc="index", disable=len(starts) < 2):
@@ -387,6 +396,7 @@ class DenseRetriever:
         import faiss
 
         meta = {"kind": "dense", "encoder": self.encoder.spec(), "index_factory": self.index_factory}
+        meta["search_params"] = self.search_params
         write_folder(
             folder, self, meta, lambda f: atomic_write(f / "index.faiss", lambda p: faiss.write_index(self.index, p))
         )
@@ -399,7 +409,7 @@ class DenseRetriever:
         meta, docs, corpus_path = read_folder(folder, "dense", ["index.faiss"], corpus)
         index = faiss.read_index(str(Path(folder) / "index.faiss"))
         encoder = encoder or encoder_from_spec(meta["encoder"], **encoder_kwargs)
-        return cls(index, docs, encoder, corpus_path, meta["index_factory"])
+        return cls(index, docs, encoder, corpus_path, meta["index_factory"], meta.get("search_params", ""))
 
 
 # ---------------------------------------------------------------- BM25
@@ -474,59 +484,11 @@ class BM25Retriever:
 # ---------------------------------------------------------------- CLI
 
 
-def parse_args(argv=None):
-    """Command line: `build` an index folder, or `search` one."""
-    parser = argparse.ArgumentParser(prog="python -m common.retrieval", description=__doc__.split("\n")[0])
-    sub = parser.add_subparsers(dest="command", required=True)
-    build = sub.add_parser("build", help="encode a corpus jsonl and save a retriever folder")
-    build.add_argument("--corpus", required=True, help="FlashRAG corpus jsonl ({'id', 'contents'} per line)")
-    build.add_argument(
-        "--encoder", required=True, help="'tfidf', 'bm25', a hub id or a local folder (e5/bge/contriever presets)"
-    )
-    build.add_argument(
-        "--stemmer",
-        default=None,
-        help="BM25 only: stem with PyStemmer, e.g. english (not installed "
-        "with this project: pip install PyStemmer); default: no stemming",
-    )
-    build.add_argument("--out", required=True, help="folder to write the retriever to")
-    build.add_argument("--index_factory", default="Flat", help="faiss factory string, e.g. Flat, IVF4096,Flat, HNSW32")
-    build.add_argument("--train_size", type=int, default=100_000, help="passages sampled to train an IVF/PQ index")
-    build.add_argument("--batch_size", type=int, default=64, help="encoder batch size (transformers encoders)")
-    build.add_argument("--max_length", type=int, default=512, help="encoder max tokens (transformers encoders)")
-    build.add_argument("--device", default=None, help="encoder device, default cuda if available")
-    search = sub.add_parser("search", help="search a saved retriever folder; prints one JSON line per query")
-    search.add_argument("--index", required=True, help="retriever folder written by `build` (dense or BM25)")
-    search.add_argument("--query", required=True, action="append", help="query text (repeat for several)")
-    search.add_argument("-k", type=int, default=5, help="passages per query")
-    search.add_argument("--corpus", default=None, help="corpus jsonl, if it moved since the build")
-    return parser.parse_args(argv)
-
-
 def main(argv=None):
-    """Run the command line."""
-    args = parse_args(argv)
-    if args.command == "build" and args.encoder == "bm25":
-        retriever = BM25Retriever.build(args.corpus, stemmer=args.stemmer)
-        retriever.save(args.out)
-        print(f"indexed {len(retriever.corpus)} passages (bm25, stemmer {args.stemmer}) into {args.out}")
-    elif args.command == "build":
-        if args.stemmer:
-            raise EncoderLoadError(f"--stemmer is for --encoder bm25, not {args.encoder!r}")
-        hf_kwargs = (
-            {}
-            if args.encoder == "tfidf"
-            else dict(batch_size=args.batch_size, max_length=args.max_length, device=args.device)
-        )
-        retriever = DenseRetriever.build(
-            args.corpus, make_encoder(args.encoder, **hf_kwargs), args.index_factory, train_size=args.train_size
-        )
-        retriever.save(args.out)
-        print(f"indexed {retriever.index.ntotal} passages ({args.encoder}, {args.index_factory}) into {args.out}")
-    else:
-        retriever = load_retriever(args.index, corpus=args.corpus)
-        for query, hits in zip(args.query, retriever.search(args.query, args.k)):
-            print(json.dumps({"query": query, "hits": hits}, ensure_ascii=False))
+    """The command line (build, search): common.indexing, which builds large indexes in resumable shards."""
+    from common.indexing import main as command_line
+
+    return command_line(argv)
 
 
 if __name__ == "__main__":

@@ -59,3 +59,16 @@ def test_paper_shape_bench_runs_the_method_code_on_cpu(method):
 def test_paper_shape_bench_on_a_gpu(method):
     step, summary = bench(method, {})
     assert summary["dtype"] == "torch.bfloat16" and step["peak_gib"] > 0
+
+
+def test_index_types_bench_prints_a_row_per_index_with_exact_search_at_recall_one():
+    command = [sys.executable, "bench/index_types.py", "--n", "1000", "--dim", "16", "--queries", "20"]
+    command += ["--lists", "8"]
+    out = subprocess.run(command, cwd=ROOT, capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0, out.stderr[-3000:]
+    rows = [line.split(" | ") for line in out.stdout.splitlines() if line.startswith("| ") and "---" not in line][1:]
+    assert [r[0].lstrip("| ") for r in rows] == ["Flat", "HNSW32", "HNSW32", "IVF8,Flat", "IVF8,Flat", "IVF8,PQ1",
+                                                 "OPQ1,IVF8,PQ1"]  # fmt: skip
+    recall = {(r[0].lstrip("| "), r[1]): float(r[2]) for r in rows}
+    assert recall[("Flat", "-")] == 1.0 and recall[("IVF8,Flat", "nprobe=16")] == 1.0  # every list probed: exact
+    assert 0 < recall[("IVF8,PQ1", "nprobe=64")] < 1  # compressed codes lose some neighbours

@@ -1,12 +1,16 @@
 """FlashRAG QA loading: good files load, every kind of bad line names its file and line."""
 
 import json
+import subprocess
+import sys
 import warnings
+from pathlib import Path
 
 import pytest
 
 from common.data import DataError, UserError, load_qa, load_split, read_jsonl, sample_rows, write_jsonl
 
+ROOT = Path(__file__).resolve().parents[1]
 GOOD = [
     {"id": "q1", "question": "who directed kanikx ?", "golden_answers": ["velbo"], "metadata": {"hops": 1}},
     {"id": "q2", "question": "where was velbo born ?", "golden_answers": ["orsa", "orsa city"]},
@@ -149,3 +153,33 @@ def test_load_split_without_any_type_ignores_the_filter_and_says_so(tmp_path):
     with pytest.warns(UserWarning, match=r"train\.jsonl: no row has a metadata 'type'.*one_hop.*all 3 rows"):
         rows = load_split(tmp_path, "train", "one_hop")
     assert [r["id"] for r in rows] == ["0", "1", "2"]
+
+
+def test_mix_samples_each_file_prefixes_ids_and_converts_raw_rows(tmp_path):
+    from common.data import main, mix
+
+    (tmp_path / "nq").mkdir(), (tmp_path / "hotpotqa").mkdir()
+    nq = [{"id": f"train_{i}", "question": f"q{i} ?", "golden_answers": [f"a{i}"]} for i in range(5)]
+    write_jsonl(tmp_path / "nq" / "train.jsonl", nq)
+    raw = {"id": "train_0", "question": "h ?", "answers": ["c"], "metadata": {"type": "bridge"}}  # C-3PO's raw row
+    write_jsonl(tmp_path / "hotpotqa" / "train.jsonl", [raw])
+    rows = mix([tmp_path / "nq" / "train.jsonl", tmp_path / "hotpotqa" / "train.jsonl"], n=2, seed=3)
+    assert [r["id"] for r in rows[:2]] == [f"nq/{r['id']}" for r in sample_rows(nq, 2, 3)]  # seeded, per file
+    assert rows[2] == {"id": "hotpotqa/train_0", "question": "h ?", "golden_answers": ["c"],
+                       "metadata": {"type": "bridge", "dataset": "hotpotqa"}}  # fmt: skip
+    assert len({r["id"] for r in mix([tmp_path / "nq" / "train.jsonl"] * 2)}) == 5  # the same file twice: same ids
+    main(["--out", str(tmp_path / "out" / "train.jsonl"), str(tmp_path / "nq" / "train.jsonl")])
+    assert [r["id"] for r in load_qa(tmp_path / "out" / "train.jsonl")] == [
+        f"nq/{r['id']}" for r in sample_rows(nq, None, 0)
+    ]
+
+
+def test_mix_command_line_reports_a_malformed_file_in_one_line(tmp_path):
+    (tmp_path / "bad.jsonl").write_text("garbage\n")
+    out = subprocess.run([sys.executable, "-m", "common.data", "--out", str(tmp_path / "o.jsonl"),
+                          str(tmp_path / "bad.jsonl")], cwd=ROOT, capture_output=True, text=True)  # fmt: skip
+    assert (
+        out.returncode == 2
+        and out.stderr.strip() == f"error: {tmp_path / 'bad.jsonl'}:1: not valid JSON (Expecting value)"
+    )
+    assert not (tmp_path / "o.jsonl").exists()

@@ -219,6 +219,85 @@ def test_chunked_build_equals_one_chunk(corpus_path, dense):
     assert chunked.search(list(QUERIES), k=5) == dense.search(list(QUERIES), k=5)
 
 
+# ---------------------------------------------------------------- building at scale (common/indexing.py)
+
+
+def vectors(folder):
+    """The vectors of a saved dense folder's faiss index, in index order."""
+    import faiss
+
+    index = faiss.read_index(str(Path(folder) / "index.faiss"))
+    return index.reconstruct_n(0, index.ntotal)
+
+
+def test_sharded_build_in_two_processes_gives_the_index_of_one(corpus_path, tmp_path):
+    from common.indexing import build_sharded
+
+    one = build_sharded(corpus_path, make_encoder("tfidf"), tmp_path / "one", shard_size=5, keep=True)
+    assert sorted(p.name for p in (tmp_path / "one" / "embeddings").glob("*.npy")) == [
+        f"shard_0000{i}.npy"
+        for i in range(3)  # 12 passages in shards of 5
+    ]
+    assert np.load(tmp_path / "one" / "embeddings" / "shard_00002.npy").dtype == np.float16
+    launch = ["accelerate", "launch", "--multi_gpu", "--num_processes", "2", "--num_machines", "1"]
+    launch += ["--mixed_precision", "no", "--dynamo_backend", "no", "--main_process_port", "29517"]
+    command = ["-m", "common.retrieval", "build", "--corpus", str(corpus_path), "--encoder", "tfidf"]
+    command += ["--out", str(tmp_path / "two"), "--shard_size", "5"]
+    out = subprocess.run(launch + command, cwd=REPO, capture_output=True, text=True, env=os.environ | {"CI": "1"})
+    assert out.returncode == 0, out.stderr[-3000:]
+    assert "encode (process 1)" in out.stderr and out.stdout.count("indexed 12 passages") == 1  # main prints
+    assert (tmp_path / "one" / "index.faiss").read_bytes() == (tmp_path / "two" / "index.faiss").read_bytes()
+    assert not (tmp_path / "two" / "embeddings").exists()  # deleted once the folder is saved
+    assert load_retriever(tmp_path / "two").search(list(QUERIES), k=5) == one.search(list(QUERIES), k=5)
+
+
+def test_an_interrupted_build_encodes_only_the_shards_not_yet_written(corpus_path, tmp_path, monkeypatch):
+    from common.indexing import build_sharded
+
+    encode, calls, stop_at = TfidfEncoder.encode, [], [2]
+
+    def counted(self, texts, is_query=False):
+        calls.append(texts[0])
+        if len(calls) == stop_at[0]:
+            raise KeyboardInterrupt  # killed while encoding the second shard
+        return encode(self, texts, is_query)
+
+    monkeypatch.setattr(TfidfEncoder, "encode", counted)
+    with pytest.raises(KeyboardInterrupt):
+        build_sharded(corpus_path, make_encoder("tfidf"), tmp_path / "ix", shard_size=5)
+    assert [p.name for p in (tmp_path / "ix" / "embeddings").glob("*.npy")] == ["shard_00000.npy"]
+    assert not (tmp_path / "ix" / "retriever.json").exists()  # no folder claims to be complete
+    calls.clear()
+    stop_at[0] = 0  # no more interruptions
+    build_sharded(corpus_path, make_encoder("tfidf"), tmp_path / "ix", shard_size=5)
+    assert calls == [f'"{PASSAGES[5][1]}"\n{PASSAGES[5][2]}', f'"{PASSAGES[10][1]}"\n{PASSAGES[10][2]}']
+    build_sharded(corpus_path, make_encoder("tfidf"), tmp_path / "fresh", shard_size=5)
+    np.testing.assert_array_equal(vectors(tmp_path / "ix"), vectors(tmp_path / "fresh"))  # as if never stopped
+
+
+def test_a_build_refuses_the_shards_of_another_build(corpus_path, tmp_path):
+    from common.indexing import build_sharded
+
+    build_sharded(corpus_path, make_encoder("tfidf"), tmp_path / "ix", shard_size=5, keep=True)
+    with pytest.raises(EncoderLoadError, match=r"embeddings holds the shards of another build \(plan.json\)"):
+        build_sharded(corpus_path, make_encoder("tfidf"), tmp_path / "ix", shard_size=4)
+
+
+@pytest.mark.parametrize("factory, params, read", [("IVF2,Flat", "nprobe=2", lambda ix: ix.nprobe),
+                                                   ("HNSW8", "efSearch=64", lambda ix: ix.hnsw.efSearch)])  # fmt: skip
+def test_search_params_are_saved_and_applied_on_load(corpus_path, tmp_path, factory, params, read):
+    import faiss
+
+    from common.indexing import main as cli
+
+    cli(["build", "--corpus", str(corpus_path), "--encoder", "tfidf", "--out", str(tmp_path / "ix"),
+         "--index_factory", factory, "--search_params", params])  # fmt: skip
+    retriever = load_retriever(tmp_path / "ix")
+    index = faiss.extract_index_ivf(retriever.index) if factory.startswith("IVF") else retriever.index
+    assert read(index) == int(params.split("=")[1]) and retriever.search_params == params
+    assert [h[0]["id"] for h in retriever.search(list(QUERIES), k=1)] == list(QUERIES.values())
+
+
 # ---------------------------------------------------------------- BM25
 
 
