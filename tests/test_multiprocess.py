@@ -1,0 +1,47 @@
+"""Every method's --train under `accelerate launch` with two real CPU processes (gloo): one run folder, one RESULT line
+from the main process, the result contract, each stage stepped. smartrag's own test (tests/test_smartrag.py) also
+resumes such a run; sparcrag's DPO steps on pairs gathered from both processes."""
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+from conftest import check_contract
+
+ROOT = Path(__file__).resolve().parents[1]
+TINY_LM = "toy-lm:layers=1,hidden=32,heads=2,kv_heads=2,intermediate=64"
+PPO = ["--n_train", "32", "--n_eval", "8", "--sft_steps", "8", "--ppo_iterations", "2", "--rollout_batch", "4",
+       "--sft_batch_size", "16", "--ppo_batch_size", "64"]  # fmt: skip
+FLAGS = {  # method: (flags, the train_steps the run must report)
+    "c3po": (PPO, {"sft": 8, "ppo": 2}),
+    "sparkle": (PPO, {"sft": 8, "ppo": 2}),
+    "tearag": (["--sft_steps", "4", "--n_dpo", "6", "--n_rollouts", "2", "--n_eval", "12", "--rounds", "1", "--eta",
+                "1", "--dpo_epochs", "1", "--rollout_batch", "6", "--max_new_tokens", "32"], {"sft": 4, "dpo": 0}),
+    "sparcrag": (["--n_train", "12", "--n_eval", "6", "--sft_steps", "6", "--sft_batch_size", "8", "--dpo_epochs", "1",
+                  "--untuned_depth", "2", "--depth", "2", "--max_new_tokens", "96", "--seed", "0"],
+                 {"sft": 6, "dpo": 1}),
+}  # fmt: skip
+
+
+@pytest.mark.parametrize("method", list(FLAGS))
+def test_train_runs_in_two_processes_with_one_result(method, tmp_path):
+    flags, steps = FLAGS[method]
+    env = os.environ | {"HF_HUB_OFFLINE": "1", "OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT)}
+    launch = [sys.executable, "-m", "accelerate.commands.launch", "--multi_gpu", "--num_processes", "2"]
+    launch += ["--num_machines", "1", "--mixed_precision", "no", "--dynamo_backend", "no"]
+    launch += ["--main_process_port", str(29541 + list(FLAGS).index(method))]  # one free port per test
+    command = [str(ROOT / f"{method}.py"), "--train", "--run_name", "ddp", "--data_dir", str(ROOT / "data" / "toy")]
+    command += ["--model", TINY_LM, *flags]
+    done = subprocess.run(launch + command, cwd=tmp_path, capture_output=True, text=True, env=env, timeout=900)
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert [p.name for p in (tmp_path / "runs").iterdir()] == ["ddp"] and done.stdout.count("RESULT ") == 1
+    results = check_contract(tmp_path / "runs" / "ddp", done.stdout)
+    assert results["method"] == method and results["train_steps"] == steps
+    state = json.loads(
+        (tmp_path / "runs" / "ddp" / ("ppo" if "ppo" in steps else "dpo") / "run_state.json").read_text()
+    )
+    if method != "sparcrag":  # its DPO checkpoint is written once, at the end of the stage: no random states
+        assert len(state["rng"]) == 2  # each process's own, for --resume
