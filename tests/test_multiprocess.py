@@ -30,8 +30,11 @@ FLAGS = {  # method: (flags, the train_steps the run must report)
 def test_train_runs_in_two_processes_with_one_result(method, tmp_path):
     flags, steps = FLAGS[method]
     env = os.environ | {"HF_HUB_OFFLINE": "1", "OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT)}
-    launch = [sys.executable, "-m", "accelerate.commands.launch", "--multi_gpu", "--num_processes", "2"]
-    launch += ["--num_machines", "1", "--mixed_precision", "no", "--dynamo_backend", "no"]
+    launch = [sys.executable, "-m", "accelerate.commands.launch", "--num_processes", "2", "--mixed_precision", "no"]
+    if method == "c3po":  # the multi-GPU config file users launch with, on CPU (gloo)
+        launch += ["--config_file", str(ROOT / "configs" / "accelerate" / "multi_gpu.yaml")]
+    else:
+        launch += ["--multi_gpu", "--num_machines", "1", "--dynamo_backend", "no"]
     launch += ["--main_process_port", str(29541 + list(FLAGS).index(method))]  # one free port per test
     command = [str(ROOT / f"{method}.py"), "--train", "--run_name", "ddp", "--data_dir", str(ROOT / "data" / "toy")]
     command += ["--model", TINY_LM, *flags]
@@ -45,3 +48,17 @@ def test_train_runs_in_two_processes_with_one_result(method, tmp_path):
     )
     if method != "sparcrag":  # its DPO checkpoint is written once, at the end of the stage: no random states
         assert len(state["rng"]) == 2  # each process's own, for --resume
+
+
+@pytest.mark.parametrize(
+    "name, kind, processes, stage",
+    [("multi_gpu", "MULTI_GPU", 8, None), ("multi_node", "MULTI_GPU", 16, None),
+     ("deepspeed_zero2", "DEEPSPEED", 8, 2), ("deepspeed_zero3", "DEEPSPEED", 8, 3)],
+)  # fmt: skip
+def test_accelerate_config_files_parse_as_documented(name, kind, processes, stage):
+    from accelerate.commands.config.config_args import load_config_from_file
+
+    config = load_config_from_file(str(ROOT / "configs" / "accelerate" / f"{name}.yaml"))
+    assert config.distributed_type == kind and config.num_processes == processes and config.mixed_precision == "bf16"
+    assert (config.deepspeed_config or {}).get("zero_stage") == stage
+    assert config.num_machines == (2 if name == "multi_node" else 1)
