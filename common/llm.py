@@ -15,6 +15,7 @@ import os
 import time
 import urllib.error
 import urllib.request
+import warnings
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
@@ -183,6 +184,7 @@ def generate(
     stop = as_list(stop)
     text = isinstance(prompts[0], str)  # chat_prompts output already holds its special tokens
     prompt_ids = tokenizer(list(prompts), add_special_tokens=False)["input_ids"] if text else list(map(list, prompts))
+    prompt_ids = fit_context(prompt_ids, model, max_new_tokens)
     input_ids, attention_mask = left_pad(prompt_ids, tokenizer.pad_token_id)
     do_sample = do_sample and num_beams == 1  # beam search is deterministic here
     sampling = dict(temperature=temperature, top_p=top_p, top_k=top_k) if do_sample else {}
@@ -206,6 +208,16 @@ def generate(
     rows = [finish_row(ids, tokenizer, stop, eos_ids) for ids in output[:, input_ids.shape[1] :].tolist()]
     texts, token_ids, finished = (list(column) for column in zip(*rows))
     return Generation(texts, token_ids, prompt_ids, finished)
+
+
+def fit_context(prompt_ids, model, max_new_tokens):
+    """Prompts that leave less than max_new_tokens of the model's context (max_position_embeddings) cut in the middle
+    to fit, FlashRAG's rule: the first and last halves kept (the instruction and the question at the ends), warned."""
+    room = (getattr(model.config, "max_position_embeddings", None) or 0) - max_new_tokens
+    if room < 2 or all(len(p) <= room for p in prompt_ids):
+        return prompt_ids
+    warnings.warn(f"{sum(len(p) > room for p in prompt_ids)} prompt(s) cut in the middle to {room} tokens (context)")
+    return [p if len(p) <= room else p[: room // 2] + p[len(p) - (room - room // 2) :] for p in prompt_ids]
 
 
 def stop_criterion(tokenizer, stop, prompt_width):

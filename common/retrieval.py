@@ -274,7 +274,9 @@ def write_folder(folder, retriever, meta, write_index):
     if retriever.corpus_path is None:
         write_jsonl(folder / "corpus.jsonl", [{"id": d["id"], "contents": d["contents"]} for d in docs])
     write_index(folder)
-    meta = {**meta, "corpus": retriever.corpus_path, "num_docs": len(docs)}
+    index_files = [f for f in folder.iterdir() if f.is_file() and f.name not in ("retriever.json", "doc_ids.json")]
+    sizes = {f.name: f.stat().st_size for f in index_files if f.name != "corpus.jsonl"}  # read_folder checks them
+    meta = {**meta, "corpus": retriever.corpus_path, "num_docs": len(docs), "sizes": sizes}
     atomic_write(folder / "doc_ids.json", lambda p: Path(p).write_text(json.dumps([d["id"] for d in docs])))
     atomic_write(folder / "retriever.json", lambda p: Path(p).write_text(json.dumps(meta)))
 
@@ -291,6 +293,10 @@ def read_folder(folder, kind, files, corpus=None):
     for name in ("retriever.json", "doc_ids.json", *files):
         if not (folder / name).is_file():
             raise DataError(f"{folder}: missing {name} (not a folder written by `python -m common.retrieval build`)")
+    for name, size in meta.get("sizes", {}).items():  # a file cut short (an interrupted download or copy)
+        if (folder / name).is_file() and (actual := (folder / name).stat().st_size) != size:
+            raise DataError(f"{folder / name}: {actual} bytes where retriever.json records {size} (an interrupted "
+                            "download or copy?): fetch or build the folder again")  # fmt: skip
     doc_ids = json.loads((folder / "doc_ids.json").read_text())
     if corpus is None:
         corpus_path = meta["corpus"]  # None: the corpus was saved in the folder

@@ -521,3 +521,17 @@ def test_endpoint_needs_a_model_name():
 def test_right_pad_pads_on_the_right():
     assert llm.right_pad([[5, 6, 7], [8]], 0).tolist() == [[5, 6, 7], [8, 0, 0]]
     assert llm.right_pad([[1], [2, 3]], -100).tolist() == [[1, -100], [2, 3]]
+
+
+def test_a_prompt_longer_than_the_context_is_cut_in_the_middle_with_a_warning():
+    from common.toy_lm import load_toy_lm
+
+    model, tokenizer = load_toy_lm("toy-lm:layers=1,hidden=16,heads=2,kv_heads=2,intermediate=32,max_positions=32")
+    long, short = list(range(10, 60)), list(range(10, 20))  # 50 and 10 token ids; room 32 - 4 = 28
+    with pytest.warns(UserWarning, match=r"^1 prompt\(s\) cut in the middle to 28 tokens \(context\)$"):
+        out = generate(model, tokenizer, [long, short], max_new_tokens=4, do_sample=False)
+    assert out.prompt_ids == [long[:14] + long[-14:], short]  # the first and last 14 kept; the short one untouched
+    assert all(len(ids) <= 4 for ids in out.token_ids)
+    with pytest.warns(UserWarning):
+        assert llm.fit_context([long], model, 3) == [long[:14] + long[-15:]]  # odd room: the tail takes the extra one
+    assert llm.fit_context([long], model, 31) == [long]  # no room to cut to (under 2 tokens): left as it is

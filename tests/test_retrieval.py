@@ -343,6 +343,7 @@ def test_bm25_save_load_gives_identical_results(corpus_path, tmp_path, from_docs
         "stemmer": None,
         "num_docs": len(PASSAGES),
         "corpus": None if from_docs else str(corpus_path.resolve()),
+        "sizes": {name: (tmp_path / "bm25" / name).stat().st_size for name in BM25_FILES},  # bm25s's files only
     }
     if from_docs:
         corpus_path.unlink()  # the folder's own corpus.jsonl is read
@@ -696,3 +697,22 @@ def test_cli_user_error_is_one_line_and_exit_code_2(tmp_path):
     run = subprocess.run(command, capture_output=True, text=True, env=env, cwd=REPO, check=False)
     assert run.returncode == 2 and run.stderr == f"error: {tmp_path / 'none.jsonl'}: file not found\n"
     assert not (tmp_path / "out").exists()
+
+
+@pytest.mark.parametrize("kind, name", [("dense", "index.faiss"), ("bm25", "data.csc.index.npy")])
+def test_a_folder_with_a_file_cut_short_is_refused_naming_it(corpus_path, tmp_path, kind, name):
+    build = (
+        DenseRetriever.build(corpus_path, make_encoder("tfidf"))
+        if kind == "dense"
+        else BM25Retriever.build(corpus_path)
+    )
+    build.save(tmp_path / "ix")
+    meta = json.loads((tmp_path / "ix" / "retriever.json").read_text())
+    assert meta["sizes"][name] == (tmp_path / "ix" / name).stat().st_size > 0
+    data = (tmp_path / "ix" / name).read_bytes()
+    (tmp_path / "ix" / name).write_bytes(data[: len(data) // 2])  # an interrupted download
+    with pytest.raises(DataError, match=rf"{name}: {len(data) // 2} bytes where retriever.json records {len(data)} "):
+        load_retriever(tmp_path / "ix")
+    out = subprocess.run([sys.executable, "-m", "common.retrieval", "search", "--index", str(tmp_path / "ix"),
+                          "--query", "x"], cwd=REPO, capture_output=True, text=True)  # fmt: skip
+    assert out.returncode == 2 and out.stderr.startswith("error: ") and len(out.stderr.strip().splitlines()) == 1
