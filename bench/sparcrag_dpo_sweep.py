@@ -51,7 +51,7 @@ def main(argv=None):
     policy.name_or_path = sweep.sft
     ctx = sparcrag.make_ctx(policy, tokenizer, retrievers, llm, args)
     if sweep.cache and Path(sweep.cache).exists():
-        cached = torch.load(sweep.cache, weights_only=False)
+        cached = torch.load(sweep.cache, weights_only=True)  # plain lists, dicts, strings and numbers
     else:
         rows = sample_rows(train, args.n_train, args.seed)
         own = sparcrag.sparc_rag(rows, ctx, args.width, args.untuned_depth, early_exit=False, seed=args.seed)

@@ -111,3 +111,20 @@ def test_ci_runs_the_readme_test_command():
     test_command = blocks[1].strip().splitlines()[-1]
     assert "pytest" in test_command
     assert test_command in (ROOT / ".ci" / "run").read_text(encoding="utf-8")
+
+
+def test_safety_rules_hold_in_every_python_file():
+    """trust_remote_code off by default, torch.load only with weights_only=True, model output never run (no eval,
+    exec or pickle), API keys read from the environment only."""
+    import inspect
+
+    from common import llm, models
+
+    for function in (llm.load_model_and_tokenizer, models.load_model_and_tokenizer):
+        assert inspect.signature(function).parameters["trust_remote_code"].default is False
+    for path in [p for p in ROOT.rglob("*.py") if ".git" not in p.parts and p.name != "test_repo.py"]:
+        code = path.read_text(encoding="utf-8")
+        loads = re.findall(r"torch\.load\([^\n]*", code)
+        assert all("weights_only=True" in call for call in loads), (path, loads)
+        assert not re.search(r"(?<![\w.])(eval|exec)\(|\bpickle\b|trust_remote_code=True", code), path
+        assert not re.search(r"api_key\s*=\s*[\"'][^\"']+[\"']", code), path  # no key written into the code

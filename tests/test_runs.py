@@ -115,7 +115,8 @@ def assert_checkpoint(folder, version, reference):
     weights, files = load_file(folder / "model.safetensors"), reference["files"]
     assert weights.keys() == reference["weights"].keys()
     assert all(torch.equal(weights[k], reference["weights"][k]) for k in weights)
-    assert torch.load(folder / "extra.pt")["v"].item() == version == torch.load(folder / "optimizer.pt")["step"]
+    extra, optimizer = (torch.load(folder / name, weights_only=True) for name in ("extra.pt", "optimizer.pt"))
+    assert extra["v"].item() == version == optimizer["step"]
     assert sorted(p.name for p in folder.iterdir()) == files
 
 
