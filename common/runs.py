@@ -148,9 +148,10 @@ def dry_run(args):
     splits = ["test"] * (args.train or args.eval) + ["train"] * args.train
     splits += [v for k, v in config.items() if args.train and k.endswith("_split") and v]
     paths = {f"data_dir ({s} split)": Path(args.data_dir or ".") / f"{s}.jsonl" for s in dict.fromkeys(splits)}
-    indexes = [config[k] for k in ("index", "bm25_index", "dense_index") if k in config]
-    files = ("triples", "index", "entity_index", "bm25_index", "dense_index") + ("corpus",) * (not all(indexes or [0]))
-    paths |= {k: Path(config[k]) for k in files if config.get(k)}  # a corpus is not read when every index is saved
+    saved = [config[k] for k in ("index", "bm25_index", "dense_index") if k in config]
+    corpus_read = not (saved and all(saved))  # no corpus is read when every retriever is a saved folder
+    files = ("triples", "index", "entity_index", "bm25_index", "dense_index") + (("corpus",) if corpus_read else ())
+    paths |= {k: Path(config[k]) for k in files if config.get(k)}
     where = {k: where_is(config.get(k)) for k in ("model", "llm", "encoder", "reranker", "rewriter", "base_llm")}
     for flag, place in [(k, p.exists() and str(p)) for k, p in paths.items()] + [(k, w) for k, w in where.items()]:
         if place:
