@@ -48,6 +48,8 @@ def test_train_runs_in_two_processes_with_one_result(method, tmp_path):
     )
     if method != "sparcrag":  # its DPO checkpoint is written once, at the end of the stage: no random states
         assert len(state["rng"]) == 2  # each process's own, for --resume
+    if "ppo" in steps:  # rank-seeded question sampling: the processes draw different rollouts
+        assert state["rng"][0]["own"] != state["rng"][1]["own"]
 
 
 @pytest.mark.parametrize(
