@@ -11,10 +11,11 @@ only encode. The same shards give the same index whatever the process count.
     accelerate launch --num_processes 8 -m common.retrieval build --corpus wiki18_100w.jsonl \\
         --encoder intfloat/e5-base-v2 --index_factory IVF65536,PQ64 --search_params nprobe=128 --out indexes/e5_pq
 
-Index factories and their memory for N passages of dimension d (docs/benchmarks.md has measured recall): Flat, exact,
-4·N·d bytes (wiki-18 with E5-base: 21M x 768, 65 GB); HNSW32 adds about 256·N bytes of links to Flat's vectors;
-IVF<k>,Flat as Flat with faster search; IVF<k>,PQ<m> m·N bytes (PQ64: 1.3 GB for wiki-18). --search_params sets
-faiss's search-time parameters (nprobe=..., efSearch=...), stored with the folder and applied when it is loaded.
+Index factories and their memory for N passages of dimension d (bench/index_types.py; recall in docs/benchmarks.md):
+Flat, exact, 4·N·d bytes (wiki-18 with E5-base: 21M x 768, 60 GiB); HNSW32 about 270·N bytes of links on top;
+IVF<k>,Flat as Flat, with faster search; IVF<k>,PQ<m> about (m + 8)·N bytes (PQ64: 1.4 GiB for wiki-18).
+--search_params sets faiss's search-time parameters (nprobe=..., efSearch=...), stored with the folder and applied
+when it is loaded.
 """
 
 import argparse
