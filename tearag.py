@@ -27,6 +27,7 @@ Deviations from the paper (each marked `# simplification:` where it lives):
 6. Toy preset: full fine-tuning of a 0.6M model; SFT by steps on all question types plus 3 retrieved distractors.
 7. One LoRA adapter is trained through SFT and all rounds (Theta_p starts from Theta_{p-1}, nothing merged).
 8. `--evidence sentence`: a hop's supporting sentence is the one holding its sub-answer, not an annotated fact.
+9. Toy preset: `--sft_redundant_p` of the one-hop SFT paths repeat their step, so the start over-decomposes (Fig. 2b).
 """
 
 import math
@@ -104,6 +105,7 @@ class Args:
     sft_batch_size: int | None = arg(None, "SFT batch size [§5.1.3: 128]")
     sft_single_steps: bool | None = arg(None, "add each step of a path as a 1-hop question [§4.3.1, Tab. 1]")
     sft_distractors: int | None = arg(None, "retrieved items added to each SFT context (spec §9.26; paper: 0)")
+    sft_redundant_p: float | None = arg(None, "toy: share of one-hop SFT paths that repeat their step (paper: 0)")
     weight_decay: float = arg(0.001, "AdamW weight decay of SFT and DPO [§5.1.3: 0.001]")
     micro_batch_size: int | None = arg(None, "SFT paths or DPO pairs per forward pass")
     augment_p: float | None = arg(None, "toy world: entity-renaming probability of an SFT path")
@@ -138,6 +140,7 @@ PRESETS = {  # values for the fields left at None; any flag overrides them
         "micro_batch_size": 64,
         "augment_p": 1.0,
         "sft_distractors": 3,
+        "sft_redundant_p": 0.6,
         "dpo_epochs": "1,1,1",
         "dpo_lr": 2e-4,
         "rollout_batch": 96,
@@ -159,6 +162,7 @@ PRESETS = {  # values for the fields left at None; any flag overrides them
         "micro_batch_size": 2,
         "augment_p": 0.0,
         "sft_distractors": 0,
+        "sft_redundant_p": 0.0,
         "dpo_epochs": "2,2,1",
         "dpo_lr": 1e-4,
         "rollout_batch": 64,
@@ -691,7 +695,12 @@ def sft_examples(rows, system, args, rng):
         steps = sft_steps(row, system, rng)
         if not steps:
             continue
-        items = [(row["question"], steps, row["golden_answers"][0])]
+        if len(steps) == 1 and args.sft_redundant_p and rng.random() < args.sft_redundant_p:
+            # simplification: a one-hop path that retrieves its step twice, the redundant retrieval of agents trained
+            # on outcomes (§1, Fig. 2b) that the toy start lacks; IP-DPO's r_outcome / k removes it (header item 9)
+            items = [(row["question"], steps + [dict(steps[0])], row["golden_answers"][0])]
+        else:
+            items = [(row["question"], steps, row["golden_answers"][0])]
         if args.sft_single_steps and len(steps) > 1:
             items += [(s["subquery"], [s], s["answer"]) for s in steps]
         for question, path, answer in items:

@@ -523,8 +523,33 @@ def test_sft_paths_follow_the_decomposition(system):
         assert s["summary"].endswith(f"{answer}.") and all(
             f"{T.item_text(t)}" in s["summary"] for t in gold if t["kind"] == "triplet"
         )
-    examples = T.sft_examples([row], system, SimpleNamespace(sft_single_steps=True), __import__("random").Random(0))
+    args = SimpleNamespace(sft_single_steps=True, sft_redundant_p=1.0)  # a multi-hop path is never repeated
+    examples = T.sft_examples([row], system, args, __import__("random").Random(0))
     assert [e[0] for e in examples] == [row["question"], *m["sub_queries"]]  # the path, then each step as 1-hop
+    assert [text[:7] for text, _ in examples[0][1]].count("Step 3:") == 0 and len(examples[0][1]) == 7
+
+
+def test_redundant_sft_paths_repeat_the_step_of_a_share_of_the_one_hop_questions(system):
+    """Toy --sft_redundant_p: a one-hop path retrieves its step twice (same entities, subquery, evidence, summary)."""
+    rows = [json.loads(line) for line in (WORLD / "train.jsonl").open()][:240]
+    one_hop = [r for r in rows if r["metadata"]["type"] == "one_hop"]
+    rng = lambda: __import__("random").Random(0)
+    path = lambda p, row: T.sft_examples(
+        [row], system, SimpleNamespace(sft_single_steps=False, sft_redundant_p=p), rng()
+    )
+    ((question, once),) = path(0.0, one_hop[0])
+    ((_, twice),) = path(1.0, one_hop[0])
+    texts = lambda segments: [text for text, _ in segments]
+    assert (
+        question == one_hop[0]["question"]
+        and texts(once).count("Final answer: " + one_hop[0]["golden_answers"][0]) == 1
+    )
+    assert len(once) == 4 and len(twice) == 7 and twice[-1] == once[-1]
+    assert twice[0][0].startswith("Step 1:") and twice[3][0] == twice[0][0].replace("Step 1:", "Step 2:")
+    assert twice[1:3] == twice[4:6] == once[1:3]  # the same evidence block (masked) and summary (trained)
+    examples = T.sft_examples(one_hop, system, SimpleNamespace(sft_single_steps=False, sft_redundant_p=0.6), rng())
+    share = sum(len(segments) == 7 for _, segments in examples) / len(examples)
+    assert len(examples) >= 50 and 0.45 < share < 0.75
 
 
 # --------------------------------------------------------------------------- the CLI end to end (tier 1)
@@ -549,7 +574,8 @@ def test_train_on_a_fresh_world_then_eval_and_ask(tmp_path):
         capture_output=True,
     )
     out = tmp_path / "run"
-    result = run("--train", "--data_dir", str(world), "--output_dir", str(out), "--sft_steps", "150", *TINY)
+    tiny_sft = ["--sft_steps", "150", "--sft_redundant_p", "0"]  # 150 steps teach the format without redundant steps
+    result = run("--train", "--data_dir", str(world), "--output_dir", str(out), *tiny_sft, *TINY)
     assert result.returncode == 0, result.stderr[-3000:]
     results = check_contract(out, result.stdout)
     assert results["method"] == "tearag" and results["train_steps"]["sft"] == 150 and results["dataset"] == str(world)
