@@ -100,6 +100,7 @@ class Args:
     gen_batch_size: int = field(default=512, metadata={"help": "prompts per generate call (memory only)"})
     # preference pairs [§3.4]
     n_samples: int = field(default=4, metadata={"help": "samples per state (spec §5.3-5.4 [R]: 4)"})
+    rewrite_pair_temperature: float | None = field(default=None, metadata={"help": "rewrite samples (spec §5.3: 1)"})
     lam: float | None = field(default=None, metadata={"help": "weight of continue over a wrong stop [§5.2: 2]"})
     correct_by: str | None = field(default=None, metadata={"help": "answer correctness: acc, em or f1 (>= 0.5)"})
     synthesize_missing: bool = field(default=False, metadata={"help": "missing side -> canonical decision (spec)"})
@@ -147,6 +148,7 @@ PRESETS = {  # field: (toy, paper), for the fields left at None; any flag overri
     "correct_by": ("em", "acc"),  # simplification: header item 9
     "dpo_lr": (1e-4, 5e-5),  # [App. A.4]; simplification: header item 4
     "lam": (4.0, 2.0),  # [§5.2, Fig. 6]; simplification: header item 10
+    "rewrite_pair_temperature": (1.0, 1.0),  # spec §5.3 [R]
     "micro_batch_size": (16, 1),
     "warmup": ("teacher", "none"),  # simplification: the toy's warm-up (header item 2)
     "sft_steps": (800, 0),
@@ -656,7 +658,8 @@ def build_pairs(runs, ctx, sample, args):
     the combined recall of their W retrievals; per logged Evaluator input, n decisions by the answer's correctness."""
     rewrites = [(e, r) for e, r in states_of(runs, "rewrite") if r["row"]["metadata"].get("supporting_doc_ids")]
     evaluations = states_of(runs, "evaluate")
-    texts = sample([e["prompt"] for e, _ in rewrites + evaluations], args.n_samples)
+    temperatures = [args.rewrite_pair_temperature] * len(rewrites) + [1.0] * len(evaluations)  # spec §5.3-5.4
+    texts = sample([e["prompt"] for e, _ in rewrites + evaluations], args.n_samples, temperatures)
     groups = [[parse_rewrites(t, e["width"]) for t in ts] for (e, _), ts in zip(rewrites, texts)]  # unparsed: []
     flat = [item for group in groups for items in group for item in items]
     found = iter(retrieve(ctx["retrievers"], flat, args.top_k, args.dense_only))
@@ -675,12 +678,18 @@ def build_pairs(runs, ctx, sample, args):
 
 
 def sampler(model, tokenizer, args):
-    """sample(prompts, n): n texts per prompt from the backbone at temperature 1 (spec §5.3-5.4 [R])."""
-    chat = policy_role(model, tokenizer, args, 1.0)
+    """sample(prompts, n, temperatures): n texts per prompt from the backbone at its temperature (spec §5.3-5.4 [R]:
+    1), one generate call per distinct temperature (all at 1: one call, as before the flag)."""
 
-    def sample(prompts, n, seed=0):
-        texts = chat([{"prompt": p} for p in prompts for _ in range(n)], seed)
-        return [texts[i : i + n] for i in range(0, len(texts), n)]
+    def sample(prompts, n, temperatures, seed=0):
+        texts = [None] * len(prompts)
+        for temperature in sorted(set(temperatures)):
+            picked = [i for i, t in enumerate(temperatures) if t == temperature]
+            chat = policy_role(model, tokenizer, args, temperature)
+            out = chat([{"prompt": prompts[i]} for i in picked for _ in range(n)], seed)
+            for j, i in enumerate(picked):
+                texts[i] = out[j * n : (j + 1) * n]
+        return texts
 
     return sample
 
