@@ -25,15 +25,15 @@ Deviations from the paper (each marked `# simplification:` where it lives):
    a teacher that over-accepts wrong answers and writes near-duplicate rewrites (base models in §5.2 and Fig. 7).
 3. Toy world: warm-up SFT examples and DPO pairs are entity-renamed (a tiny model learns to copy names only then).
 4. Toy preset: greedy rewrites (paper: T 0.5), top-3 passages (paper: 6), depth 4 untuned and tuned (paper: 6 fixed,
-   cap 8; Tab. 3's caption: 6), compact templates with single-token tags, DPO lr 1e-4 (paper: 5e-5).
+   cap 8; Tab. 3's caption: 6), compact templates with single-token tags.
 5. The Answer Evaluator's prompt is the spec's proposal (§4.6): the paper prints none.
 6. DPO's reference is the adapter-disabled model (TRL's sigmoid DPO); the paper's printed loss: --reference_free.
 7. Paper preset: BM25 and E5 over wiki-18 (the paper: Elasticsearch BM25, BGE-large-en-v1.5, IRCoT and DPR corpora).
 8. Cost: every role's tokens (toy reader included) in the trained model's tokenizer; latency is batched wall time;
    the rewrite-group overlap (App. B.2) uses the branches' own retrieved sets.
 9. Toy preset: EM labels correctness (evaluator pairs, incorrect acceptance): FlashRAG's acc finds "no" in "unknown".
-10. Toy preset: wrong-stop weight lambda = 4 (paper: 2; Fig. 6 sweeps it): at 2 the tuned toy evaluator kept stopping
-    on some "unknown" answers (docs/sparcrag.md, Toy results).
+10. Toy preset: wrong-stop weight lambda = 8 (paper: 2; Fig. 6 sweeps it): at the paper's DPO lr 5e-5 a smaller lambda
+    leaves the tuned toy evaluator stopping on some "unknown" answers (docs/sparcrag.md, Toy results).
 """
 
 import random
@@ -146,8 +146,8 @@ PRESETS = {  # field: (toy, paper), for the fields left at None; any flag overri
     "evaluator_max_tokens": (8, 600),  # [App. A.4]
     "format_tokens": (True, False),  # simplification: single-token tags (header item 4)
     "correct_by": ("em", "acc"),  # simplification: header item 9
-    "dpo_lr": (1e-4, 5e-5),  # [App. A.4]; simplification: header item 4
-    "lam": (4.0, 2.0),  # [§5.2, Fig. 6]; simplification: header item 10
+    "dpo_lr": (5e-5, 5e-5),  # [App. A.4]
+    "lam": (8.0, 2.0),  # [§5.2, Fig. 6]; simplification: header item 10
     "rewrite_pair_temperature": (1.0, 1.0),  # spec §5.3 [R]
     "micro_batch_size": (16, 1),
     "warmup": ("teacher", "none"),  # simplification: the toy's warm-up (header item 2)
