@@ -25,15 +25,15 @@ Deviations from the paper (each marked `# simplification:` where it lives):
    a teacher that over-accepts wrong answers and writes near-duplicate rewrites (base models in §5.2 and Fig. 7).
 3. Toy world: warm-up SFT examples and DPO pairs are entity-renamed (a tiny model learns to copy names only then).
 4. Toy preset: greedy rewrites (paper: T 0.5), top-3 passages (paper: 6), depth 4 untuned and tuned (paper: 6 fixed,
-   cap 8; Tab. 3's caption: 6), compact templates with single-token tags, DPO lr 1e-4 (paper: 5e-5).
+   cap 8; Tab. 3's caption: 6), compact templates with single-token tags.
 5. The Answer Evaluator's prompt is the spec's proposal (§4.6): the paper prints none.
 6. DPO's reference is the adapter-disabled model (TRL's sigmoid DPO); the paper's printed loss: --reference_free.
 7. Paper preset: BM25 and E5 over wiki-18 (the paper: Elasticsearch BM25, BGE-large-en-v1.5, IRCoT and DPR corpora).
 8. Cost: every role's tokens (toy reader included) in the trained model's tokenizer; latency is batched wall time;
    the rewrite-group overlap (App. B.2) uses the branches' own retrieved sets.
 9. Toy preset: EM labels correctness (evaluator pairs, incorrect acceptance): FlashRAG's acc finds "no" in "unknown".
-10. Toy preset: wrong-stop weight lambda = 4 (paper: 2; Fig. 6 sweeps it): at 2 the tuned toy evaluator kept stopping
-    on some "unknown" answers (docs/sparcrag.md, Toy results).
+10. Toy preset: wrong-stop weight lambda = 8 (paper: 2; Fig. 6 sweeps it): at the paper's DPO lr 5e-5 a smaller lambda
+    leaves the tuned toy evaluator stopping on some "unknown" answers (docs/sparcrag.md, Toy results).
 """
 
 import random
@@ -103,6 +103,7 @@ class Args:
     gen_batch_size: int = field(default=512, metadata={"help": "prompts per generate call (memory only)"})
     # preference pairs [§3.4]
     n_samples: int = field(default=4, metadata={"help": "samples per state (spec §5.3-5.4 [R]: 4)"})
+    rewrite_pair_temperature: float | None = field(default=None, metadata={"help": "rewrite samples (spec §5.3: 1)"})
     lam: float | None = field(default=None, metadata={"help": "weight of continue over a wrong stop [§5.2: 2]"})
     correct_by: str | None = field(default=None, metadata={"help": "answer correctness: acc, em or f1 (>= 0.5)"})
     synthesize_missing: bool = field(default=False, metadata={"help": "missing side -> canonical decision (spec)"})
@@ -148,8 +149,9 @@ PRESETS = {  # field: (toy, paper), for the fields left at None; any flag overri
     "evaluator_max_tokens": (8, 600),  # [App. A.4]
     "format_tokens": (True, False),  # simplification: single-token tags (header item 4)
     "correct_by": ("em", "acc"),  # simplification: header item 9
-    "dpo_lr": (1e-4, 5e-5),  # [App. A.4]; simplification: header item 4
-    "lam": (4.0, 2.0),  # [§5.2, Fig. 6]; simplification: header item 10
+    "dpo_lr": (5e-5, 5e-5),  # [App. A.4]
+    "lam": (8.0, 2.0),  # [§5.2, Fig. 6]; simplification: header item 10
+    "rewrite_pair_temperature": (1.0, 1.0),  # spec §5.3 [R]
     "micro_batch_size": (16, 1),
     "warmup": ("teacher", "none"),  # simplification: the toy's warm-up (header item 2)
     "sft_steps": (800, 0),
@@ -659,7 +661,8 @@ def build_pairs(runs, ctx, sample, args):
     the combined recall of their W retrievals; per logged Evaluator input, n decisions by the answer's correctness."""
     rewrites = [(e, r) for e, r in states_of(runs, "rewrite") if r["row"]["metadata"].get("supporting_doc_ids")]
     evaluations = states_of(runs, "evaluate")
-    texts = sample([e["prompt"] for e, _ in rewrites + evaluations], args.n_samples)
+    temperatures = [args.rewrite_pair_temperature] * len(rewrites) + [1.0] * len(evaluations)  # spec §5.3-5.4
+    texts = sample([e["prompt"] for e, _ in rewrites + evaluations], args.n_samples, temperatures)
     groups = [[parse_rewrites(t, e["width"]) for t in ts] for (e, _), ts in zip(rewrites, texts)]  # unparsed: []
     flat = [item for group in groups for items in group for item in items]
     found = iter(retrieve(ctx["retrievers"], flat, args.top_k, args.dense_only))
@@ -678,12 +681,18 @@ def build_pairs(runs, ctx, sample, args):
 
 
 def sampler(model, tokenizer, args):
-    """sample(prompts, n): n texts per prompt from the backbone at temperature 1 (spec §5.3-5.4 [R])."""
-    chat = policy_role(model, tokenizer, args, 1.0)
+    """sample(prompts, n, temperatures): n texts per prompt from the backbone at its temperature (spec §5.3-5.4 [R]:
+    1), one generate call per distinct temperature (all at 1: one call, as before the flag)."""
 
-    def sample(prompts, n, seed=0):
-        texts = chat([{"prompt": p} for p in prompts for _ in range(n)], seed)
-        return [texts[i : i + n] for i in range(0, len(texts), n)]
+    def sample(prompts, n, temperatures, seed=0):
+        texts = [None] * len(prompts)
+        for temperature in sorted(set(temperatures)):
+            picked = [i for i, t in enumerate(temperatures) if t == temperature]
+            chat = policy_role(model, tokenizer, args, temperature)
+            out = chat([{"prompt": prompts[i]} for i in picked for _ in range(n)], seed)
+            for j, i in enumerate(picked):
+                texts[i] = out[j * n : (j + 1) * n]
+        return texts
 
     return sample
 

@@ -1,7 +1,7 @@
 """The DPO stage of SPARC-RAG alone, from a saved warm-up (sft/), scored on a validation set (docs/log.md).
 
     python bench/sparcrag_dpo_sweep.py --sft runs/toy/sft --cache /tmp/pairs_s0.pt --seed 0             # preset
-    python bench/sparcrag_dpo_sweep.py --sft runs/toy/sft --cache /tmp/pairs_s0.pt --seed 0 --dpo_lr 5e-5
+    python bench/sparcrag_dpo_sweep.py --sft runs/toy/sft --cache /tmp/pairs_s0.pt --seed 0 --dpo_lr 1e-4 --lam 4
     python bench/sparcrag_dpo_sweep.py --sft runs/toy/sft --cache /tmp/pairs_s0.pt --seed 0 --pairs evaluate
 
 The untuned system's runs on the --n_train training questions and their preference pairs are built once and cached

@@ -349,11 +349,11 @@ def test_build_pairs_reads_the_traces_of_a_hand_made_run():
         "EV-right": ["<decision>CONTINUE</decision>", "<decision>STOP</decision>", "stop", "continue"],
     }
     asked = []
-    sample = lambda prompts, n: (asked.append((list(prompts), n)), [sampled[p] for p in prompts])[1]
+    sample = lambda prompts, n, temps: (asked.append((list(prompts), n, temps)), [sampled[p] for p in prompts])[1]
     ctx = scripted_ctx([])
-    args = sparcrag.Args(n_samples=4, lam=2.0, correct_by="em", top_k=1)
+    args = sparcrag.Args(n_samples=4, lam=2.0, correct_by="em", top_k=1, rewrite_pair_temperature=0.5)
     pairs = sparcrag.build_pairs([run], ctx, sample, args)
-    assert asked == [(["RW", "EV-wrong", "EV-right"], 4)]  # one sampling call for all states
+    assert asked == [(["RW", "EV-wrong", "EV-right"], 4, [0.5, 1.0, 1.0])]  # rewrites at the flag, decisions at 1
     rewrite, wrong, right = pairs
     # recalls 0.5, 1.0, 0 (unparsed: nothing retrieved), 0: the second set over the first zero one
     assert rewrite == {
@@ -377,6 +377,26 @@ def test_build_pairs_reads_the_traces_of_a_hand_made_run():
         "chosen": sampled["EV-right"][1],
         "rejected": sampled["EV-right"][0],
     }
+
+
+def test_the_sampler_makes_one_call_per_temperature_and_keeps_the_prompt_order(monkeypatch):
+    calls = []
+
+    def fake_role(model, tokenizer, args, temperature, max_tokens=None):
+        def chat(requests, seed=0):
+            calls.append((temperature, [r["prompt"] for r in requests]))
+            return [f"{r['prompt']}@{temperature}#{i}" for i, r in enumerate(requests)]
+
+        return chat
+
+    monkeypatch.setattr(sparcrag, "policy_role", fake_role)
+    sample = sparcrag.sampler(None, None, sparcrag.Args())
+    texts = sample(["a", "b", "c"], 2, [0.5, 1.0, 0.5])
+    assert texts == [["a@0.5#0", "a@0.5#1"], ["b@1.0#0", "b@1.0#1"], ["c@0.5#2", "c@0.5#3"]]
+    assert calls == [(0.5, ["a", "a", "c", "c"]), (1.0, ["b", "b"])]
+    calls.clear()
+    assert sample(["a", "b"], 1, [1.0, 1.0]) == [["a@1.0#0"], ["b@1.0#1"]]
+    assert calls == [(1.0, ["a", "b"])]  # one temperature: one call, the behaviour before the flag
 
 
 # ---------------------------------------------------------------- the weighted DPO loss (spec §8.7)
