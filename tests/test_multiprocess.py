@@ -64,3 +64,22 @@ def test_accelerate_config_files_parse_as_documented(name, kind, processes, stag
     assert config.distributed_type == kind and config.num_processes == processes and config.mixed_precision == "bf16"
     assert (config.deepspeed_config or {}).get("zero_stage") == stage
     assert config.num_machines == (2 if name == "multi_node" else 1)
+
+
+def test_the_multi_node_config_trains_across_two_machines_on_one_host(tmp_path):
+    """configs/accelerate/multi_node.yaml with its machines played by two launches on this host (one CPU process
+    each, gloo over 127.0.0.1): one run, whose RESULT the main machine prints."""
+    env = os.environ | {"HF_HUB_OFFLINE": "1", "OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT)}
+    launch = [sys.executable, "-m", "accelerate.commands.launch", "--config_file"]
+    launch += [str(ROOT / "configs" / "accelerate" / "multi_node.yaml"), "--num_processes", "2", "--mixed_precision"]
+    launch += ["no", "--main_process_ip", "127.0.0.1", "--main_process_port", "29571"]
+    command = [str(ROOT / "c3po.py"), "--train", "--run_name", "nodes", "--data_dir", str(ROOT / "data" / "toy")]
+    command += ["--model", TINY_LM, *PPO]
+    second = subprocess.Popen([*launch, "--machine_rank", "1", *command], cwd=tmp_path, env=env,
+                              stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True)  # fmt: skip
+    first = subprocess.run([*launch, "--machine_rank", "0", *command], cwd=tmp_path, env=env, capture_output=True,
+                           text=True, timeout=900)  # fmt: skip
+    assert first.returncode == 0 and second.wait(timeout=120) == 0, first.stderr[-3000:]
+    assert "RESULT " not in second.stdout.read()  # the other machine trains, the main one reports
+    results = check_contract(tmp_path / "runs" / "nodes", first.stdout)
+    assert results["train_steps"] == {"sft": 8, "ppo": 2}
