@@ -14,7 +14,6 @@ from pathlib import Path
 from common import llm
 
 DEFAULT_WORLD = Path(__file__).resolve().parent.parent / "data" / "toy"
-BUILT_IN = ("policy", "oracle", "llm", "tfidf", "bm25", "lexical")  # specs that name a role or a built-in scorer
 LLM_SPECS = llm.LLM_SPECS + ', "toy" (the toy reader of data/toy), "toy:<world dir>"'
 
 
@@ -41,27 +40,6 @@ def load_model_and_tokenizer(name_or_path, dtype=None, device=None, lora=None, t
         raise llm.ModelLoadError(f"cannot build {name!r}: {e}") from None
     model.name_or_path = name  # what a LoRA checkpoint records as its base
     return (model if lora is None else llm.add_lora(model, lora)), tokenizer
-
-
-def where_is(spec):
-    """Where a model or LLM spec would load from, found without loading or contacting anything (--dry_run): a
-    description, or None for a local path that does not exist."""
-    import re
-
-    from huggingface_hub import try_to_load_from_cache
-
-    if not spec:
-        return None
-    spec = str(spec)
-    name = spec.removeprefix("hf:")
-    if spec.startswith(("toy", "http://", "https://")) or spec in BUILT_IN:
-        return "an endpoint (not contacted)" if spec.startswith("http") else "built in (toy world or method role)"
-    if Path(name).exists():
-        return f"local folder {Path(name).resolve()}"
-    if re.fullmatch(r"[\w.-]+/[\w.-]+", name):  # owner/name: a hub id
-        cached = isinstance(try_to_load_from_cache(name, "config.json"), str)
-        return "hub id, in the local cache" if cached else "hub id, not in the local cache (downloaded on first use)"
-    return None
 
 
 def make_llm(spec, **kw):

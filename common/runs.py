@@ -138,11 +138,33 @@ def parse_args(args_class, argv=None, untrained="the untrained start answers at 
     return args
 
 
+BUILT_IN = ("policy", "oracle", "llm", "tfidf", "bm25", "lexical")  # specs naming a method role or a built-in scorer
+
+
+def where_is(spec):
+    """Where a model or LLM spec would load from, found without loading or contacting anything (--dry_run): a
+    description, or None for a local path that does not exist (toy specs and BUILT_IN need nothing)."""
+    import re
+
+    from huggingface_hub import try_to_load_from_cache
+
+    if not spec:
+        return None
+    spec = str(spec)
+    name = spec.removeprefix("hf:")
+    if spec.startswith(("toy", "http://", "https://")) or spec in BUILT_IN:
+        return "an endpoint (not contacted)" if spec.startswith("http") else "built in (toy world or method role)"
+    if Path(name).exists():
+        return f"local folder {Path(name).resolve()}"
+    if re.fullmatch(r"[\w.-]+/[\w.-]+", name):  # owner/name: a hub id
+        cached = isinstance(try_to_load_from_cache(name, "config.json"), str)
+        return "hub id, in the local cache" if cached else "hub id, not in the local cache (downloaded on first use)"
+    return None
+
+
 def dry_run(args):
     """--dry_run: the configuration as resolved (preset filled in) as json, then every data file and model it names
     found without loading anything; a missing one ends the run (exit 1) naming its flag and path."""
-    from common.models import where_is
-
     config, lines, missing = asdict(args), [], []
     print(json.dumps(config, indent=1))
     splits = ["test"] * (args.train or args.eval) + ["train"] * args.train

@@ -136,14 +136,3 @@ def test_unknown_spec_lists_the_accepted_forms_toy_ones_included(spec):
         models.make_llm(spec)
     assert all(form in str(caught.value) for form in ['"hf:', '"http(s)://', '"toy"', '"toy:'])
     assert caught.value.__suppress_context__  # one message, not common.llm's chained under it
-
-
-def test_where_is_finds_a_spec_without_loading_it(tmp_path):
-    from common.models import where_is
-
-    built_in = "built in (toy world or method role)"
-    assert where_is("toy-lm") == where_is("toy:data/toy") == where_is("policy") == built_in
-    assert where_is("http://127.0.0.1:9/v1") == "an endpoint (not contacted)"  # nothing contacted: port 9 is closed
-    assert where_is(f"hf:{tmp_path}") == where_is(str(tmp_path)) == f"local folder {tmp_path.resolve()}"
-    assert where_is("hf:no-such-owner/no-such-model").startswith("hub id, not in the local cache")
-    assert where_is(str(tmp_path / "missing" / "ppo")) is None and where_is("runs/x/ppo") is None and not where_is("")

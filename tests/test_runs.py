@@ -702,3 +702,14 @@ def test_paper_preset_dry_run_resolves_checks_paths_and_loads_nothing(method, tm
     assert out.rstrip().endswith("dry run: configuration resolved, every path found, nothing loaded")
     with pytest.raises(SystemExit, match=r"not found: --model /no/such/folder$"):
         module.main(argv + ["--model", "/no/such/folder"])  # a local path that is not there
+
+
+def test_where_is_finds_a_spec_without_loading_it(tmp_path):
+    from common.runs import where_is
+
+    built_in = "built in (toy world or method role)"
+    assert where_is("toy-lm") == where_is("toy:data/toy") == where_is("policy") == built_in
+    assert where_is("http://127.0.0.1:9/v1") == "an endpoint (not contacted)"  # nothing contacted: port 9 is closed
+    assert where_is(f"hf:{tmp_path}") == where_is(str(tmp_path)) == f"local folder {tmp_path.resolve()}"
+    assert where_is("hf:no-such-owner/no-such-model").startswith("hub id, not in the local cache")
+    assert where_is(str(tmp_path / "missing" / "ppo")) is None and where_is("runs/x/ppo") is None and not where_is("")
