@@ -6,6 +6,7 @@ import os
 import subprocess
 import sys
 from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
 import torch
@@ -14,7 +15,11 @@ ROOT = Path(__file__).resolve().parents[1]
 SMALL = {
     "smartrag": ["--batch", "2", "--passage_tokens", "12"],
     "c3po": ["--nodes", "2", "--samples", "3", "--new_tokens", "4", "--passage_tokens", "12"],
+    "sparkle": ["--nodes", "2", "--samples", "3", "--new_tokens", "4", "--passage_tokens", "12"],
+    "tearag": ["--batch", "1", "--new_tokens", "4", "--passage_tokens", "12", "--path_steps", "1"],
+    "sparcrag": ["--batch", "1", "--new_tokens", "4", "--passage_tokens", "12"],
 }
+METHODS = list(SMALL)
 
 
 def bench(method, device_env):
@@ -42,23 +47,56 @@ def bench(method, device_env):
     return lines[0], lines[-1]  # the timed step, the summary
 
 
-@pytest.mark.parametrize("method", ["smartrag", "c3po"])
+@pytest.mark.parametrize("method", METHODS)
 def test_paper_shape_bench_runs_the_method_code_on_cpu(method):
     step, summary = bench(method, {"CUDA_VISIBLE_DEVICES": ""})
     assert summary["method"] == method and summary["device"] == "cpu"
+    # the decode figures of every method: its generate calls, their tokens and the weight-read bound
+    assert 0 < step["generated_tokens"] <= sum(step["generate_batches"]) * (50 if method == "smartrag" else 4)
+    assert step["bound_tok_s"] > 0 and step["generate_tok_s"] > 0 and step["decode_weight_gb"] > 0
     if method == "smartrag":  # threshold -1: every episode retrieves, then answers at the quota
         assert step["turns_per_episode"] == 2.0 and step["sequences"] == 4 and step["ppo_s"] > 0
         assert summary["lora_r"] == 16 and summary["gradient_checkpointing"] is True  # the paper preset's settings
-    else:
-        assert step["generate_s"] > 0 and step["ppo_s"] > 0 and summary["prompt_tokens"] > 10 * 12
+        assert step["generate_batches"] == [2, 2]  # one call per turn
+    elif method in ("c3po", "sparkle"):
+        assert step["generate_s"] > 0 and step["ppo_s"] > 0 and step["generate_batches"] == [2]
+        assert summary["prompt_tokens"] > (10 * 12 if method == "c3po" else 20 * 5)  # top-10 passages; 20 triples
+    if method == "sparkle":  # full fine-tuning in fp32 master weights, and a separate critic
+        assert summary["weight_dtype"] == "torch.float32" and summary["critic_params"] > 0
+    elif method == "tearag":  # R = 8 sampled paths of the question in one call, then one IP-DPO step on 16 pairs
+        assert step["generate_batches"] == [8] and summary["lora_r"] == 8 and summary["dpo_batch_size"] == 16
+        assert step["dpo_s"] > 0 and step["mean_path_tokens"] > step["prompt_tokens"]
+    elif method == "sparcrag":  # one call per role: rewrite, then update, answer, evaluate per branch, select, merge
+        assert step["generate_batches"] == [1, 2, 2, 2, 1, 1] and summary["width"] == 2
+        assert summary["lora_r"] == 16 and step["dpo_s"] > 0 and summary["trainable_params"] > 0
+
+
+def test_decode_bound_is_batch_times_bandwidth_over_weight_bytes():
+    sys.path.insert(0, str(ROOT / "bench"))
+    import paper_shapes
+
+    log = paper_shapes.GenerateLog(SimpleNamespace(generate=None))
+    log.calls = [dict(batch=4, steps=10, tokens=40, seconds=2.0, weight_bytes=2e9)]
+    figures = log.take(hbm_tb_s=1.0)  # 10 steps x 2 GB / 1 TB/s = 0.02 s for 40 tokens: 2000 tokens/s = 4 x 1e12 / 2e9
+    assert figures["bound_tok_s"] == 2000.0 and figures["generate_tok_s"] == 20.0 and log.calls == []
+    tokenizer = paper_shapes.build_tokenizer(paper_shapes.load_world(paper_shapes.DEFAULT_WORLD))
+    model = paper_shapes.random_model("tiny", tokenizer, "cpu", torch.bfloat16)
+    embedding = model.get_input_embeddings().weight.numel()  # untied: a decode step reads only its rows
+    total = sum(p.numel() for p in model.parameters())
+    assert paper_shapes.decode_weight_bytes(model) == 2 * (total - embedding)
 
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
-@pytest.mark.parametrize("method", ["smartrag", "c3po"])
+@pytest.mark.parametrize("method", METHODS)
 def test_paper_shape_bench_on_a_gpu(method):
     step, summary = bench(method, {})
-    assert summary["dtype"] == "torch.bfloat16" and step["peak_gib"] > 0
+    assert step["peak_gib"] > 0 and step["bound_tok_s"] > 0
+    if method in ("smartrag", "c3po"):
+        assert summary["dtype"] == "torch.bfloat16"
+    else:  # fp32 master weights (sparkle) or a frozen bf16 base under fp32 LoRA, with bf16 autocast
+        assert summary["mixed_precision"] == "bf16"
+        assert summary["weight_dtype"] == ("torch.float32" if method == "sparkle" else "torch.bfloat16")
 
 
 def test_index_types_bench_prints_a_row_per_index_with_exact_search_at_recall_one():
