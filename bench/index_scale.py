@@ -2,7 +2,7 @@
 encode and index throughput, search throughput, recall of an IVF index against exact search, index sizes, peak GPU
 memory.
 
-    python bench/index_scale.py                        # 500,000 passages, E5-base-v2's shape, one GPU (~3 minutes?)
+    python bench/index_scale.py                        # 500,000 passages, E5-base-v2's shape, one GPU (~3 min: below)
     python bench/index_scale.py --passages 1000000     # issue 20's size
     python bench/index_scale.py --passages 2000 --encoder_shape tiny --vocab_words 20000 --ivf_factory IVF16,Flat \
         --search_params nprobe=4                       # the same code path on CPU, in seconds
@@ -17,19 +17,18 @@ end unless --keep):
    chunks) and a 1-3 word title, the words drawn with a Zipf law (p ~ 1/(rank + 2.7)) from a seeded vocabulary of
    --vocab_words made-up words (shorter words are more frequent), seeded.
 2. encoder: a WordPiece tokenizer (30,522 pieces, BERT's count) trained offline with `tokenizers` on 10,000 of
-   these passages, so that rare words split into pieces as in real text (about 136 tokens per passage with the
-   E5 prefix, printed; wiki-18 passages are 130-150), and a BERT with random weights in E5-base-v2's shape (hidden
-   768, 12 layers, 12 heads, intermediate 3072, 512 positions), saved in float32 as the hub's E5 is, to a folder
-   named e5-base-v2-random: the encoder loader's E5 preset ("query: " / "passage: " prefixes, mean pooling) and its
-   default dtype (bfloat16 on a GPU, float32 on CPU) apply as to intfloat/e5-base-v2.
+   these passages, so that rare words split into pieces as in real text (132 tokens per passage with the E5 prefix
+   on 250,000 passages, printed; wiki-18 passages are 130-150), and a BERT with random weights in E5-base-v2's shape
+   (hidden 768, 12 layers, 12 heads, intermediate 3072, 512 positions), saved in float32 as the hub's E5 is, to a
+   folder named e5-base-v2-random: the encoder loader's E5 preset ("query: " / "passage: " prefixes, mean pooling)
+   and its default dtype (bfloat16 on a GPU, float32 on CPU) apply as to intfloat/e5-base-v2.
 3. build: `python -m common.retrieval build` as a subprocess (one GPU: one process), first Flat (exact) with
    --keep_embeddings, then --ivf_factory with --search_params from the same float16 shards (moved to its folder, so
    it encodes nothing; deleted after). Timed from the files the build writes: startup (imports, corpus load, model
    load) until embeddings/plan.json, encoding until the last shard, index building (train, add, write) until
-   retriever.json.
-   Tokens/s is passages/s times the mean tokens per passage (non-padding, at the build's max length, 512) of a
-   10,000-passage sample. Peak GPU memory of a build is the device's used memory (polled every 0.1 s) above what
-   it was before the build.
+   retriever.json. Tokens/s is passages/s times the mean tokens per passage (non-padding, at the build's max
+   length, 512) of a 10,000-passage sample. Peak GPU memory of a build is the device's used memory (polled every
+   0.1 s) above what it was before the build: the build process's CUDA context and allocator cache included.
 4. search: both folders loaded with common.retrieval.load_retriever (the corpus read once), then
    DenseRetriever.search (encode the queries, faiss search, hits) of --queries queries, top-10, in batches of 64 and
    1024; the query encoding and faiss search are also timed alone. Queries are 8 words of a random passage each.
