@@ -112,6 +112,8 @@ def parse_args(argv=None):
     build.add_argument("--batch_size", type=int, default=64, help="encoder batch size (transformers encoders)")
     build.add_argument("--max_length", type=int, default=512, help="encoder max tokens (transformers encoders)")
     build.add_argument("--device", default=None, help="encoder device (default: this process's accelerator)")
+    build.add_argument("--dtype", default=None, choices=["float32", "bfloat16", "float16"],
+                       help="encoder weights' dtype (default: bfloat16 on a GPU, float32 on CPU)")  # fmt: skip
     search = sub.add_parser("search", help="search a saved retriever folder; prints one JSON line per query")
     search.add_argument("--index", required=True, help="retriever folder written by `build` (dense or BM25)")
     search.add_argument("--query", required=True, action="append", help="query text (repeat for several)")
@@ -137,7 +139,8 @@ def main(argv=None):
             from accelerate import PartialState
 
             device = args.device or str(PartialState(cpu=not torch.cuda.is_available()).device)  # a GPU a process
-            encoder = make_encoder(args.encoder, batch_size=args.batch_size, max_length=args.max_length, device=device)
+            encoder = make_encoder(args.encoder, batch_size=args.batch_size, max_length=args.max_length, device=device,
+                                   dtype=args.dtype)  # fmt: skip
         retriever = build_sharded(args.corpus, encoder, args.out, args.index_factory, args.search_params,
                                   args.shard_size, args.train_size, args.keep_embeddings)  # fmt: skip
         if retriever is not None:

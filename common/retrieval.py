@@ -165,6 +165,7 @@ class HFEncoder:
         max_length=512,
         batch_size=64,
         device=None,
+        dtype=None,
     ):
         import torch
         from transformers import AutoModel, AutoTokenizer
@@ -177,10 +178,13 @@ class HFEncoder:
         )
         self.query_prefix, self.passage_prefix = query_prefix, passage_prefix
         self.device = device or ("cuda" if torch.cuda.is_available() else "cpu")
+        # FlashRAG encodes in half precision on a GPU (retrieval_use_fp16: True); None: bfloat16 on CUDA, else float32
+        self.dtype = dtype or ("bfloat16" if str(self.device).startswith("cuda") else "float32")
         local = Path(name_or_path).is_dir()
         try:
             self.tokenizer = AutoTokenizer.from_pretrained(name_or_path, local_files_only=local)
-            self.model = AutoModel.from_pretrained(name_or_path, local_files_only=local).to(self.device).eval()
+            model = AutoModel.from_pretrained(name_or_path, local_files_only=local, dtype=getattr(torch, self.dtype))
+            self.model = model.to(self.device).eval()
         except (OSError, ValueError) as e:
             offline = os.environ.get("HF_HUB_OFFLINE", "")
             raise EncoderLoadError(
@@ -208,12 +212,13 @@ class HFEncoder:
             ).to(self.device)
             with torch.inference_mode():
                 states = self.model(**batch).last_hidden_state
-                vectors = torch.nn.functional.normalize(pool(states, batch["attention_mask"], self.pooling), dim=-1)
+                vectors = pool(states.float(), batch["attention_mask"], self.pooling)  # pooled in float32
+                vectors = torch.nn.functional.normalize(vectors, dim=-1)
             chunks.append(vectors.float().cpu().numpy())
         return np.concatenate(chunks)
 
     def spec(self):
-        """What load needs to rebuild this encoder (device and batch size are chosen at load time)."""
+        """What load needs to rebuild this encoder (device, dtype and batch size are chosen at load time)."""
         return {
             "name": "hf",
             "name_or_path": str(self.name_or_path),

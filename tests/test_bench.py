@@ -110,3 +110,54 @@ def test_index_types_bench_prints_a_row_per_index_with_exact_search_at_recall_on
     recall = {(r[0].lstrip("| "), r[1]): float(r[2]) for r in rows}
     assert recall[("Flat", "-")] == 1.0 and recall[("IVF8,Flat", "nprobe=16")] == 1.0  # every list probed: exact
     assert 0 < recall[("IVF8,PQ1", "nprobe=64")] < 1  # compressed codes lose some neighbours
+
+
+def index_scale(tmp_path, device_env):
+    """bench/index_scale.py on 2,000 passages with a tiny encoder; returns its records by stage, and the workdir."""
+    workdir, record_file = tmp_path / "work", tmp_path / "records.jsonl"
+    command = [sys.executable, "bench/index_scale.py", "--passages", "2000", "--encoder_shape", "tiny"]
+    command += ["--vocab_words", "20000", "--queries", "256", "--search_batches", "64,256", "--ivf_factory"]
+    command += ["IVF16,Flat", "--search_params", "nprobe=16", "--workdir", str(workdir), "--json", str(record_file)]
+    env = dict(os.environ, **device_env)
+    out = subprocess.run(command, cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
+    assert out.returncode == 0, out.stderr[-3000:]
+    records = [json.loads(line) for line in out.stdout.splitlines()]  # stdout holds only the records
+    assert [json.loads(line) for line in record_file.read_text().splitlines()] == records
+    return records, workdir
+
+
+def test_index_scale_bench_builds_both_indexes_through_the_cli_and_measures_them(tmp_path):
+    records, workdir = index_scale(tmp_path, {"CUDA_VISIBLE_DEVICES": ""})
+    assert list(workdir.iterdir()) == []  # corpus, encoder, indexes deleted (no --keep)
+    stages = [r["stage"] for r in records]
+    assert stages == ["machine", "corpus", "encoder", "build", "build", "load"] + ["search"] * 4 + [
+        "recall",
+        "summary",
+    ]
+    by_stage = {r["stage"]: r for r in records}
+    assert by_stage["corpus"]["passages"] == 2000 and by_stage["corpus"]["words_per_passage"] == 100
+    tokens = by_stage["encoder"]["tokens_per_passage"]
+    assert 100 < tokens < 200  # 100 words, a title, "passage:", [CLS], [SEP]; a rare word splits into pieces
+    flat, ivf = [r for r in records if r["stage"] == "build"]
+    assert flat["index"] == "Flat" and ivf["index"] == "IVF16,Flat" and "--search_params nprobe=16" in ivf["command"]
+    assert flat["encode_s"] > 0 and flat["passages_per_s"] > 0 and flat["index_s"] >= 0 and ivf["index_s"] > 0
+    assert flat["tokens_per_s"] == pytest.approx(flat["passages_per_s"] * tokens, rel=0.01)
+    assert flat["index_bytes"] == pytest.approx(2000 * 32 * 4, rel=0.01)  # float32 vectors of the tiny width
+    assert flat["peak_gpu_gib"] is None and "encode_s" not in ivf  # the IVF build reuses the Flat build's shards
+    assert by_stage["load"]["device"] == "cpu" and by_stage["load"]["encoder_dtype"] == "float32"
+    searches = [r for r in records if r["stage"] == "search"]
+    assert [(r["index"], r["batch"]) for r in searches] == [("Flat", 64), ("Flat", 256), ("IVF16,Flat", 64),
+                                                            ("IVF16,Flat", 256)]  # fmt: skip
+    assert all(r["queries_per_s"] > 0 and r["faiss_queries_per_s"] > 0 and r["queries"] == 256 for r in searches)
+    assert searches[2]["search_params"] == "nprobe=16"  # stored with the folder, applied when it is loaded
+    assert by_stage["recall"]["recall_at_k"] >= 0.99  # every list probed: IVF is exact search
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+def test_index_scale_bench_encodes_in_bfloat16_on_a_gpu(tmp_path):
+    records, _ = index_scale(tmp_path, {})
+    by_stage = {r["stage"]: r for r in records}
+    assert by_stage["load"]["encoder_dtype"] == "bfloat16" and by_stage["load"]["device"].startswith("cuda")
+    assert all(r["peak_gpu_gib"] > 0 for r in records if r["stage"] == "build")  # a CUDA context at least
+    assert all(r["peak_gpu_gib"] is not None for r in records if r["stage"] == "search")

@@ -538,6 +538,18 @@ def test_hf_mean_pooling_matches_hand_computation(tiny_encoder_dir):
     np.testing.assert_allclose(got, want, atol=1e-5)
 
 
+def test_hf_encoder_runs_in_the_dtype_asked_float32_by_default_on_cpu(tiny_encoder_dir):
+    import torch
+
+    full = HFEncoder(str(tiny_encoder_dir), device="cpu")
+    half = HFEncoder(str(tiny_encoder_dir), device="cpu", dtype="bfloat16")  # a GPU's default
+    assert full.model.dtype == torch.float32 and half.model.dtype == torch.bfloat16
+    got, want = half.encode(TEXTS), full.encode(TEXTS)
+    assert got.dtype == np.float32 and not np.array_equal(got, want)
+    np.testing.assert_allclose(np.linalg.norm(got, axis=1), 1.0, atol=1e-5)  # pooled and normalised in float32
+    np.testing.assert_allclose(got, want, atol=0.05)
+
+
 def test_hf_cls_pooling_matches_hand_computation(tiny_encoder_dir):
     enc = HFEncoder(str(tiny_encoder_dir), pooling="cls", device="cpu")
     got = enc.encode(TEXTS)
