@@ -64,7 +64,7 @@ def main(argv=None):
     pairs = [p for p in cached["pairs"] if sweep.pairs in ("all", p["role"])]
     if lam is not None:  # re-weight the continue-over-a-wrong-stop pairs
         pairs = [p | {"weight": lam} if p["weight"] > 1 else p for p in pairs]
-    policy, steps = sparcrag.dpo_train(accelerator, policy, tokenizer, pairs, args, world_or_none(args.data_dir), out)
+    policy, steps = sparcrag.tune(accelerator, policy, tokenizer, pairs, args, world_or_none(args.data_dir), out)
     ctx = sparcrag.make_ctx(policy, tokenizer, retrievers, llm, args)
     tuned = sparcrag.evaluate(ctx, valid, args.width, args.depth, True, predictions=out / "predictions_tuned.jsonl")
     fixed = sparcrag.evaluate(ctx, valid, args.width, args.untuned_depth, False)
