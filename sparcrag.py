@@ -830,8 +830,8 @@ def tune(accelerator, model, tokenizer, pairs, args, world, out):
 
 
 def dpo_train(accelerator, model, tokenizer, pairs, args, world, out, adapter="default", logged=0, epochs=None):
-    """Weighted DPO on the combined rewriter and evaluator pairs in one run [§4.5]: LoRA on q/k/v/o, the reference
-    the same model with its adapter(s) disabled, AdamW, linear decay, gradient clipping 1.0 (spec §9.16)."""
+    """Weighted DPO of one LoRA adapter (q/k/v/o) on `pairs`, the combined ones by default [§4.5]; the reference the
+    same model with its adapter(s) disabled, AdamW, linear decay, gradient clipping 1.0 (spec §9.16)."""
     rng = random.Random(args.seed)
     longest = lambda p: max(len(encode(tokenizer, p["prompt"], p[y])[0]) for y in ("chosen", "rejected"))
     pairs = [p for p in pairs if longest(p) <= args.max_length]
