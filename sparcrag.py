@@ -34,13 +34,16 @@ Deviations from the paper (each marked `# simplification:` where it lives):
 9. Toy preset: EM labels correctness (evaluator pairs, incorrect acceptance): FlashRAG's acc finds "no" in "unknown".
 10. Toy preset: wrong-stop weight lambda = 8 (paper: 2; Fig. 6 sweeps it): at the paper's DPO lr 5e-5 a smaller lambda
     leaves the tuned toy evaluator stopping on some "unknown" answers (docs/sparcrag.md, Toy results).
+11. --role_adapters (off in both presets): one LoRA adapter per trained role, each trained on its own role's pairs
+    and serving that role, the evaluator's for --evaluator_epochs (toy 5); the paper tunes one adapter for all agents.
+    The untrained roles use the rewriter's. Toy: seed 0 lost less F1, another world more (docs/sparcrag.md).
 """
 
 import random
 import re
 import time
 from collections import Counter, defaultdict
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 
 import torch
@@ -115,6 +118,8 @@ class Args:
     lora_dropout: float = field(default=0.05, metadata={"help": "LoRA dropout [App. A.4: 0.05]"})
     dpo_lr: float | None = field(default=None, metadata={"help": "DPO learning rate [App. A.4: 5e-5 (LoRA)]"})
     dpo_epochs: int = field(default=3, metadata={"help": "DPO epochs [App. A.4: 3]"})
+    role_adapters: bool = field(default=False, metadata={"help": "one LoRA adapter per trained role (ours)"})
+    evaluator_epochs: int | None = field(default=None, metadata={"help": "--role_adapters: the evaluator's epochs"})
     dpo_batch_size: int = field(default=16, metadata={"help": "pairs per update [App. A.4: effective 16]"})
     micro_batch_size: int | None = field(default=None, metadata={"help": "pairs per forward (accumulation)"})
     max_length: int = field(default=8192, metadata={"help": "longest pair sequence kept [App. A.4: 8192]"})
@@ -151,6 +156,7 @@ PRESETS = {  # field: (toy, paper), for the fields left at None; any flag overri
     "correct_by": ("em", "acc"),  # simplification: header item 9
     "dpo_lr": (5e-5, 5e-5),  # [App. A.4]
     "lam": (8.0, 2.0),  # [§5.2, Fig. 6]; simplification: header item 10
+    "evaluator_epochs": (5, 3),  # [App. A.4: 3] with --role_adapters (header item 11)
     "rewrite_pair_temperature": (1.0, 1.0),  # spec §5.3 [R]
     "micro_batch_size": (16, 1),
     "warmup": ("teacher", "none"),  # simplification: the toy's warm-up (header item 2)
@@ -442,11 +448,14 @@ def jaccard_avg(sets):
 
 
 # --------------------------------------------------------------------------- 4. agents, retrievers, the trace
-def policy_role(model, tokenizer, args, temperature, max_tokens=None):
-    """A role played by the backbone: one generate call (per gen_batch_size) for all requests; T 0 is greedy."""
+def policy_role(model, tokenizer, args, temperature, max_tokens=None, adapter="default"):
+    """A role played by the backbone: one generate call (per gen_batch_size) for all requests; T 0 is greedy.
+    A model with per-role adapters (--role_adapters) serves the role with its own, the others with "default"."""
 
     def chat(requests, seed=0):
         prompts = chat_prompts(tokenizer, [[{"role": "user", "content": r["prompt"]}] for r in requests])
+        if len(names := getattr(model, "peft_config", {})) > 1:  # simplification: header item 11
+            model.set_adapter(adapter if adapter in names else "default")
         model.eval()
         sampling = {"do_sample": temperature > 0, "temperature": temperature or 1.0, "stop": ["[END]"]}
         texts, n, size = [], max_tokens or args.max_new_tokens, args.gen_batch_size
@@ -471,7 +480,8 @@ def make_ctx(policy, tokenizer, retrievers, llm, args, trained=None):
     """The backbone of each role [§4.2, App. A.4-A.5], a token counter and the retrievers (`trained`: the teacher)."""
     other = (lambda t: policy_role(policy, tokenizer, args, t)) if llm is None else (lambda t: llm_role(llm, args, t))
     roles = {"rewrite": policy_role(policy, tokenizer, args, args.temperature)}
-    roles |= {"evaluate": policy_role(policy, tokenizer, args, 0.0, args.evaluator_max_tokens)} | (trained or {})
+    roles |= {"evaluate": policy_role(policy, tokenizer, args, 0.0, args.evaluator_max_tokens, "evaluate")}
+    roles |= trained or {}
     roles |= {role: other(args.temperature) for role in ("update", "answer", "select", "merge")}
     roles |= {"naive": other(0.7), "confidence": other(0.0)}
 
@@ -808,23 +818,39 @@ def pair_tensors(micro, tokenizer, rng, world, args, device):
     return *tensors, torch.tensor([p["weight"] for p in micro], device=device)
 
 
-def dpo_train(accelerator, model, tokenizer, pairs, args, world, out):
-    """Weighted DPO on the combined rewriter and evaluator pairs in one run [§4.5]: LoRA on q/k/v/o, the reference
-    the same model with its adapter disabled, AdamW, linear decay, gradient clipping 1.0 (spec §9.16)."""
+def tune(accelerator, model, tokenizer, pairs, args, world, out):
+    """The tuned model and its DPO steps: one adapter on the combined pairs [§4.5], or one per trained role."""
+    if not args.role_adapters:
+        return dpo_train(accelerator, model, tokenizer, pairs, args, world, out)
+    done = 0  # simplification: per-role adapters, the rewriter's "default" (header item 11)
+    for role, epochs in zip(TRAINED, (args.dpo_epochs, args.evaluator_epochs)):
+        mine, name = [p for p in pairs if p["role"] == role], {"rewrite": "default"}.get(role, role)
+        model, done = dpo_train(accelerator, model, tokenizer, mine, args, world, out, name, done, epochs)
+    return model, done
+
+
+def dpo_train(accelerator, model, tokenizer, pairs, args, world, out, adapter="default", logged=0, epochs=None):
+    """Weighted DPO of one LoRA adapter (q/k/v/o) on `pairs`, the combined ones by default [§4.5]; the reference the
+    same model with its adapter(s) disabled, AdamW, linear decay, gradient clipping 1.0 (spec §9.16)."""
     rng = random.Random(args.seed)
     longest = lambda p: max(len(encode(tokenizer, p["prompt"], p[y])[0]) for y in ("chosen", "rejected"))
     pairs = [p for p in pairs if longest(p) <= args.max_length]
     lora = {"r": args.lora_r, "lora_alpha": args.lora_alpha, "lora_dropout": args.lora_dropout}
-    model = add_lora(model, lora | {"target_modules": ["q_proj", "k_proj", "v_proj", "o_proj"]})
+    if adapter == "default":
+        model = add_lora(model, lora | {"target_modules": ["q_proj", "k_proj", "v_proj", "o_proj"]})
+    else:  # a second adapter, the same configuration, trained alone
+        model.add_adapter(adapter, replace(model.peft_config["default"]))
+        model.set_adapter(adapter)
     for p in model.parameters():  # never Adam on bf16 weights: the adapters train in fp32
         p.data = p.data.float() if p.requires_grad else p.data
-    steps = -(-args.dpo_epochs * len(pairs) // args.dpo_batch_size)
+    epochs = epochs or args.dpo_epochs
+    steps = -(-epochs * len(pairs) // args.dpo_batch_size)
     optimizer = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=args.dpo_lr, weight_decay=0.0)
-    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: 1 - s / steps)
+    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: 1 - s / max(steps, 1))
     model, optimizer = accelerator.prepare(model, optimizer)
-    epochs = [pairs[i] for _ in range(args.dpo_epochs) for i in rng.sample(range(len(pairs)), len(pairs))]
+    order = [pairs[i] for _ in range(epochs) for i in rng.sample(range(len(pairs)), len(pairs))]
     for step in range(steps):  # batches in order through the shuffled epochs
-        batch = epochs[step * args.dpo_batch_size : (step + 1) * args.dpo_batch_size]
+        batch = order[step * args.dpo_batch_size : (step + 1) * args.dpo_batch_size]
         mine = batch[accelerator.process_index :: accelerator.num_processes]
         model.train()
         optimizer.zero_grad()
@@ -842,9 +868,9 @@ def dpo_train(accelerator, model, tokenizer, pairs, args, world, out):
         accelerator.clip_grad_norm_(model.parameters(), 1.0)
         optimizer.step()
         scheduler.step()
-        record = {k: v / max(stats["n"], 1) for k, v in stats.items() if k != "n"} | {"step": step + 1}
-        runs.log_update(accelerator, out, record, step + 1)
-    return accelerator.unwrap_model(model), steps
+        record = {k: v / max(stats["n"], 1) for k, v in stats.items() if k != "n"} | {"step": logged + step + 1}
+        runs.log_update(accelerator, out, record, logged + step + 1)
+    return accelerator.unwrap_model(model), logged + steps
 
 
 # --------------------------------------------------------------------------- 11. evaluation [§4.1, §5; spec §6.4]
@@ -927,6 +953,8 @@ def load_policy(args, device, model_name=None):
     if new:  # simplification: single-token tags for a model trained from scratch (header item 4)
         tokenizer.add_tokens([AddedToken(w, single_word=w.isalpha(), normalized=False) for w in new])
         model.resize_token_embeddings(len(tokenizer), mean_resizing=False)
+    if (second := Path(model_name or args.model) / "evaluate").is_dir():  # --role_adapters (header item 11)
+        model.load_adapter(str(second), adapter_name="evaluate", is_trainable=True)
     return model.to(device), tokenizer
 
 
@@ -991,7 +1019,7 @@ def train(args):
         accelerator.print(f"pairs: {counts} from {len(train_rows)} training questions")
         if not pairs:
             raise SystemExit("no preference pair: every sampled rewrite set tied and every sampled decision agreed")
-        policy, steps = dpo_train(accelerator, policy, tokenizer, pairs, args, world, out)
+        policy, steps = tune(accelerator, policy, tokenizer, pairs, args, world, out)
         state = {"pairs": counts, "steps": steps, "data_dir": args.data_dir, "args": asdict(args)}
         if accelerator.is_main_process:
             runs.save_checkpoint(out / "dpo", policy, tokenizer, state)

@@ -3,13 +3,16 @@
     python bench/sparcrag_dpo_sweep.py --sft runs/toy/sft --cache /tmp/pairs_s0.pt --seed 0             # preset
     python bench/sparcrag_dpo_sweep.py --sft runs/toy/sft --cache /tmp/pairs_s0.pt --seed 0 --dpo_lr 1e-4 --lam 4
     python bench/sparcrag_dpo_sweep.py --sft runs/toy/sft --cache /tmp/pairs_s0.pt --seed 0 --pairs evaluate
+    python bench/sparcrag_dpo_sweep.py --sft runs/toy/sft --cache /tmp/pairs_s0.pt --seed 0 --role_adapters true
+    python bench/sparcrag_dpo_sweep.py --sft runs/toy/sft --cache /tmp/pairs_s0.pt --seed 0 --rewrite_repeat 2
 
 The untuned system's runs on the --n_train training questions and their preference pairs are built once and cached
 (--cache; the same seed gives the same pairs as `sparcrag.py --train`); each call then trains one weighted DPO run
-with the given flags (any sparcrag.py flag: --dpo_lr, --beta, --lam ...; --lam re-weights the cached pairs) and
-scores the tuned system (adaptive, cap --depth) and the tuned model at fixed depth (its rewriter alone) against the
-untuned system (fixed depth). The validation set: the dev split plus the training rows outside the --n_train sample
-(seen by neither the warm-up nor DPO), so the test split stays untouched.
+with the given flags (any sparcrag.py flag: --dpo_lr, --beta, --lam ...; --lam re-weights the cached pairs;
+--rewrite_repeat puts each rewriter pair that many times into the mix) and scores the tuned system (adaptive, cap
+--depth) and the tuned model at fixed depth (its rewriter alone) against the untuned system (fixed depth). The
+validation set: the dev split plus the training rows outside the --n_train sample (seen by neither the warm-up nor
+DPO), so the test split stays untouched.
 """
 
 import sys
@@ -33,6 +36,7 @@ class Sweep:
     sft: str = field(default="runs/sparcrag/sft", metadata={"help": "the warmed-up model (a --train run's sft/)"})
     cache: str = field(default="", metadata={"help": "file of the cached pairs and untuned scores (built if absent)"})
     pairs: str = field(default="all", metadata={"help": "all, rewrite or evaluate: the pairs trained on"})
+    rewrite_repeat: int = field(default=1, metadata={"help": "copies of each rewriter pair in the mix"})
 
 
 def main(argv=None):
@@ -62,9 +66,10 @@ def main(argv=None):
             torch.save(cached, sweep.cache)
     print(f"validation rows {len(valid)} | untuned (fixed) | {sparcrag.brief(cached['untuned'])}", flush=True)
     pairs = [p for p in cached["pairs"] if sweep.pairs in ("all", p["role"])]
+    pairs = [p for p in pairs for _ in range(sweep.rewrite_repeat if p["role"] == "rewrite" else 1)]
     if lam is not None:  # re-weight the continue-over-a-wrong-stop pairs
         pairs = [p | {"weight": lam} if p["weight"] > 1 else p for p in pairs]
-    policy, steps = sparcrag.dpo_train(accelerator, policy, tokenizer, pairs, args, world_or_none(args.data_dir), out)
+    policy, steps = sparcrag.tune(accelerator, policy, tokenizer, pairs, args, world_or_none(args.data_dir), out)
     ctx = sparcrag.make_ctx(policy, tokenizer, retrievers, llm, args)
     tuned = sparcrag.evaluate(ctx, valid, args.width, args.depth, True, predictions=out / "predictions_tuned.jsonl")
     fixed = sparcrag.evaluate(ctx, valid, args.width, args.untuned_depth, False)

@@ -501,6 +501,51 @@ def test_the_adapter_disabled_reference_equals_a_fresh_lora_model_so_the_first_l
     assert loss.item() == pytest.approx(math.log(2), abs=1e-6)
 
 
+def test_role_adapters_train_each_on_its_own_pairs_serve_their_role_and_reload(tmp_path):
+    from common import runs
+
+    flags = {"model": "toy-lm:layers=1,hidden=16,heads=2,kv_heads=2,intermediate=32", "dpo_lr": 0.05}
+    flags |= {"dpo_epochs": 1, "dpo_batch_size": 2, "micro_batch_size": 2, "lora_dropout": 0.0}
+    accelerator = runs.make_accelerator()
+    pair = {"role": "evaluate", "prompt": "answer : unknown decision :", "weight": 1.0}
+    pair |= {"chosen": "<decision>CONTINUE</decision>", "rejected": "<decision>STOP</decision>"}
+    rewrite = ("write 1 queries , original query : poli output :", "<queries> <query> poli </query> </queries>")
+
+    def logps(model, adapter, prompt, response):
+        if adapter:
+            model.set_adapter(adapter)
+        ids, mask = (torch.tensor([x]) for x in sparcrag.encode(tokenizer, prompt, response))
+        with torch.no_grad():
+            return sparcrag.sequence_logps(model.eval(), ids, mask, torch.ones_like(ids)).item()
+
+    tuned = {}
+    for per_role in (True, False):
+        args = sparcrag.apply_preset(sparcrag.Args(role_adapters=per_role, evaluator_epochs=2, **flags))
+        torch.manual_seed(0)
+        policy, tokenizer = sparcrag.load_policy(args, accelerator.device)
+        runs.save_checkpoint(tmp_path / "sft", policy, tokenizer, {})
+        policy.name_or_path = str(tmp_path / "sft")  # the adapters' base, as in train()
+        start = logps(policy, None, *rewrite)
+        tuned[per_role], steps = sparcrag.tune(accelerator, policy, tokenizer, [pair] * 4, args, None, tmp_path)
+        assert steps == (4 if per_role else 2)  # --evaluator_epochs: the evaluator adapter's alone
+    model = tuned[True]
+    assert set(model.peft_config) == {"default", "evaluate"} and set(tuned[False].peft_config) == {"default"}
+    # the rewriter's adapter saw no pair: the rewriter is the warm-up's; the evaluator's adapter learned its pairs
+    assert logps(model, "default", *rewrite) == pytest.approx(start, abs=1e-6)
+    assert logps(tuned[False], "default", *rewrite) != pytest.approx(start, abs=1e-3)  # one shared adapter
+    margin = lambda m, a: logps(m, a, pair["prompt"], pair["chosen"]) - logps(m, a, pair["prompt"], pair["rejected"])
+    assert margin(model, "evaluate") > margin(model, "default") + 0.1
+    chosen = logps(model, "evaluate", pair["prompt"], pair["chosen"])
+    ctx = sparcrag.make_ctx(model, tokenizer, {}, object(), args)
+    for role, adapter in (("evaluate", "evaluate"), ("rewrite", "default"), ("evaluate", "evaluate")):
+        ctx["roles"][role]([{"prompt": pair["prompt"]}])
+        assert model.active_adapter == adapter
+    runs.save_checkpoint(tmp_path / "dpo", model, tokenizer, {})
+    loaded, _ = sparcrag.load_policy(args, accelerator.device, str(tmp_path / "dpo"))
+    assert set(loaded.peft_config) == {"default", "evaluate"}
+    assert logps(loaded, "evaluate", pair["prompt"], pair["chosen"]) == pytest.approx(chosen, abs=1e-5)
+
+
 # ---------------------------------------------------------------- the naive baselines (App. A.5) and the teacher
 def naive_ctx(answers, confidences=None):
     calls = []
