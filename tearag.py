@@ -28,6 +28,7 @@ Deviations from the paper (each marked `# simplification:` where it lives):
 7. One LoRA adapter is trained through SFT and all rounds (Theta_p starts from Theta_{p-1}, nothing merged).
 8. `--evidence sentence`: a hop's supporting sentence is the one holding its sub-answer, not an annotated fact.
 9. Toy option (off): `--sft_redundant_p` of the one-hop SFT paths repeat their step: a start that over-decomposes.
+10. Option (off): `--sft_summaries 1` writes every SFT summary with one template, not the paper's "diverse" ones.
 """
 
 import math
@@ -106,6 +107,7 @@ class Args:
     sft_single_steps: bool | None = arg(None, "add each step of a path as a 1-hop question [§4.3.1, Tab. 1]")
     sft_distractors: int | None = arg(None, "retrieved items added to each SFT context (spec §9.26; paper: 0)")
     sft_redundant_p: float | None = arg(None, "toy: share of one-hop SFT paths that repeat their step (paper: 0)")
+    sft_summaries: int | None = arg(None, "SFT summary templates used, the first N of SUMMARIES [§4.3.1 (5): all]")
     weight_decay: float = arg(0.001, "AdamW weight decay of SFT and DPO [§5.1.3: 0.001]")
     micro_batch_size: int | None = arg(None, "SFT paths or DPO pairs per forward pass")
     augment_p: float | None = arg(None, "toy world: entity-renaming probability of an SFT path")
@@ -141,6 +143,7 @@ PRESETS = {  # values for the fields left at None; any flag overrides them
         "augment_p": 1.0,
         "sft_distractors": 3,
         "sft_redundant_p": 0.0,  # 0.6 removes steps on data/toy but lost EM on world seed 5 (docs/tearag.md)
+        "sft_summaries": 3,
         "dpo_epochs": "1,1,1",
         "dpo_lr": 2e-4,
         "rollout_batch": 96,
@@ -163,6 +166,7 @@ PRESETS = {  # values for the fields left at None; any flag overrides them
         "augment_p": 0.0,
         "sft_distractors": 0,
         "sft_redundant_p": 0.0,
+        "sft_summaries": 3,
         "dpo_epochs": "2,2,1",
         "dpo_lr": 1e-4,
         "rollout_batch": 64,
@@ -683,7 +687,8 @@ def sft_steps(row, system, rng):
         ):  # (4) the golden paragraph, the evidence triplets (and distractors) at random places
             context.insert(rng.randint(0, len(context)), t)
         facts = " and ".join(item_text(t) for t in support)
-        summary = rng.choice(SUMMARIES).format(facts=facts, answer=answer)  # (5)
+        # simplification: --sft_summaries < 3 narrows the "diverse templates" (header item 10)
+        summary = rng.choice(SUMMARIES[: system.args.sft_summaries]).format(facts=facts, answer=answer)  # (5)
         steps.append({"entities": entities, "subquery": sub, "context": context, "summary": summary, "answer": answer})
     return steps
 

@@ -552,6 +552,19 @@ def test_redundant_sft_paths_repeat_the_step_of_a_share_of_the_one_hop_questions
     assert len(examples) >= 50 and 0.45 < share < 0.75
 
 
+def test_sft_summaries_come_from_the_first_n_templates(system, monkeypatch):
+    """--sft_summaries N: the SFT summaries use SUMMARIES[:N] (3: all, the paper's "diverse templates"; 1: one)."""
+    rows = [json.loads(line) for line in (WORLD / "train.jsonl").open()][:60]
+    opening = lambda summary: next(i for i, t in enumerate(T.SUMMARIES) if summary.startswith(t.split("{")[0]))
+    used = {}
+    for n in (3, 1):
+        monkeypatch.setattr(system.args, "sft_summaries", n)
+        steps = [s for row in rows for s in (T.sft_steps(row, system, __import__("random").Random(0)) or [])]
+        used[n] = {opening(s["summary"]) for s in steps}
+        assert len(steps) >= 30
+    assert used == {3: {0, 1, 2}, 1: {0}}
+
+
 # --------------------------------------------------------------------------- the CLI end to end (tier 1)
 TINY = ["--n_dpo", "6", "--n_rollouts", "2", "--n_eval", "12", "--rounds", "1", "--eta", "1", "--dpo_epochs", "1",
         "--rollout_batch", "6", "--max_new_tokens", "32"]  # fmt: skip
