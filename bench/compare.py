@@ -135,8 +135,8 @@ def train_one(args, method, seed):
 
 
 def train_all(args):
-    """Every (method, seed) run that is missing, --jobs at a time, the longest first."""
-    todo = sorted(((m, s) for s in args.seeds for m in args.methods), key=lambda ms: -TRAIN_MINUTES[ms[0]])
+    """Every (method, seed) run that is missing, --jobs at a time: seed by seed, the longest first."""
+    todo = [(m, s) for s in args.seeds for m in sorted(args.methods, key=lambda m: -TRAIN_MINUTES[m])]
     failed = []
     with ThreadPoolExecutor(max_workers=max(args.jobs, 1)) as pool, tqdm(total=len(todo), desc="training") as bar:
         for future in as_completed([pool.submit(train_one, args, m, s) for m, s in todo]):
