@@ -333,7 +333,8 @@ def report(args, results, trained, meta):
     return f"""# Results: the five methods and the baselines on one split
 
 Written by `{meta["command"]}` ({meta["date"]}, {meta["machine"]}, torch {meta["torch"]}, {args.threads} torch
-thread(s) for the timed evaluations; the trainings before it: `--jobs {args.jobs}`, one core each). Data:
+thread(s) for the timed evaluations, load average {meta["load"]} as they began and ended; the trainings before
+them: `--jobs {args.jobs}`, one core each). Data:
 `{args.data_dir}`, the first {meta["n"]} questions of its test split for every system; training seeds {seeds};
 {spread}. Every method is its own file's `--train` run with the `--preset {args.preset}` defaults (checkpoints in
 `{args.runs}/<method>/seed<S>`), evaluated greedily by its own `evaluate`; the baselines need no training.
@@ -405,7 +406,7 @@ def main(argv=None):
     rows = load_split(args.data_dir, "test")[: args.n_eval]
     if not args.untrained:
         train_all(args)
-    accelerator = runs.make_accelerator()
+    accelerator, load = runs.make_accelerator(), [os.getloadavg()[0]]
     results, trained, names = {}, {}, {}
     jobs = [(m, s) for m in args.methods for s in args.seeds] + [("baselines", s) for s in args.seeds]
     for name, seed in tqdm(jobs, desc="evaluation"):
@@ -421,10 +422,12 @@ def main(argv=None):
         results.setdefault(system, {})[seed] = evaluate_method(name, args, seed, model, rows, accelerator) | {
             "checkpoint": str(model)
         }
+    load.append(os.getloadavg()[0])
     order = [s for s in results if s in names] + [s for s in results if s not in names]
     results = {s: results[s] for s in order}
     command = "python bench/compare.py" + "".join(f" {a}" for a in (sys.argv[1:] if argv is None else argv))
     meta = {"command": command, "date": time.strftime("%Y-%m-%d"), "torch": torch.__version__, "n": len(rows)}
+    meta["load"] = " and ".join(f"{x:.1f}" for x in load)  # the 1-minute load average as the evaluations began, ended
     meta["machine"] = (
         f"{platform.machine()} CPU, {os.cpu_count()} cores"
         if not torch.cuda.is_available()
