@@ -330,14 +330,20 @@ def report(args, results, trained, meta):
     """docs/results.md."""
     seeds = ", ".join(map(str, args.seeds))
     spread = "mean ± spread (max − min) over the seeds" if len(args.seeds) > 1 else "one seed"
+    trainings = (
+        "Every method is its untrained start (its preset's model)"
+        if args.untrained
+        else f"Every method is its own file's `--train` run with the `--preset {args.preset}` defaults (checkpoints "
+        f"in `{args.runs}/<method>/seed<S>`)"
+    )
     return f"""# Results: the five methods and the baselines on one split
 
 Written by `{meta["command"]}` ({meta["date"]}, {meta["machine"]}, torch {meta["torch"]}, {args.threads} torch
 thread(s) for the timed evaluations, load average {meta["load"]} as they began and ended; the trainings before
 them: `--jobs {args.jobs}`, one core each). Data:
 `{args.data_dir}`, the first {meta["n"]} questions of its test split for every system; training seeds {seeds};
-{spread}. Every method is its own file's `--train` run with the `--preset {args.preset}` defaults (checkpoints in
-`{args.runs}/<method>/seed<S>`), evaluated greedily by its own `evaluate`; the baselines need no training.
+{spread}. {trainings}, evaluated greedily by its own `evaluate`; the baselines need no
+training.
 
 {table(results)}
 
