@@ -316,7 +316,7 @@ def main(argv=None):
     p.add_argument("--runs", default="runs/compare", help="bench/compare.py's runs (seed 0 checkpoints)")
     p.add_argument("--questions", type=int, default=16, help="questions per rollout (SPARC-RAG's pairs too)")
     p.add_argument("--step_questions", type=int, default=0, help="questions of a train step (0: the preset's)")
-    p.add_argument("--synthetic_docs", type=int, default=20_000, help="passages of the larger synthetic corpus")
+    p.add_argument("--synthetic_docs", type=int, default=5000, help="passages of the larger synthetic corpus (TF-IDF)")
     p.add_argument("--repeat", type=int, default=3, help="retrieval: best of this many timings")
     p.add_argument("--threads", type=int, default=1, help="torch threads")
     p.add_argument("--gpu", action="store_true", help="also run bench/paper_shapes.py's C-3PO shape when CUDA is here")
