@@ -1,4 +1,4 @@
-"""The five methods and the training-free baselines on one held-out split: same retriever, same frozen LLM.
+"""The five methods and the training-free baselines on one held-out split: same data, corpus and frozen LLM.
 
     python bench/compare.py                        # toy world, seed 0: trains what is missing (2 at a time), evaluates
     python bench/compare.py --seeds 0 1 2          # the table of docs/results.md (mean ± spread over the seeds)
