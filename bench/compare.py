@@ -1,0 +1,453 @@
+"""The five methods and the training-free baselines on one held-out split: same data, corpus and frozen LLM.
+
+    python bench/compare.py                        # toy world, seed 0: trains what is missing (2 at a time), evaluates
+    python bench/compare.py --seeds 0 1 2          # the table of docs/results.md (mean ± spread over the seeds)
+    python bench/compare.py --data_dir /tmp/world1 --runs runs/compare_world1 --out /tmp/world1_results
+
+Every method is trained by its own file (`python <method>.py --train --seed S --output_dir RUNS/<method>/seed<S>`,
+--jobs at a time, OMP_NUM_THREADS=1 each, logs in RUNS/<method>/seed<S>/train.log); a finished run (results.json) is
+reused, an unfinished one (a checkpoint, no results.json) is resumed, so deleting RUNS/<method> retrains that method
+only. Then every checkpoint (ppo/, else dpo/, else sft/) is evaluated here, in one process, by the method's own
+`evaluate` (greedy, the paper's inference) on the same test rows (all of them, whatever the method trained on), and
+so are the baselines the papers compare against, which need no training:
+  none            the frozen LLM alone (no retrieval)
+  vanilla         single-shot RAG: the question retrieves top-k once, the LLM answers (sparcrag.naive)
+  iterative:R     iterative RAG, R retrievals (IRCoT-style, ours: each later query is the LLM's last <think> step)
+  parallel:N      naive parallel scaling: N answers at T 0.7, majority vote (sparcrag.naive) [SPARC-RAG App. A.5]
+  sequential:N    naive sequential scaling: up to N attempts, retried below confidence 0.7 (sparcrag.naive)
+The baselines use SPARC-RAG's answer prompt, its dense retriever and top-k (toy: TF-IDF, 3) and its token counter.
+Costs per question, the same for all: retrievals (search calls), LLM calls (prompts sent to any language model: the
+trained policy or proxy and the frozen LLM), generated tokens (written by either, counted in the trained model's
+tokenizer; the frozen LLM's replies counted here where a method records only its own model's), and seconds (wall time
+of the batched evaluation divided by the questions, --threads torch threads; training excluded).
+Writes OUT/results.md, OUT/results.png (F1 against cost; matplotlib: pip install -e ".[plot]"), RUNS/compare.json.
+"""
+
+import argparse
+import importlib
+import json
+import os
+import re
+import subprocess
+import sys
+import time
+from concurrent.futures import ThreadPoolExecutor, as_completed
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))  # run as a script from anywhere
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+
+from tqdm import tqdm  # noqa: E402
+
+from common import runs  # noqa: E402
+from common.data import load_split  # noqa: E402
+
+METHODS = ("smartrag", "c3po", "sparkle", "tearag", "sparcrag")
+TRAIN_MINUTES = {
+    "tearag": 9,
+    "smartrag": 8,
+    "c3po": 7.5,
+    "sparkle": 7,
+    "sparcrag": 6,
+}  # one core (README): longest first
+STAGES = ("ppo", "dpo", "sft")  # the checkpoint evaluated: the last stage a run saved
+COLUMNS = [("em", "EM", 3), ("f1", "F1", 3), ("acc", "acc", 3), ("retrievals", "retrievals", 2)]
+COLUMNS += [("llm_calls", "LLM calls", 2), ("generated_tokens", "generated tokens", 1), ("seconds", "s / question", 4)]
+THINK = (  # iterative RAG's step prompt (ours): one <think> step per call, read with the documents found so far
+    "answer the question step by step , one step in <think> </think> , the final answer in <answer> </answer> . "
+    "documents : {documents} question : {query} {thoughts}"
+)
+
+
+def parse_args(argv=None):
+    """Command-line arguments."""
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--data_dir", default="data/toy", help="a FlashRAG folder (train/test jsonl, corpus.jsonl)")
+    p.add_argument("--preset", default="toy", choices=("toy", "paper"), help="every method's --preset")
+    p.add_argument("--seeds", type=int, nargs="+", default=[0], help="training seeds (docs/results.md: 0 1 2)")
+    p.add_argument("--jobs", type=int, default=2, help="trainings at a time (one CPU core each)")
+    p.add_argument("--methods", nargs="+", default=list(METHODS), choices=METHODS, help="methods compared")
+    p.add_argument("--baselines", default="none,vanilla,iterative:3,parallel:4,sequential:3", help="see above")
+    p.add_argument("--n_eval", type=int, default=None, help="first test questions evaluated (default: all)")
+    p.add_argument("--runs", default="runs/compare", help="the training runs' folder (reused when found)")
+    p.add_argument("--out", default="docs", help="folder of results.md and results.png")
+    p.add_argument("--untrained", action="store_true", help="evaluate each method's untrained start (no training)")
+    p.add_argument("--threads", type=int, default=1, help="torch threads of the evaluations (timed)")
+    p.add_argument(
+        "--train_flags",
+        nargs="*",
+        default=[],
+        metavar="NAME=FLAGS",
+        help="extra --train flags of a method (NAME: a method or all), e.g. 'sparcrag=--sft_steps 400'",
+    )
+    p.add_argument(
+        "--eval_flags", nargs="*", default=[], metavar="NAME=FLAGS", help="extra flags of the evaluations (NAME: a "
+        "method, baselines or all), e.g. 'all=--top_k 5'",
+    )  # fmt: skip
+    args = p.parse_args(argv)
+    for name, value in [("train_flags", v) for v in args.train_flags] + [("eval_flags", v) for v in args.eval_flags]:
+        if value.partition("=")[0] not in (*METHODS, "all", "baselines") or "=" not in value:
+            raise SystemExit(f"--{name} {value!r}: expected NAME=FLAGS with NAME a method, all or baselines")
+    for spec in args.baselines.split(",") if args.baselines else []:
+        kind, _, n = spec.partition(":")
+        if kind not in BASELINES or (kind in ("none", "vanilla")) != (n == "") or (n and not n.isdigit()):
+            raise SystemExit(f"--baselines: bad item {spec!r} (none, vanilla, iterative:R, parallel:N, sequential:N)")
+    if not (Path(args.data_dir) / "test.jsonl").is_file():
+        raise SystemExit(f"--data_dir {args.data_dir}: no test.jsonl there")
+    return args
+
+
+def flags_of(items, name):
+    """The extra flags for `name` (a method or "baselines"): those of `all` then its own, as an argv list."""
+    return [f for item in items for key, _, v in [item.partition("=")] if key in ("all", name) for f in v.split()]
+
+
+# --------------------------------------------------------------------------- training (subprocesses)
+def run_dir(args, method, seed):
+    """Where a method's training run of a seed lives."""
+    return Path(args.runs).resolve() / method / f"seed{seed}"
+
+
+def checkpoint(folder):
+    """The last stage's checkpoint of a run folder (ppo/, dpo/ or sft/), or None."""
+    return next((folder / s for s in STAGES if runs.load_state(folder / s) is not None), None)
+
+
+def train_one(args, method, seed):
+    """Train one method and seed in a subprocess (reused when finished, resumed when a checkpoint exists)."""
+    out = run_dir(args, method, seed)
+    if (out / "results.json").is_file():
+        return method, seed, "reused"
+    resume = ["--resume"] if checkpoint(out) else []
+    command = [sys.executable, str(ROOT / f"{method}.py"), "--train", "--seed", str(seed), "--output_dir", str(out)]
+    command += ["--data_dir", str(Path(args.data_dir).resolve()), "--preset", args.preset, *resume]
+    command += flags_of(args.train_flags, method)
+    out.mkdir(parents=True, exist_ok=True)
+    env = os.environ | {"OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1"}
+    with open(out / "train.log", "a") as log:
+        log.write(f"$ {' '.join(command)}\n")
+        log.flush()
+        done = subprocess.run(command, cwd=ROOT, env=env, stdout=log, stderr=subprocess.STDOUT)
+    if done.returncode != 0:
+        return method, seed, f"failed (exit {done.returncode}): see {out / 'train.log'}"
+    return method, seed, "resumed" if resume else "trained"
+
+
+def train_all(args):
+    """Every (method, seed) run that is missing, --jobs at a time: seed by seed, the longest first."""
+    todo = [(m, s) for s in args.seeds for m in sorted(args.methods, key=lambda m: -TRAIN_MINUTES[m])]
+    failed = []
+    with ThreadPoolExecutor(max_workers=max(args.jobs, 1)) as pool, tqdm(total=len(todo), desc="training") as bar:
+        for future in as_completed([pool.submit(train_one, args, m, s) for m, s in todo]):
+            method, seed, how = future.result()
+            bar.set_postfix_str(f"{method} seed {seed} {how}")
+            bar.update()
+            if how.startswith("failed"):
+                failed.append(f"{method} seed {seed} {how}")
+    if failed:
+        raise SystemExit("training failed: " + "; ".join(failed))
+
+
+# --------------------------------------------------------------------------- evaluation (in process, timed)
+class CountingLLM:
+    """A frozen LLM that counts its calls and the tokens of its replies (in `tokenizer`)."""
+
+    def __init__(self, llm, tokenizer):
+        self.llm, self.tokenizer, self.calls, self.tokens = llm, tokenizer, 0, 0
+
+    def chat(self, messages_lists, **kw):
+        replies = self.llm.chat(messages_lists, **kw)
+        self.calls += len(replies)
+        self.tokens += sum(len(ids) for ids in self.tokenizer(list(replies), add_special_tokens=False)["input_ids"])
+        return replies
+
+
+def method_args(module, args, seed, model, name=None):
+    """A method's Args for `--eval` (its preset filled in) on the compared data, with the model `model` (None: the
+    preset's) and the --eval_flags of `name` (default: the method)."""
+    argv = ["--eval", "--data_dir", args.data_dir, "--preset", args.preset, "--seed", str(seed)]
+    argv += ["--model", str(model)] * (model is not None) + flags_of(args.eval_flags, name or module.__name__)
+    return module.apply_preset(runs.parse_args(module.Args, argv))
+
+
+def uniform(result, calls, generated, seconds, n):
+    """The compared figures of one evaluation (common.metrics.summarize or sparcrag.summarize), per question."""
+    groups = result["groups"]
+    by_type = {k.removeprefix("type="): g["f1"] for k, g in groups.items() if "=" not in k or k.startswith("type=")}
+    out = {k: result[k] for k in ("em", "f1", "acc", "retrievals")}
+    return out | {"llm_calls": calls, "generated_tokens": generated, "seconds": seconds / n, "f1_by_type": by_type}
+
+
+def timed(fn):
+    """(result, wall seconds) of fn()."""
+    start = time.perf_counter()
+    out = fn()
+    return out, time.perf_counter() - start
+
+
+def evaluate_method(method, args, seed, model, rows, accelerator):
+    """One checkpoint (or the untrained start, model None) evaluated by its method's own code: the uniform figures."""
+    m = importlib.import_module(method)
+    a, device, n = method_args(m, args, seed, model), accelerator.device, len(rows)
+    with accelerator.autocast():
+        if method == "smartrag":  # the policy retrieves and answers: no frozen LLM
+            policy, tokenizer, tag_ids = m.load_policy(a, device)
+            env = m.environment(a)
+            (r, _), s = timed(lambda: m.evaluate(policy, tokenizer, env, rows, a, tag_ids, greedy=True, seed=seed))
+            return uniform(r, r["policy_calls"], r["generated_tokens"], s, n)
+        if method in ("c3po", "sparkle"):  # the proxy's calls and tokens recorded, the frozen LLM's counted here
+            policy, tokenizer = m.load_proxy(a, device)
+            env = m.environment(a)
+            env.llm = CountingLLM(env.llm, tokenizer)
+            r, s = timed(lambda: m.evaluate(policy, tokenizer, env, rows, a, greedy=True, seed=seed))
+            return uniform(r, r["llm_calls"] + r["proxy_calls"], r["generated_tokens"] + env.llm.tokens / n, s, n)
+        if method == "tearag":  # the policy reasons, retrieves and answers: no frozen LLM
+            system = m.RetrievalSystem(a, device)
+            policy, tokenizer = m.load_policy(a, device)
+            r, s = timed(lambda: m.evaluate(policy, tokenizer, system, rows, a))
+            return uniform(r, r["llm_calls"], r["generated_tokens"], s, n)
+        policy, tokenizer = m.load_policy(a, device)  # sparcrag: every role's calls and tokens recorded
+        ctx = m.make_ctx(policy, tokenizer, *m.frozen_parts(a), a)
+        r, s = timed(lambda: m.evaluate(ctx, rows, a.width, a.depth, a.early_exit))
+        return uniform(r, r["llm_calls"], r["generated_tokens"], s, n)
+
+
+def no_retrieval(sp, ctx, rows, seed):
+    """The frozen LLM alone, with SPARC-RAG's answer prompt and an empty note."""
+    runs_ = [sp.new_run(r) for r in rows]
+    requests = [sp.req(run, ctx["tpl"]["answer"].format(note="", query=run["row"]["question"])) for run in runs_]
+    for run, answer in zip(runs_, sp.call_role(ctx, "naive", 1, requests, seed)):
+        run["answer"] = answer
+    return runs_
+
+
+def iterative(sp, ctx, llm, rows, rounds, seed):
+    """Iterative RAG with a fixed number of retrievals (IRCoT-style, ours): round 1 retrieves with the question, each
+    later round with the LLM's last <think> step (one step per call, read with every document found so far); the
+    LLM then answers from all the documents with SPARC-RAG's answer prompt."""
+    a, runs_ = ctx["args"], [sp.new_run(r) | {"docs": {}, "thoughts": []} for r in rows]
+    queries = [r["question"] for r in rows]
+    for t in range(1, rounds + 1):
+        for run, hits in zip(runs_, sp.retrieve(ctx["retrievers"], [("dense", q) for q in queries], a.top_k)):
+            run["cost"]["retrievals"] += 1
+            run["retrieved"].append((t, [h["id"] for h in hits]))
+            run["docs"].update({h["id"]: h for h in hits})
+            run["rounds"] = t
+        if t == rounds:
+            break
+        fill = lambda run: {"query": run["row"]["question"], "thoughts": " ".join(run["thoughts"])}
+        prompts = [THINK.format(documents=sp.format_passages(run["docs"].values()), **fill(run)) for run in runs_]
+        messages = [[{"role": "user", "content": p}] for p in prompts]
+        steps = llm.chat(messages, temperature=0.0, max_tokens=a.max_new_tokens, stop=["</think>"], seed=seed + t)
+        steps = [s if "<think>" not in s or "</think>" in s else s + " </think>" for s in steps]  # a stop cut it
+        for run, n_in, n_out in zip(runs_, *ctx["count"](prompts, steps)):
+            run["cost"].update(llm_calls=1, tokens=n_in + n_out, generated_tokens=n_out)
+        for i, (run, step) in enumerate(zip(runs_, steps)):
+            run["thoughts"].append(step.strip())
+            query = " ".join(re.sub(r"<[^>]*>", " ", step).split())
+            queries[i] = query if query and "<answer>" not in step else run["row"]["question"]
+    requests = [
+        sp.req(run, ctx["tpl"]["answer"].format(note=sp.format_passages(run["docs"].values()), query=q))
+        for run, q in ((run, run["row"]["question"]) for run in runs_)
+    ]
+    for run, answer in zip(runs_, sp.call_role(ctx, "naive", rounds, requests, seed)):
+        run["answer"] = answer
+    return runs_
+
+
+BASELINES = {
+    "none": "no retrieval (the frozen LLM alone)",
+    "vanilla": "single-shot RAG (top-k once)",
+    "iterative": "iterative RAG, {n} retrievals (IRCoT-style)",
+    "parallel": "naive parallel scaling, {n} answers, vote",
+    "sequential": "naive sequential scaling, up to {n} attempts",
+}
+
+
+def evaluate_baselines(args, seed, rows, accelerator):
+    """Each --baselines item with SPARC-RAG's retrievers, frozen LLM, answer prompt, token counter: {name: figures}."""
+    sp = importlib.import_module("sparcrag")
+    a = method_args(sp, args, seed, None, "baselines")
+    policy, tokenizer = sp.load_policy(a, accelerator.device)  # its tokenizer counts; the toy-lm itself is not called
+    retrievers, llm = sp.frozen_parts(a)
+    ctx = sp.make_ctx(policy, tokenizer, retrievers, llm, a)
+    out = {}
+    for spec in args.baselines.split(",") if args.baselines else []:
+        kind, _, n = spec.partition(":")
+        if kind == "iterative" and llm is None:
+            raise SystemExit("--baselines iterative needs a frozen LLM: --eval_flags 'baselines=--llm SPEC'")
+        play = {
+            "none": lambda: no_retrieval(sp, ctx, rows, seed),
+            "iterative": lambda: iterative(sp, ctx, llm, rows, int(n), seed),
+        }.get(kind, lambda: sp.naive(rows, ctx, kind, int(n or 1), seed))
+        with accelerator.autocast():
+            played, s = timed(play)
+        r = sp.summarize([sp.run_record(run, a) for run in played], rows)
+        out[BASELINES[kind].format(n=n)] = uniform(r, r["llm_calls"], r["generated_tokens"], s, len(rows))
+    return out
+
+
+# --------------------------------------------------------------------------- the report
+NAMES = {"smartrag": "SmartRAG", "c3po": "C-3PO", "sparkle": "SPARKLE", "tearag": "TeaRAG", "sparcrag": "SPARC-RAG"}
+TYPES = ("one_hop", "two_hop", "three_hop", "comparison", "yes_no")
+
+
+def trained_on(state):
+    """The question types a checkpoint trained on, from its saved arguments ("all" when unfiltered)."""
+    saved = (state or {}).get("args") or {}
+    types = {t for k in ("question_types", "sft_types", "dpo_types") for t in (saved.get(k) or "").split(",") if t}
+    return ", ".join(sorted(types)) or "all"
+
+
+def stats(values):
+    """(mean, spread = max - min, min, max) of a list of numbers."""
+    return sum(values) / len(values), max(values) - min(values), min(values), max(values)
+
+
+def table(results):
+    """The main table as markdown: mean ± spread over the seeds of every column."""
+    lines = ["| system | " + " | ".join(c[1] for c in COLUMNS) + " |", "|---" * (len(COLUMNS) + 1) + "|"]
+    for system, by_seed in results.items():
+        cells = []
+        for key, _, digits in COLUMNS:
+            mean, spread, *_ = stats([f[key] for f in by_seed.values()])
+            cells.append(f"{mean:.{digits}f} ± {spread:.{digits}f}" if len(by_seed) > 1 else f"{mean:.{digits}f}")
+        lines.append(f"| {system} | " + " | ".join(cells) + " |")
+    return "\n".join(lines)
+
+
+def type_table(results, trained):
+    """F1 by question type (mean over the seeds) and what each system trained on."""
+    lines = ["| system | trained on | " + " | ".join(TYPES) + " |", "|---" * (len(TYPES) + 2) + "|"]
+    for system, by_seed in results.items():
+        f1 = [stats([f["f1_by_type"].get(t, float("nan")) for f in by_seed.values()])[0] for t in TYPES]
+        lines.append(f"| {system} | {trained.get(system, '-')} | " + " | ".join(f"{v:.3f}" for v in f1) + " |")
+    return "\n".join(lines)
+
+
+def report(args, results, trained, meta):
+    """docs/results.md."""
+    seeds = ", ".join(map(str, args.seeds))
+    spread = "mean ± spread (max − min) over the seeds" if len(args.seeds) > 1 else "one seed"
+    trainings = (
+        "Every method is its untrained start (its preset's model)"
+        if args.untrained
+        else f"Every method is its own file's `--train` run with the `--preset {args.preset}` defaults (checkpoints "
+        f"in `{args.runs}/<method>/seed<S>`)"
+    )
+    return f"""# Results: the five methods and the baselines on one split
+
+Written by `{meta["command"]}` ({meta["date"]}, {meta["machine"]}, torch {meta["torch"]}, {args.threads} torch
+thread(s) for the timed evaluations, load average {meta["load"]} as they began and ended; the trainings before
+them: `--jobs {args.jobs}`, one core each). Data:
+`{args.data_dir}`, the first {meta["n"]} questions of its test split for every system; training seeds {seeds};
+{spread}. {trainings}, evaluated greedily by its own `evaluate`; the baselines need no
+training.
+
+{table(results)}
+
+F1 by question type (mean over the seeds), and the question types each method's preset trains on:
+
+{type_table(results, trained)}
+
+![F1 against generated tokens and LLM calls per question](results.png)
+
+- EM, F1, acc: FlashRAG's exact match, token F1 and sub-exact match (`common.metrics`), per question.
+- retrievals: search calls per question (TeaRAG: one hybrid chunk + graph search per step; SPARC-RAG: one per
+  branch, two branches a round).
+- LLM calls: prompts sent to any language model per question, the trained model's (policy or proxy) and the frozen
+  LLM's (the toy reader in the toy world; SmartRAG and TeaRAG train the model that answers and call no other).
+- generated tokens: tokens written by either per question, counted in the trained model's tokenizer (the baselines:
+  SPARC-RAG's).
+- s / question: wall time of the batched evaluation (all questions advance together) over the question count;
+  model loading and index building excluded. Rerun the command to re-measure: finished trainings are reused.
+- The baselines (`bench/compare.py --baselines`): SPARC-RAG's dense retriever, top-k, answer prompt and frozen LLM;
+  the toy reader ignores sampling, so naive parallel scaling draws the same answer N times.
+"""
+
+
+def plot(results, methods, path):
+    """results.png: F1 against generated tokens and against LLM calls per question, min-max bars over the seeds."""
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        print('no picture: matplotlib is missing (pip install -e ".[plot]" or pip install matplotlib)')
+        return None
+    fig, axes = plt.subplots(1, 2, figsize=(10, 3.8), sharey=True)
+    markers = "os^DvP*Xh<>p"
+    for i, (system, by_seed) in enumerate(results.items()):
+        is_method = system in methods
+        y = stats([f["f1"] for f in by_seed.values()])
+        for ax, key in zip(axes, ("generated_tokens", "llm_calls")):
+            x = stats([f[key] for f in by_seed.values()])
+            ax.errorbar(
+                x[0], y[0], xerr=[[x[0] - x[2]], [x[3] - x[0]]], yerr=[[y[0] - y[2]], [y[3] - y[0]]],
+                marker=markers[i % len(markers)], markersize=7, capsize=2, linestyle="none",
+                markerfacecolor=None if is_method else "white", label=system,
+            )  # fmt: skip
+    for ax, label in zip(axes, ("generated tokens per question", "LLM calls per question")):
+        ax.set_xscale("log")
+        ax.set_xlabel(label)
+        ax.grid(alpha=0.3)
+    axes[0].set_ylabel("F1")
+    axes[1].legend(loc="center left", bbox_to_anchor=(1.02, 0.5), fontsize=8, frameon=False)
+    fig.tight_layout()
+    fig.savefig(path, dpi=80)
+    plt.close(fig)
+    return path
+
+
+def main(argv=None):
+    """Train what is missing, evaluate everything, write the report."""
+    import platform
+
+    import torch
+
+    args = parse_args(argv)
+    torch.set_num_threads(args.threads)
+    rows = load_split(args.data_dir, "test")[: args.n_eval]
+    if not args.untrained:
+        train_all(args)
+    accelerator, load = runs.make_accelerator(), [os.getloadavg()[0]]
+    results, trained, names = {}, {}, {}
+    jobs = [(m, s) for m in args.methods for s in args.seeds] + [("baselines", s) for s in args.seeds]
+    for name, seed in tqdm(jobs, desc="evaluation"):
+        if name == "baselines":
+            for system, figures in evaluate_baselines(args, seed, rows, accelerator).items():
+                results.setdefault(system, {})[seed] = figures
+            continue
+        model = None if args.untrained else checkpoint(run_dir(args, name, seed))
+        if model is None and not args.untrained:
+            raise SystemExit(f"{run_dir(args, name, seed)}: no checkpoint (its train.log says why)")
+        system = f"{NAMES[name]} ({model.name if model else 'untrained'})"
+        names[system], trained[system] = name, trained_on(runs.load_state(model) if model else None)
+        results.setdefault(system, {})[seed] = evaluate_method(name, args, seed, model, rows, accelerator) | {
+            "checkpoint": str(model)
+        }
+    load.append(os.getloadavg()[0])
+    order = [s for s in results if s in names] + [s for s in results if s not in names]
+    results = {s: results[s] for s in order}
+    command = "python bench/compare.py" + "".join(f" {a}" for a in (sys.argv[1:] if argv is None else argv))
+    meta = {"command": command, "date": time.strftime("%Y-%m-%d"), "torch": torch.__version__, "n": len(rows)}
+    meta["load"] = " and ".join(f"{x:.1f}" for x in load)  # the 1-minute load average as the evaluations began, ended
+    meta["machine"] = (
+        f"{platform.machine()} CPU, {os.cpu_count()} cores"
+        if not torch.cuda.is_available()
+        else (torch.cuda.get_device_name())
+    )
+    out, runs_dir = Path(args.out), Path(args.runs)
+    out.mkdir(parents=True, exist_ok=True)
+    runs_dir.mkdir(parents=True, exist_ok=True)
+    (runs_dir / "compare.json").write_text(json.dumps({"meta": meta, "trained_on": trained, "results": results}))
+    (out / "results.md").write_text(report(args, results, trained, meta))
+    picture = plot(results, names, out / "results.png")
+    print(table(results))
+    print(f"wrote {out / 'results.md'}" + (f", {picture}" if picture else "") + f" and {runs_dir / 'compare.json'}")
+
+
+if __name__ == "__main__":
+    runs.run_main(main)

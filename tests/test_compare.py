@@ -1,0 +1,108 @@
+"""bench/compare.py and bench/throughput.py in tiny versions: a tiny training budget, a few questions, one seed. The
+comparison trains once and then reuses the run, counts each baseline's retrievals and LLM calls as its definition
+says, and writes the report; the throughput bench runs every method's own rollout and training-step code."""
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+TINY_LM = "toy-lm:layers=1,hidden=32,heads=2,kv_heads=2,intermediate=64"
+SPARCRAG_TINY = "sparcrag=--n_train 12 --n_eval 6 --sft_steps 6 --sft_batch_size 8 --dpo_epochs 1 --untuned_depth 2 "
+SPARCRAG_TINY += "--depth 2 --max_new_tokens 96"
+ENV = os.environ | {"HF_HUB_OFFLINE": "1", "OMP_NUM_THREADS": "1"}
+
+
+def run(script, *flags):
+    """Run a bench script from the repository root: (stdout, stderr), asserting a zero exit."""
+    done = subprocess.run([sys.executable, f"bench/{script}", *flags], cwd=ROOT, env=ENV, capture_output=True,
+                          text=True, timeout=600)  # fmt: skip
+    assert done.returncode == 0, done.stderr[-3000:]
+    return done.stdout, done.stderr
+
+
+def test_compare_trains_once_reuses_the_run_and_reports_uniform_costs(tmp_path):
+    runs_dir, out = tmp_path / "runs", tmp_path / "out"
+    flags = ["--methods", "sparcrag", "--n_eval", "6", "--runs", str(runs_dir), "--out", str(out)]
+    flags += ["--baselines", "none,vanilla,iterative:2,parallel:2,sequential:2"]
+    flags += ["--train_flags", f"all=--model {TINY_LM}", SPARCRAG_TINY]
+    flags += ["--eval_flags", "sparcrag=--depth 2 --max_new_tokens 96"]  # the tuned system at depth 2
+    stdout, _ = run("compare.py", *flags)
+    log = runs_dir / "sparcrag" / "seed0" / "train.log"
+    commands = lambda: [line for line in log.read_text().splitlines() if line.startswith("$ ")]
+    assert (runs_dir / "sparcrag" / "seed0" / "results.json").is_file() and len(commands()) == 1
+    report = json.loads((runs_dir / "compare.json").read_text())
+    results = {name: seeds["0"] for name, seeds in report["results"].items()}
+    assert list(results) == ["SPARC-RAG (dpo)", "no retrieval (the frozen LLM alone)", "single-shot RAG (top-k once)",
+                             "iterative RAG, 2 retrievals (IRCoT-style)", "naive parallel scaling, 2 answers, vote",
+                             "naive sequential scaling, up to 2 attempts"]  # fmt: skip
+    none, single, iterative, parallel, sequential = list(results.values())[1:]
+    rows = [json.loads(line) for line in (ROOT / "data" / "toy" / "test.jsonl").read_text().splitlines()[:6]]
+    popular = sum(r["metadata"]["popular"] for r in rows) / 6
+    assert none["em"] == pytest.approx(popular)  # the reader alone knows exactly the popular facts
+    assert (none["retrievals"], none["llm_calls"]) == (0, 1) and (single["retrievals"], single["llm_calls"]) == (1, 1)
+    assert (iterative["retrievals"], iterative["llm_calls"]) == (2, 2)  # one <think> step, then the answer
+    assert (parallel["retrievals"], parallel["llm_calls"]) == (1, 2) and parallel["em"] == single["em"]
+    assert 2 <= sequential["llm_calls"] <= 4  # an answer and a confidence per attempt, a retry below 0.7
+    for figures in results.values():
+        assert 0 <= figures["em"] <= figures["acc"] <= 1 and figures["seconds"] > 0
+        assert figures["generated_tokens"] >= figures["llm_calls"] > 0 or figures["llm_calls"] == 0
+    assert results["SPARC-RAG (dpo)"]["retrievals"] in (2, 4)  # W = 2 branches, 1 or 2 rounds (depth 2)
+    table = (out / "results.md").read_text()
+    assert (
+        table.count("| SPARC-RAG (dpo) |") == 2 and f"| no retrieval (the frozen LLM alone) | {popular:.3f}" in table
+    )
+    if (out / "results.png").exists():  # matplotlib installed (the dev extra)
+        assert (out / "results.png").stat().st_size < 100_000
+    run("compare.py", *flags, "--baselines", "none")  # again: the finished run is reused, not trained again
+    assert len(commands()) == 1
+
+
+def test_compare_evaluates_every_method_with_its_own_code(tmp_path):
+    flags = ["--untrained", "--n_eval", "3", "--baselines", "none", "--runs", str(tmp_path), "--out", str(tmp_path)]
+    run("compare.py", *flags)
+    results = json.loads((tmp_path / "compare.json").read_text())["results"]
+    methods = ["SmartRAG", "C-3PO", "SPARKLE", "TeaRAG", "SPARC-RAG"]
+    assert list(results) == [f"{m} (untrained)" for m in methods] + ["no retrieval (the frozen LLM alone)"]
+    for name, seeds in results.items():
+        assert seeds["0"]["llm_calls"] >= 1 and seeds["0"]["generated_tokens"] > 0, name
+
+
+def test_compare_refuses_bad_flags_in_one_line():
+    done = subprocess.run([sys.executable, "bench/compare.py", "--baselines", "iterative"], cwd=ROOT, env=ENV,
+                          capture_output=True, text=True, timeout=120)  # fmt: skip
+    assert done.returncode != 0 and done.stderr.strip().splitlines()[-1].startswith("--baselines: bad item")
+
+
+def test_one_by_one_generation_writes_what_the_batched_call_writes():
+    sys.path.insert(0, str(ROOT / "bench"))
+    import throughput
+
+    from common.toy_lm import load_toy_lm
+
+    model, tokenizer = load_toy_lm(TINY_LM, world=ROOT / "data" / "toy")
+    prompts = ["question : who is the director of velbo ?", "what", "in what year did zorvak come out ? answer"]
+    batched = throughput.GENERATE(model, tokenizer, prompts, 6, do_sample=False)
+    single = throughput.one_by_one(model, tokenizer, prompts, 6, do_sample=False)
+    assert single.texts == batched.texts and single.token_ids == batched.token_ids
+    counted = throughput.Counted(throughput.one_by_one)
+    counted(model, tokenizer, prompts, 6, do_sample=False)
+    assert (counted.calls, counted.prompts) == (3, 3)  # one model.generate call per prompt
+
+
+def test_throughput_runs_every_method_and_finds_the_same_hits(tmp_path):
+    flags = ["--questions", "2", "--step_questions", "2", "--synthetic_docs", "500", "--repeat", "1"]
+    stdout, _ = run("throughput.py", *flags, "--runs", str(tmp_path / "none"), "--json", str(tmp_path / "t.json"))
+    rows = json.loads((tmp_path / "t.json").read_text())
+    rollouts = [r for r in rows if r["part"] == "rollouts"]
+    assert [r["method"] for r in rollouts] == ["c3po", "sparkle", "sparcrag", "tearag"]
+    for r in rollouts:  # node by node: one model.generate call per sequence
+        assert r["node_by_node_calls"] == r["node_by_node_sequences"] and r["batched_calls"] < r["batched_sequences"]
+    assert [r["same_hits"] for r in rows if r["part"] == "retrieval"] == [True, True]
+    steps = [r for r in rows if r["part"] == "train_step"]
+    assert [r["method"] for r in steps] == ["smartrag", "c3po", "sparkle", "tearag", "sparcrag"]
+    assert all(r["rollout_s"] > 0 for r in steps) and "| train step |" in stdout
