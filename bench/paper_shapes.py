@@ -405,17 +405,28 @@ def bench_c3po(opts, accelerator, tokenizer, words, dtype, out):
         micro_batch_size=args.micro_batch_size,
         ppo_batch_size=args.ppo_batch_size,
     )
+    act = c3po.proxy_actor(accelerator.unwrap_model(policy), tokenizer, args, greedy=False)
+    pad = tokenizer.pad_token_id
+    return ppo_steps(
+        opts,
+        out,
+        log,
+        lambda step: node_samples([a[0] for a in act(requests, seed=step)], opts.samples, rng, "filter"),  # n = 1
+        lambda samples: c3po.ppo_update(accelerator, policy, value, ref, optimizers, schedulers, samples, pad, args),
+    )
+
+
+def ppo_steps(opts, out, log, sample, update):
+    """The timed steps of a PPO bench: sample(step) generates a tree depth's node samples, update(samples) runs PPO."""
     for step in range(opts.steps):
         sync()
         t0 = time.perf_counter()
         out["stage"] = "generate"
-        acted = c3po.proxy_actor(accelerator.unwrap_model(policy), tokenizer, args, greedy=False)(requests, seed=step)
+        samples = sample(step)
         sync()
         t1 = time.perf_counter()
-        samples = node_samples([a[0] for a in acted], opts.samples, rng, "filter")  # n = 1 action each
         out["stage"] = "ppo"
-        pad = tokenizer.pad_token_id
-        stats = c3po.ppo_update(accelerator, policy, value, ref, optimizers, schedulers, samples, pad, args)
+        stats = update(samples)
         sync()
         t2 = time.perf_counter()
         out["steps"].append(
@@ -495,32 +506,16 @@ def bench_sparkle(opts, accelerator, tokenizer, words, out):
         micro_batch_size=args.micro_batch_size,
         ppo_batch_size=args.ppo_batch_size,
     )
-    for step in range(opts.steps):
-        sync()
-        t0 = time.perf_counter()
-        out["stage"] = "generate"
+    act, pad = sparkle.proxy_actor(unwrapped, tokenizer, args, greedy=False), tokenizer.pad_token_id
+
+    def sample(step):
         with accelerator.autocast():  # as sparkle.train's rollout
-            acted = sparkle.proxy_actor(unwrapped, tokenizer, args, greedy=False)(requests, seed=step)
-        sync()
-        t1 = time.perf_counter()
-        samples = node_samples(acted, opts.samples, rng, "ki")
-        out["stage"] = "ppo"
-        pad = tokenizer.pad_token_id
-        stats = sparkle.ppo_update(accelerator, policy, value, ref, optimizers, schedulers, samples, pad, args)
-        sync()
-        t2 = time.perf_counter()
-        out["steps"].append(
-            dict(
-                generate_s=round(t1 - t0, 2),
-                ppo_s=round(t2 - t1, 2),
-                sample_tokens=sum(len(s["ids"]) for s in samples),
-                policy_loss=round(stats["losses/policy"], 4),
-                peak_gib=round(memory_gib(), 1),
-            )
-            | log.take(opts.hbm_tb_s)
-        )
-        print(json.dumps(out["steps"][-1]), flush=True)
-    return out
+            return node_samples(act(requests, seed=step), opts.samples, rng, "ki")
+
+    update = lambda samples: sparkle.ppo_update(
+        accelerator, policy, value, ref, optimizers, schedulers, samples, pad, args
+    )
+    return ppo_steps(opts, out, log, sample, update)
 
 
 class SyntheticTeaRAGSystem:
