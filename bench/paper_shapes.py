@@ -80,121 +80,34 @@ from common import runs  # noqa: E402
 from common.toy import DEFAULT_WORLD, RenamingEnv, load_world  # noqa: E402
 from common.toy_lm import build_tokenizer, toy_vocabulary  # noqa: E402
 
-SHAPES = {  # the published configs of the paper presets' models (hidden sizes, layers, heads, vocabulary)
-    "llama2-7b": (
-        LlamaConfig,
-        dict(
-            hidden_size=4096,
-            intermediate_size=11008,
-            num_hidden_layers=32,
-            num_attention_heads=32,
-            num_key_value_heads=32,
-            vocab_size=32000,
-            max_position_embeddings=4096,
-            rms_norm_eps=1e-5,
-        ),
-    ),
-    "qwen2-0.5b": (
-        Qwen2Config,
-        dict(
-            hidden_size=896,
-            intermediate_size=4864,
-            num_hidden_layers=24,
-            num_attention_heads=14,
-            num_key_value_heads=2,
-            vocab_size=151936,
-            max_position_embeddings=32768,
-            tie_word_embeddings=True,
-            rope_theta=1e6,
-            rms_norm_eps=1e-6,
-        ),
-    ),
-    "qwen2-1.5b": (
-        Qwen2Config,
-        dict(
-            hidden_size=1536,
-            intermediate_size=8960,
-            num_hidden_layers=28,
-            num_attention_heads=12,
-            num_key_value_heads=2,
-            vocab_size=151936,
-            max_position_embeddings=32768,
-            tie_word_embeddings=True,
-            rope_theta=1e6,
-            rms_norm_eps=1e-6,
-        ),
-    ),
-    "qwen2.5-3b": (  # SPARKLE's proxy, Qwen2.5-3B-Instruct
-        Qwen2Config,
-        dict(
-            hidden_size=2048,
-            intermediate_size=11008,
-            num_hidden_layers=36,
-            num_attention_heads=16,
-            num_key_value_heads=2,
-            vocab_size=151936,
-            max_position_embeddings=32768,
-            tie_word_embeddings=True,
-            rope_theta=1e6,
-            rms_norm_eps=1e-6,
-        ),
-    ),
-    "qwen2.5-7b": (  # SPARC-RAG's backbone, Qwen2.5-7B-Instruct
-        Qwen2Config,
-        dict(
-            hidden_size=3584,
-            intermediate_size=18944,
-            num_hidden_layers=28,
-            num_attention_heads=28,
-            num_key_value_heads=4,
-            vocab_size=152064,
-            max_position_embeddings=32768,
-            tie_word_embeddings=False,
-            rope_theta=1e6,
-            rms_norm_eps=1e-6,
-        ),
-    ),
-    "qwen2.5-14b": (  # TeaRAG's second policy, Qwen2.5-14B-Instruct
-        Qwen2Config,
-        dict(
-            hidden_size=5120,
-            intermediate_size=13824,
-            num_hidden_layers=48,
-            num_attention_heads=40,
-            num_key_value_heads=8,
-            vocab_size=152064,
-            max_position_embeddings=32768,
-            tie_word_embeddings=False,
-            rope_theta=1e6,
-            rms_norm_eps=1e-5,
-        ),
-    ),
-    "llama3-8b": (  # TeaRAG's policy, Meta-Llama-3-8B-Instruct
-        LlamaConfig,
-        dict(
-            hidden_size=4096,
-            intermediate_size=14336,
-            num_hidden_layers=32,
-            num_attention_heads=32,
-            num_key_value_heads=8,
-            vocab_size=128256,
-            max_position_embeddings=8192,
-            rope_theta=500000.0,
-            rms_norm_eps=1e-5,
-        ),
-    ),
-    "tiny": (
-        LlamaConfig,
-        dict(
-            hidden_size=64,
-            intermediate_size=128,
-            num_hidden_layers=2,
-            num_attention_heads=4,
-            num_key_value_heads=4,
-            vocab_size=4096,
-            max_position_embeddings=4096,
-        ),
-    ),
+
+def shape(config_class, hidden, intermediate, layers, heads, kv_heads, vocab, **extra):
+    return config_class, dict(
+        hidden_size=hidden,
+        intermediate_size=intermediate,
+        num_hidden_layers=layers,
+        num_attention_heads=heads,
+        num_key_value_heads=kv_heads,
+        vocab_size=vocab,
+        **extra,
+    )
+
+
+QWEN = dict(max_position_embeddings=32768, rope_theta=1e6, rms_norm_eps=1e-6)
+LLAMA3 = dict(max_position_embeddings=8192, rope_theta=500000.0, rms_norm_eps=1e-5)
+SHAPES = {  # the published configs of the paper presets' models: hidden, intermediate, layers, heads, kv heads, vocab
+    # SmartRAG's policy, LLaMA-2-7B; C-3PO's proxy, Qwen2-0.5B / 1.5B
+    "llama2-7b": shape(LlamaConfig, 4096, 11008, 32, 32, 32, 32000, max_position_embeddings=4096, rms_norm_eps=1e-5),
+    "qwen2-0.5b": shape(Qwen2Config, 896, 4864, 24, 14, 2, 151936, **QWEN, tie_word_embeddings=True),
+    "qwen2-1.5b": shape(Qwen2Config, 1536, 8960, 28, 12, 2, 151936, **QWEN, tie_word_embeddings=True),
+    # SPARKLE's proxy, Qwen2.5-3B-Instruct; SPARC-RAG's backbone, Qwen2.5-7B-Instruct
+    "qwen2.5-3b": shape(Qwen2Config, 2048, 11008, 36, 16, 2, 151936, **QWEN, tie_word_embeddings=True),
+    "qwen2.5-7b": shape(Qwen2Config, 3584, 18944, 28, 28, 4, 152064, **QWEN, tie_word_embeddings=False),
+    # TeaRAG's policies, Qwen2.5-14B-Instruct and Meta-Llama-3-8B-Instruct
+    "qwen2.5-14b": shape(Qwen2Config, 5120, 13824, 48, 40, 8, 152064, **(QWEN | dict(rms_norm_eps=1e-5))),
+    "llama3-8b": shape(LlamaConfig, 4096, 14336, 32, 32, 8, 128256, **LLAMA3),
+    # the same code paths on CPU, in seconds
+    "tiny": shape(LlamaConfig, 64, 128, 2, 4, 4, 4096, max_position_embeddings=4096),
 }
 
 
