@@ -28,6 +28,7 @@ Deviations from the paper (each marked `# simplification: ... (header N)` where 
 10. The ablations' prompts are ours (the paper describes them; App. D.2); w/o QF keeps the QF output format.
 11. The LLM's steps are capped at --llm_max_tokens; latency is batched wall time per question.
 12. Toy preset: the forced RD answers' policy loss is scaled by --forced_weight 0.1 (paper preset 1; c3po.py item 4).
+13. Toy: --warmup_types builds the warm-up data from some question types only, a teacher weaker than RL can reach.
 """
 
 import copy
@@ -105,6 +106,7 @@ class Args:
     teacher_temperature: float = arg(0.6, "llm teacher sampling temperature")
     warmup_keep: int = arg(4, "successful trajectories kept per question")
     warmup_select: str | None = arg(None, "all successes, or the cheapest ones", choices=["uniform", "cheapest"])
+    warmup_types: str | None = arg(None, "comma-separated types the warm-up data is built from (empty: all)")
     sft_epochs: float | None = arg(None, "SFT epochs [Tab. 5: 1] (when --sft_steps is 0)")
     sft_steps: int | None = arg(None, "SFT steps; overrides epochs when > 0")
     sft_lr: float | None = arg(None, "SFT learning rate [Tab. 5: 5e-6]")
@@ -143,6 +145,7 @@ PRESETS = {  # field: (toy, paper), for the fields left at None; any flag overri
     "max_new_tokens": (48, 160),  # impl
     "teacher": ("oracle", "llm"),  # simplification: the toy oracle teacher (header 1)
     "warmup_select": ("cheapest", "uniform"),  # simplification: header 2
+    "warmup_types": ("", ""),  # simplification: header 13
     "sft_epochs": (0.0, 1.0),  # [Tab. 5]
     "sft_steps": (1500, 0),
     "sft_lr": (2e-3, 5e-6),  # [Tab. 5]
@@ -394,8 +397,7 @@ def parse_ki(text, candidates, direct=False):
 
 def extract_answer(text):
     """y: the first non-empty `<answer>` span, the text after `<answer>`, or the output untagged (impl, Alg. 1 L16)."""
-    spans = [s.strip() for s in re.findall(r"<answer>(.*?)</answer>", text, re.S) if s.strip()]
-    if spans:
+    if spans := [s.strip() for s in re.findall(r"<answer>(.*?)</answer>", text, re.S) if s.strip()]:
         return spans[0]
     if "<answer>" in text:
         return text.split("<answer>", 1)[1].replace("</answer>", "").strip()
@@ -420,10 +422,8 @@ def leaf_credits(nodes):
     for i in reversed(range(len(nodes))):
         if nodes[i]["kind"] == "leaf":
             total[i], count[i] = total[i] + nodes[i]["reward"], count[i] + 1
-        parent = nodes[i]["parent"]
-        if parent is not None:
-            total[parent] += total[i]
-            count[parent] += count[i]
+        if (parent := nodes[i]["parent"]) is not None:
+            total[parent], count[parent] = total[parent] + total[i], count[parent] + count[i]
     return [t / c if c else None for t, c in zip(total, count)]
 
 
@@ -985,7 +985,9 @@ def warm_up(accelerator, args, out, train_rows, test_rows, env, world):
         return policy, tokenizer, state["before_sft"], state["steps"]
     policy, tokenizer = load_proxy(args, accelerator.device)
     before_sft = evaluate_stage(accelerator, out, "raw", policy, tokenizer, env, test_rows, args)
-    examples, solved = build_warmup(train_rows, env.llm, env, args)
+    types = {t.strip() for t in args.warmup_types.split(",") if t.strip()}  # simplification: header 13
+    rows = [r for r in train_rows if not types or r["metadata"].get("type") in types]
+    examples, solved = build_warmup(rows, env.llm, env, args)
     accelerator.print(f"warm-up: {dict(Counter(e['agent'] for e in examples))}; {solved:.2f} of the questions solved")
     if not examples:
         raise SystemExit("the teacher solved no training question: no warm-up data (check --llm, --teacher, the data)")

@@ -489,6 +489,32 @@ def test_cheapest_warm_up_keeps_the_fewest_retrievals(toy):
         assert all(e["output"] == "no" for e in sparkle.successful_paths(tree, 4, random.Random(0), "cheapest"))
 
 
+class Stop(Exception):
+    pass
+
+
+@pytest.mark.parametrize("types", ["", "one_hop,two_hop", "comparison, yes_no"])
+def test_the_warm_up_data_comes_from_the_warmup_types_only(toy, types, tmp_path, monkeypatch):
+    args, env, _ = toy
+    rows = [json.loads(line) for line in (ROOT / "data/toy/train.jsonl").read_text().splitlines()]
+    seen = []
+
+    def build_warmup(rows, *_):
+        seen.extend(rows)
+        raise Stop
+
+    monkeypatch.setattr(sparkle, "load_proxy", lambda *_: (None, None))
+    monkeypatch.setattr(sparkle, "evaluate_stage", lambda *_, **__: {})
+    monkeypatch.setattr(sparkle, "build_warmup", build_warmup)
+    with pytest.raises(Stop):
+        sparkle.warm_up(
+            SimpleNamespace(device="cpu"), replace_args(args, warmup_types=types), tmp_path, rows, rows[:2], env, None
+        )
+    wanted = {t.strip() for t in types.split(",") if t.strip()} or {r["metadata"]["type"] for r in rows}
+    assert len(wanted) >= 2 and {r["metadata"]["type"] for r in seen} == wanted
+    assert seen == [r for r in rows if r["metadata"]["type"] in wanted]  # every row of those types, in order
+
+
 # ---------------------------------------------------------------- CLI and end to end on the toy world
 def run(args, capsys):
     """sparkle.main in this process; returns the captured stdout."""
