@@ -36,7 +36,7 @@ Deviations from the paper (each marked `# simplification:` where it lives):
     leaves the tuned toy evaluator stopping on some "unknown" answers (docs/sparcrag.md, Toy results).
 11. --role_adapters (off in both presets): one LoRA adapter per trained role, each trained on its own role's pairs
     and serving that role, the evaluator's for --evaluator_epochs (toy 5); the paper tunes one adapter for all agents.
-    The untrained roles use the rewriter's. Toy: seed 0 lost less F1, another world more (docs/sparcrag.md).
+    The untrained roles use the rewriter's. Toy, with --dpo_epochs 0: the evaluator tuned alone, F1 held (docs).
 12. --rpo_alpha (0 in both presets): DPO + alpha x the chosen's per-token NLL (RPO, Pang et al. 2024; TRL's name).
 """
 
