@@ -36,7 +36,8 @@ Deviations from the paper (each marked `# simplification:` where it lives):
     leaves the tuned toy evaluator stopping on some "unknown" answers (docs/sparcrag.md, Toy results).
 11. --role_adapters (off in both presets): one LoRA adapter per trained role, each trained on its own role's pairs
     and serving that role, the evaluator's for --evaluator_epochs (toy 5); the paper tunes one adapter for all agents.
-    The untrained roles use the rewriter's. Toy: seed 0 lost less F1, another world more (docs/sparcrag.md).
+    The untrained roles use the rewriter's. Toy, with --dpo_epochs 0: the evaluator tuned alone, F1 held (docs).
+12. --rpo_alpha (0 in both presets): DPO + alpha x the chosen's per-token NLL (RPO, Pang et al. 2024; TRL's name).
 """
 
 import random
@@ -118,6 +119,7 @@ class Args:
     lora_dropout: float = field(default=0.05, metadata={"help": "LoRA dropout [App. A.4: 0.05]"})
     dpo_lr: float | None = field(default=None, metadata={"help": "DPO learning rate [App. A.4: 5e-5 (LoRA)]"})
     dpo_epochs: int = field(default=3, metadata={"help": "DPO epochs [App. A.4: 3]"})
+    rpo_alpha: float = field(default=0.0, metadata={"help": "+ alpha x the chosen's NLL (RPO; the paper: 0)"})
     role_adapters: bool = field(default=False, metadata={"help": "one LoRA adapter per trained role (ours)"})
     evaluator_epochs: int | None = field(default=None, metadata={"help": "--role_adapters: the evaluator's epochs"})
     dpo_batch_size: int = field(default=16, metadata={"help": "pairs per update [App. A.4: effective 16]"})
@@ -174,8 +176,7 @@ def apply_preset(args):
         if getattr(args, key) is None:
             setattr(args, key, values[args.preset == "paper"])
     args.corpus = args.corpus or str(Path(args.data_dir) / "corpus.jsonl")
-    if args.llm == "toy":  # the toy reader of the world being trained on
-        args.llm = f"toy:{args.data_dir}"
+    args.llm = f"toy:{args.data_dir}" if args.llm == "toy" else args.llm  # the toy reader of the world trained on
     if args.output_dir is None and args.eval:  # next to the model, never over a training run
         args.output_dir = str(Path(args.model) / "eval") if Path(args.model).is_dir() else "runs/sparcrag-eval"
     choices = {"templates": TEMPLATES, "correct_by": ("acc", "em", "f1"), "warmup": ("none", "teacher")}
@@ -298,16 +299,10 @@ How likely is the answer to be correct? Output only a confidence score between 0
 literal tag [END].
 Confidence:"""
 
+ROLES = ("update", "answer", "rewrite", "select", "merge", "evaluate", "confidence")  # the templates' keys
+PAPER_PROMPTS = (ANSWER_SELECTION_PROMPT, CONTEXT_MERGING_PROMPT, EVALUATOR_PROMPT, CONFIDENCE_PROMPT)
 TEMPLATES = {
-    "paper": {
-        "update": CONTEXT_MANAGER_PROMPT,
-        "answer": ANSWER_GENERATOR_PROMPT,
-        "rewrite": REWRITE_PROMPT,
-        "select": ANSWER_SELECTION_PROMPT,
-        "merge": CONTEXT_MERGING_PROMPT,
-        "evaluate": EVALUATOR_PROMPT,
-        "confidence": CONFIDENCE_PROMPT,
-    },
+    "paper": dict(zip(ROLES, (CONTEXT_MANAGER_PROMPT, ANSWER_GENERATOR_PROMPT, REWRITE_PROMPT) + PAPER_PROMPTS)),
     # simplification: the toy preset's compact set, the same fields, tags and output formats without the prose
     "compact": {
         "update": "keep what answers the query , end with [END] . original query : {query} old note : {note} "
@@ -724,6 +719,16 @@ def dpo_loss(pi_chosen, pi_rejected, ref_chosen, ref_rejected, weights, beta, re
     return (weights * F.softplus(-beta * margin)).mean(), beta * margin  # softplus(-x) = -log sigmoid(x)
 
 
+def pair_loss(model, ids, mask, attention, weights, args, reference):
+    """dpo_loss of chosen-then-rejected sequences + --rpo_alpha x the chosen's per-token NLL, weighted as its pair."""
+    with torch.no_grad(), reference():  # pi_ref
+        ref = sequence_logps(model, ids, mask, attention).chunk(2)  # (B,) chosen, (B,) rejected
+    pi = sequence_logps(model, ids, mask, attention).chunk(2)
+    loss, rewards = dpo_loss(*pi, *ref, weights, args.beta, args.reference_free)
+    nll = -pi[0] / mask[: len(weights), 1:].sum(-1)  # simplification: RPO's NLL term (header item 12)
+    return loss + args.rpo_alpha * (weights * nll).mean(), rewards
+
+
 def encode(tokenizer, prompt, response):
     """(ids, loss_mask) as assembled: chat prompt (0), response cut at [END], then [END] and EOS (1) (spec §5.5)."""
     prompt = chat_prompts(tokenizer, [[{"role": "user", "content": prompt}]])[0]
@@ -857,11 +862,8 @@ def dpo_train(accelerator, model, tokenizer, pairs, args, world, out, adapter="d
         stats = Counter()
         for m in range(0, len(mine), args.micro_batch_size):
             micro = mine[m : m + args.micro_batch_size]
-            ids, mask, attention, weights = pair_tensors(micro, tokenizer, rng, world, args, accelerator.device)
-            with torch.no_grad(), accelerator.unwrap_model(model).disable_adapter():  # pi_ref
-                ref = sequence_logps(model, ids, mask, attention).chunk(2)  # (B,) chosen, (B,) rejected
-            pi = sequence_logps(model, ids, mask, attention).chunk(2)
-            loss, rewards = dpo_loss(*pi, *ref, weights, args.beta, args.reference_free)
+            batch = pair_tensors(micro, tokenizer, rng, world, args, accelerator.device)  # ids, mask, attention, w
+            loss, rewards = pair_loss(model, *batch, args, accelerator.unwrap_model(model).disable_adapter)
             accelerator.backward(loss * len(micro) / len(mine))
             stats.update({"losses/dpo": loss.item() * len(micro), "rewards/margin": rewards.sum().item()})
             stats.update({"rewards/accuracy": (rewards > 0).sum().item(), "n": len(micro)})

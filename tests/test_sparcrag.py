@@ -445,6 +445,45 @@ class FixedLogits(torch.nn.Module):
         return type("Out", (), {"logits": self.logits_of(input_ids)})()
 
 
+def test_rpo_alpha_adds_the_chosen_responses_per_token_nll_weighted_as_their_pairs():
+    import contextlib
+
+    def logits_of(ids):  # position 0 scores token 1 uniformly (-ln 3), position 1 gives token 2 -ln 2
+        out = torch.zeros(*ids.shape, 3)
+        out[:, 1] = torch.tensor([0.0, 0.0, math.log(2)])
+        return out
+
+    # chosen 1: response tokens 1, 2 (-ln 3 - ln 2, 2 tokens); chosen 2: token 2 at position 1 (-ln 3, 1 token)
+    ids = torch.tensor([[0, 1, 2], [0, 2, 0], [0, 0, 1], [0, 1, 1]])  # chosen, chosen, rejected, rejected
+    mask = torch.tensor([[0, 1, 1], [0, 1, 0], [0, 0, 1], [0, 1, 1]])  # the rejected of other lengths
+    weights, args = torch.tensor([2.0, 1.0]), sparcrag.Args(rpo_alpha=0.5)
+    batch = (ids, mask, torch.ones_like(ids), weights)
+    loss, margins = sparcrag.pair_loss(FixedLogits(logits_of), *batch, args, contextlib.nullcontext)
+    dpo = 1.5 * math.log(2)  # policy = reference: mean of w * ln 2
+    nll = (2 * math.log(6) / 2 + 1 * math.log(3) / 1) / 2  # mean over pairs of w * (per-token mean NLL)
+    assert nll == pytest.approx(1.445186, abs=1e-6)
+    assert loss.item() == pytest.approx(dpo + 0.5 * nll, abs=1e-6) and loss.item() == pytest.approx(1.762314, abs=1e-6)
+    assert margins.tolist() == [0.0, 0.0]
+    off = sparcrag.pair_loss(FixedLogits(logits_of), *batch, sparcrag.Args(), contextlib.nullcontext)[0]
+    assert off.item() == pytest.approx(dpo, abs=1e-6)  # rpo_alpha 0 (both presets): DPO alone
+
+
+def test_dpo_train_logs_the_rpo_term_from_its_first_step(tmp_path):
+    from common import runs
+    from common.toy_lm import load_toy_lm
+
+    model, tokenizer = load_toy_lm("toy-lm:layers=1,hidden=16,heads=2,kv_heads=2,intermediate=32")
+    pair = {"role": "evaluate", "prompt": "answer : unknown decision :", "weight": 8.0}
+    pair |= {"chosen": "<decision>CONTINUE</decision>", "rejected": "<decision>STOP</decision>"}
+    ids, mask = (torch.tensor([x]) for x in sparcrag.encode(tokenizer, pair["prompt"], pair["chosen"]))
+    with torch.no_grad():
+        nll = -sparcrag.sequence_logps(model, ids, mask, torch.ones_like(ids)).item() / (mask.sum().item())
+    args = sparcrag.apply_preset(sparcrag.Args(rpo_alpha=0.25, lora_dropout=0.0, dpo_epochs=1))
+    sparcrag.dpo_train(runs.make_accelerator(), model, tokenizer, [pair], args, None, tmp_path)
+    logged = json.loads((tmp_path / "metrics.jsonl").read_text().splitlines()[0])["losses/dpo"]
+    assert logged == pytest.approx(8.0 * math.log(2) + 0.25 * 8.0 * nll, abs=1e-5)  # the LoRA starts at the reference
+
+
 def test_sequence_logps_uniform_and_padding():
     model = FixedLogits(lambda ids: torch.zeros(*ids.shape, 3))
     for prompt_len in (1, 4):
