@@ -106,7 +106,7 @@ class Args:
     teacher_temperature: float = arg(0.6, "llm teacher sampling temperature")
     warmup_keep: int = arg(4, "successful trajectories kept per question")
     warmup_select: str | None = arg(None, "all successes, or the cheapest ones", choices=["uniform", "cheapest"])
-    warmup_types: str | None = arg(None, "comma-separated types the warm-up data is built from (empty: all)")
+    warmup_types: str = arg("", "comma-separated types the warm-up data is built from (empty: all; header 13)")
     sft_epochs: float | None = arg(None, "SFT epochs [Tab. 5: 1] (when --sft_steps is 0)")
     sft_steps: int | None = arg(None, "SFT steps; overrides epochs when > 0")
     sft_lr: float | None = arg(None, "SFT learning rate [Tab. 5: 5e-6]")
@@ -145,7 +145,6 @@ PRESETS = {  # field: (toy, paper), for the fields left at None; any flag overri
     "max_new_tokens": (48, 160),  # impl
     "teacher": ("oracle", "llm"),  # simplification: the toy oracle teacher (header 1)
     "warmup_select": ("cheapest", "uniform"),  # simplification: header 2
-    "warmup_types": ("", ""),  # simplification: header 13
     "sft_epochs": (0.0, 1.0),  # [Tab. 5]
     "sft_steps": (1500, 0),
     "sft_lr": (2e-3, 5e-6),  # [Tab. 5]
