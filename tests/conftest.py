@@ -5,6 +5,8 @@ import os
 import sys
 from pathlib import Path
 
+import pytest
+
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("HF_DATASETS_OFFLINE", "1")
 os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
@@ -35,3 +37,13 @@ def check_contract(out_dir, stdout):
     last = stdout.strip().splitlines()[-1]
     assert last.startswith("RESULT ") and json.loads(last[len("RESULT ") :]) == results
     return results
+
+
+@pytest.fixture(autouse=True)
+def fresh_accelerate_state():
+    """accelerate's state is a process-wide singleton: on a GPU, a test's `Accelerator(cpu=True)` would make a later
+    test's run (make_accelerator: CUDA, bf16) fail to start. Each test leaves none behind."""
+    yield
+    from accelerate.state import AcceleratorState
+
+    AcceleratorState._reset_state(reset_partial_state=True)

@@ -481,7 +481,7 @@ def test_dpo_train_logs_the_rpo_term_from_its_first_step(tmp_path):
     args = sparcrag.apply_preset(sparcrag.Args(rpo_alpha=0.25, lora_dropout=0.0, dpo_epochs=1))
     sparcrag.dpo_train(runs.make_accelerator(), model, tokenizer, [pair], args, None, tmp_path)
     logged = json.loads((tmp_path / "metrics.jsonl").read_text().splitlines()[0])["losses/dpo"]
-    assert logged == pytest.approx(8.0 * math.log(2) + 0.25 * 8.0 * nll, abs=1e-5)  # the LoRA starts at the reference
+    assert logged == pytest.approx(8.0 * math.log(2) + 0.25 * 8.0 * nll, rel=1e-5)  # the LoRA starts at the reference
 
 
 def test_sequence_logps_uniform_and_padding():
@@ -553,7 +553,9 @@ def test_role_adapters_train_each_on_its_own_pairs_serve_their_role_and_reload(t
     def logps(model, adapter, prompt, response):
         if adapter:
             model.set_adapter(adapter)
-        ids, mask = (torch.tensor([x]) for x in sparcrag.encode(tokenizer, prompt, response))
+        ids, mask = (
+            torch.tensor([x], device=accelerator.device) for x in sparcrag.encode(tokenizer, prompt, response)
+        )
         with torch.no_grad():
             return sparcrag.sequence_logps(model.eval(), ids, mask, torch.ones_like(ids)).item()
 
@@ -570,8 +572,10 @@ def test_role_adapters_train_each_on_its_own_pairs_serve_their_role_and_reload(t
     model = tuned[True]
     assert set(model.peft_config) == {"default", "evaluate"} and set(tuned[False].peft_config) == {"default"}
     # the rewriter's adapter saw no pair: the rewriter is the warm-up's; the evaluator's adapter learned its pairs
-    assert logps(model, "default", *rewrite) == pytest.approx(start, abs=1e-6)
-    assert logps(tuned[False], "default", *rewrite) != pytest.approx(start, abs=1e-3)  # one shared adapter
+    lora = lambda m, adapter, ab: [p for n, p in m.named_parameters() if f"lora_{ab}.{adapter}." in n]
+    assert lora(model, "default", "B") and not any(p.any() for p in lora(model, "default", "B"))  # B starts at 0
+    assert logps(model, "default", *rewrite) == pytest.approx(start, rel=1e-4)  # (bf16 autocast on a GPU)
+    assert any(p.any() for p in lora(tuned[False], "default", "B"))  # one shared adapter: trained
     margin = lambda m, a: logps(m, a, pair["prompt"], pair["chosen"]) - logps(m, a, pair["prompt"], pair["rejected"])
     assert margin(model, "evaluate") > margin(model, "default") + 0.1
     chosen = logps(model, "evaluate", pair["prompt"], pair["chosen"])
@@ -582,7 +586,9 @@ def test_role_adapters_train_each_on_its_own_pairs_serve_their_role_and_reload(t
     runs.save_checkpoint(tmp_path / "dpo", model, tokenizer, {})
     loaded, _ = sparcrag.load_policy(args, accelerator.device, str(tmp_path / "dpo"))
     assert set(loaded.peft_config) == {"default", "evaluate"}
-    assert logps(loaded, "evaluate", pair["prompt"], pair["chosen"]) == pytest.approx(chosen, abs=1e-5)
+    assert logps(loaded, "evaluate", pair["prompt"], pair["chosen"]) == pytest.approx(chosen, rel=1e-4)  # bf16 on GPU
+    pairs = [(p, q) for ab in "AB" for p, q in zip(lora(loaded, "evaluate", ab), lora(model, "evaluate", ab))]
+    assert pairs and all(torch.equal(p, q) for p, q in pairs)
 
 
 # ---------------------------------------------------------------- the naive baselines (App. A.5) and the teacher
@@ -807,7 +813,8 @@ def test_a_malformed_data_file_is_one_line_and_exit_code_2(tmp_path, capsys):
 
 
 def test_paper_templates_run_a_few_steps(tmp_path, capsys):
-    flags = [*TINY, "--templates", "paper", "--n_train", "4", "--n_eval", "2", "--max_new_tokens", "40"]
+    # TINY's 12 training questions: with 4, a GPU's sampling once left no preference pair (a one-line SystemExit)
+    flags = [*TINY, "--templates", "paper", "--n_eval", "2", "--max_new_tokens", "40"]
     stdout = run(["--train", "--output_dir", str(tmp_path / "paper"), *flags], capsys)
     assert check_contract(tmp_path / "paper", stdout)["args"]["templates"] == "paper"
 
