@@ -34,9 +34,9 @@ Deviations from the paper (each marked `# simplification:` where it lives):
 9. Toy preset: EM labels correctness (evaluator pairs, incorrect acceptance): FlashRAG's acc finds "no" in "unknown".
 10. Toy preset: wrong-stop weight lambda = 8 (paper: 2; Fig. 6 sweeps it): at the paper's DPO lr 5e-5 a smaller lambda
     leaves the tuned toy evaluator stopping on some "unknown" answers (docs/sparcrag.md, Toy results).
-11. --role_adapters (off in both presets): one LoRA adapter per trained role, each trained on its own role's pairs
-    and serving that role, the evaluator's for --evaluator_epochs (toy 5); the paper tunes one adapter for all agents.
-    The untrained roles use the rewriter's. Toy, with --dpo_epochs 0: the evaluator tuned alone, F1 held (docs).
+11. Toy preset: one LoRA adapter per trained role (--role_adapters; the paper tunes one for all agents), each trained
+    on its own role's pairs and serving it (the untrained roles: the rewriter's), the rewriter's 1 epoch (--dpo_epochs;
+    paper 3), the evaluator's 5 (--evaluator_epochs): F1 held on 3 seeds where one adapter lost some (docs).
 12. --rpo_alpha (0 in both presets): DPO + alpha x the chosen's per-token NLL (RPO, Pang et al. 2024; TRL's name).
 """
 
@@ -118,9 +118,9 @@ class Args:
     lora_alpha: int = field(default=32, metadata={"help": "LoRA alpha [App. A.4: 32]"})
     lora_dropout: float = field(default=0.05, metadata={"help": "LoRA dropout [App. A.4: 0.05]"})
     dpo_lr: float | None = field(default=None, metadata={"help": "DPO learning rate [App. A.4: 5e-5 (LoRA)]"})
-    dpo_epochs: int = field(default=3, metadata={"help": "DPO epochs [App. A.4: 3]"})
+    dpo_epochs: int | None = field(default=None, metadata={"help": "DPO epochs (per role: the rewriter's) [A.4: 3]"})
     rpo_alpha: float = field(default=0.0, metadata={"help": "+ alpha x the chosen's NLL (RPO; the paper: 0)"})
-    role_adapters: bool = field(default=False, metadata={"help": "one LoRA adapter per trained role (ours)"})
+    role_adapters: bool | None = field(default=None, metadata={"help": "one LoRA adapter per trained role (ours)"})
     evaluator_epochs: int | None = field(default=None, metadata={"help": "--role_adapters: the evaluator's epochs"})
     dpo_batch_size: int = field(default=16, metadata={"help": "pairs per update [App. A.4: effective 16]"})
     micro_batch_size: int | None = field(default=None, metadata={"help": "pairs per forward (accumulation)"})
@@ -158,6 +158,8 @@ PRESETS = {  # field: (toy, paper), for the fields left at None; any flag overri
     "correct_by": ("em", "acc"),  # simplification: header item 9
     "dpo_lr": (5e-5, 5e-5),  # [App. A.4]
     "lam": (8.0, 2.0),  # [§5.2, Fig. 6]; simplification: header item 10
+    "role_adapters": (True, False),  # simplification: per-role adapters in the toy (header item 11)
+    "dpo_epochs": (1, 3),  # [App. A.4: 3]; simplification: the toy rewriter's adapter, 1 epoch (header item 11)
     "evaluator_epochs": (5, 3),  # [App. A.4: 3] with --role_adapters (header item 11)
     "rewrite_pair_temperature": (1.0, 1.0),  # spec §5.3 [R]
     "micro_batch_size": (16, 1),

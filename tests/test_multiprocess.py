@@ -22,7 +22,7 @@ FLAGS = {  # method: (flags, the train_steps the run must report)
                 "1", "--dpo_epochs", "1", "--rollout_batch", "6", "--max_new_tokens", "32"], {"sft": 4, "dpo": 0}),
     "sparcrag": (["--n_train", "12", "--n_eval", "6", "--sft_steps", "6", "--sft_batch_size", "8", "--dpo_epochs", "1",
                   "--untuned_depth", "2", "--depth", "2", "--max_new_tokens", "96", "--seed", "0"],
-                 {"sft": 6, "dpo": 1}),
+                 {"sft": 6, "dpo": 2}),  # the toy preset's two adapters
 }  # fmt: skip
 
 

@@ -7,6 +7,7 @@ import itertools
 import json
 import math
 from collections import Counter
+from dataclasses import replace
 from pathlib import Path
 
 import pytest
@@ -589,6 +590,27 @@ def test_role_adapters_train_each_on_its_own_pairs_serve_their_role_and_reload(t
     assert logps(loaded, "evaluate", pair["prompt"], pair["chosen"]) == pytest.approx(chosen, rel=1e-4)  # bf16 on GPU
     pairs = [(p, q) for ab in "AB" for p, q in zip(lora(loaded, "evaluate", ab), lora(model, "evaluate", ab))]
     assert pairs and all(torch.equal(p, q) for p, q in pairs)
+
+
+def test_the_toy_preset_tunes_one_adapter_per_role_the_rewriters_for_one_epoch(tmp_path):
+    from common import runs
+
+    tiny = {"model": "toy-lm:layers=1,hidden=16,heads=2,kv_heads=2,intermediate=32", "dpo_batch_size": 2}
+    rewrite = {"role": "rewrite", "prompt": "write 1 queries , original query : poli output :", "weight": 1.0}
+    rewrite |= {"chosen": "<queries> <query> poli </query> </queries>", "rejected": "<queries> </queries>"}
+    evaluate = {"role": "evaluate", "prompt": "answer : unknown decision :", "weight": 1.0}
+    evaluate |= {"chosen": "<decision>CONTINUE</decision>", "rejected": "<decision>STOP</decision>"}
+    pairs = [rewrite] * 2 + [evaluate] * 4
+    toy, paper = sparcrag.apply_preset(sparcrag.Args(**tiny)), sparcrag.Args(preset="paper")
+    assert (toy.role_adapters, toy.dpo_epochs, toy.evaluator_epochs) == (True, 1, 5)
+    assert (sparcrag.apply_preset(paper).role_adapters, paper.dpo_epochs) == (False, 3)  # the paper's one adapter
+    for args, adapters, steps in (
+        (toy, {"default", "evaluate"}, 1 + 10),
+        (replace(toy, role_adapters=False), {"default"}, 3),
+    ):
+        policy, tokenizer = sparcrag.load_policy(args, torch.device("cpu"))
+        model, done = sparcrag.tune(runs.make_accelerator(), policy, tokenizer, pairs, args, None, tmp_path)
+        assert set(model.peft_config) == adapters and done == steps  # toy: 2 pairs x 1 epoch + 4 pairs x 5 epochs, / 2
 
 
 # ---------------------------------------------------------------- the naive baselines (App. A.5) and the teacher
