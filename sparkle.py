@@ -904,10 +904,8 @@ def step_curves(trees):
     at = lambda trace, s: trace[min(s, len(trace) - 1)] if s >= 0 else ([], 0)  # a finished path keeps its context
     steps, mean = range(max((len(tr) for tr, _ in traces), default=0)), lambda xs: round(sum(xs) / len(trees), 4)
     recall = [mean(context_recall(at(tr, s)[0], row) for tr, row in traces) for s in steps]
-    return dict(
-        recall_by_step=recall,
-        queries_by_step=[mean(at(tr, s)[1] - at(tr, s - 1)[1] for tr, _ in traces) for s in steps],
-    )
+    queries = [mean(at(tr, s)[1] - at(tr, s - 1)[1] for tr, _ in traces) for s in steps]
+    return dict(recall_by_step=recall, queries_by_step=queries)
 
 
 def node_text(node):
