@@ -22,7 +22,7 @@ Deviations from the paper (each marked `# simplification: ... (header N)` where 
 4. Toy preset: compact templates, top-3 documents, 5 triples, L = 2, smaller PPO sizes.
 5. --teacher llm plays the proxy roles zero-shot with the agents' prompts (the paper: Qwen2.5-72B, prompts unstated).
 6. The thoughts so far go to the LLM as an assistant message (impl: the assistant turn continued raw).
-7. PPO trains the sampled tokens, not the authors' canonical re-renders of QF and KI outputs (spec §9.11).
+7. PPO trains QF's and KI's sampled tokens, not the authors' canonical re-renders (RD's: the exact Yes/No; spec §9.11).
 8. The critic starts from --critic_init (impl: the base proxy; the toy preset: the SFT proxy), head zero-initialised.
 9. Advantages are whitened over the rollout, one PPO epoch, value clipping 0.2 (the authors' OpenRLHF settings).
 10. The ablations' prompts are ours (the paper describes them; App. D.2); w/o QF keeps the QF output format.
@@ -630,7 +630,7 @@ def proxy_actor(model, tokenizer, args, greedy):
         for s in range(0, len(batch), args.gen_batch_size):
             chunk = batch[s : s + args.gen_batch_size]  # T = 1 in training (impl), greedy at test [App. C]
             gen = generate(model, tokenizer, chunk, args.max_new_tokens, do_sample=not greedy, seed=seed + s)
-            # simplification: the sampled ids are the trained action, not a canonical re-render (header 7)
+            # simplification: QF and KI train their sampled ids, not a canonical re-render (header 7; RD: op_samples)
             for (i, prefix), ids in zip(owners[s : s + args.gen_batch_size], gen.token_ids):
                 out[i] = (tokenizer.decode(prefix + ids, skip_special_tokens=True), prompts[i], prefix + ids)
         return out
@@ -758,14 +758,14 @@ class ValueModel(torch.nn.Module):
         return self.head(hidden.to(self.head.weight.dtype)).squeeze(-1)  # (B, T)
 
 
-def op_samples(trees):
-    """One PPO sample per operation of the three agents, pooled [App. C]: loss_mask = 1 exactly on the action."""
+def op_samples(trees, canonical=None):
+    """One PPO sample per operation, pooled [App. C]: loss_mask = 1 on the action; canonical: RD as its Yes/No ids."""
     samples = []
     for tree in trees:
         for n, credit in zip(tree["nodes"], leaf_credits(tree["nodes"])):  # [Eq. 2]
             if n["kind"] in AGENTS and n["action_ids"] and credit is not None:
-                mask = [0] * len(n["prompt_ids"]) + [1] * len(n["action_ids"])
-                ids = n["prompt_ids"] + n["action_ids"]
+                action = canonical[parse_rd(n["text"])] if canonical and n["kind"] == "rd" else n["action_ids"]
+                mask, ids = [0] * len(n["prompt_ids"]) + [1] * len(action), n["prompt_ids"] + action
                 samples.append(dict(ids=ids, credit=credit, agent=n["kind"], loss_mask=mask, forced=bool(n["fixed"])))
     return samples
 
@@ -904,10 +904,8 @@ def step_curves(trees):
     at = lambda trace, s: trace[min(s, len(trace) - 1)] if s >= 0 else ([], 0)  # a finished path keeps its context
     steps, mean = range(max((len(tr) for tr, _ in traces), default=0)), lambda xs: round(sum(xs) / len(trees), 4)
     recall = [mean(context_recall(at(tr, s)[0], row) for tr, row in traces) for s in steps]
-    return dict(
-        recall_by_step=recall,
-        queries_by_step=[mean(at(tr, s)[1] - at(tr, s - 1)[1] for tr, _ in traces) for s in steps],
-    )
+    queries = [mean(at(tr, s)[1] - at(tr, s - 1)[1] for tr, _ in traces) for s in steps]
+    return dict(recall_by_step=recall, queries_by_step=queries)
 
 
 def node_text(node):
@@ -1023,6 +1021,8 @@ def train(args):
         accelerator.print(f"resumed PPO at iteration {steps['ppo']}")
     policy, value, *optimizers = accelerator.prepare(policy, value, *optimizers)
     mode = "standard" if args.standard_rollout else "tree"  # w/ Standard Rollout [Tab. 4]; binary tree [§3.1]
+    rd = lambda k: tokenizer.encode(TEMPLATES[args.templates][k], add_special_tokens=False) + [tokenizer.eos_token_id]
+    canonical = {True: rd("rd_yes"), False: rd("rd_no")} if args.ablation != "no_qf" else None  # [spec §9.11]
     for it in range(steps["ppo"], args.ppo_iterations):
         t0 = time.time()
         rows = rng.sample(train_rows, min(args.rollout_batch, len(train_rows)))
@@ -1032,7 +1032,7 @@ def train(args):
         with accelerator.autocast():
             seed = args.seed * 100_003 + it * 7919 + accelerator.process_index
             trees = rollout(rows, actor, env, args, mode, seed)
-        samples = op_samples(trees)
+        samples = op_samples(trees, canonical)
         stats = rollout_stats(trees, samples) | ppo_update(accelerator, policy, value, ref, optimizers, schedulers,
                                                            samples, tokenizer.pad_token_id, args)  # fmt: skip
         stats |= {"iteration": it + 1, "charts/seconds": time.time() - t0}

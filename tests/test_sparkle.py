@@ -232,6 +232,20 @@ def test_loss_mask_is_exactly_the_action_and_prompt_logits_get_no_gradient():
     assert grad[2] > 0 and grad[3] > 0 and grad[0] == grad[1] == grad[4] == 0
 
 
+def test_a_sampled_rd_output_is_trained_as_the_exact_yes_or_no_it_parses_to():
+    nodes = [dict(kind="root", parent=None), dict(kind="llm", parent=0)]
+    texts = ["step 1 : chain : < a ; b ; c > yes", "step 1 : chain : < a ; b ; c >", "no"]
+    nodes += [dict(kind="rd", parent=1, prompt_ids=[5], action_ids=[30, 31, 32], fixed=None, text=t) for t in texts]
+    nodes += [dict(kind="qf", parent=2, prompt_ids=[6], action_ids=[40, 41], fixed=None, text="step 1 : x")]
+    nodes += [dict(kind="leaf", parent=5, reward=1.0), dict(kind="leaf", parent=3, reward=0.0)]
+    nodes += [dict(kind="leaf", parent=4, reward=0.0)]
+    canonical = {True: [8, 2], False: [9, 2]}
+    yes, no, no_again, qf = sparkle.op_samples([dict(nodes=nodes)], canonical)
+    assert [yes["ids"], no["ids"], no_again["ids"]] == [[5, 8, 2], [5, 9, 2], [5, 9, 2]]  # spec §9.11, the RD agent
+    assert yes["loss_mask"] == [0, 1, 1] and qf["ids"] == [6, 40, 41]  # QF and KI keep their sampled tokens
+    assert [s["ids"] for s in sparkle.op_samples([dict(nodes=nodes)])][:2] == [[5, 30, 31, 32]] * 2  # none: raw
+
+
 def test_forced_rd_answers_are_flagged_and_their_policy_loss_scaled_by_the_forced_weight():
     nodes = [dict(kind="root", parent=None), dict(kind="llm", parent=0)]
     nodes += [dict(kind="rd", parent=1, prompt_ids=[5], action_ids=[8, 2], fixed=f) for f in ("yes", None)]
