@@ -106,7 +106,7 @@ class Args:
     teacher_temperature: float = arg(0.6, "llm teacher sampling temperature")
     warmup_keep: int = arg(4, "successful trajectories kept per question")
     warmup_select: str | None = arg(None, "all successes, or the cheapest ones", choices=["uniform", "cheapest"])
-    warmup_types: str = arg("", "comma-separated types the warm-up data is built from (empty: all; header 13)")
+    warmup_types: str | None = arg(None, "comma-separated types the warm-up data is built from (empty: all; header 13)")
     sft_epochs: float | None = arg(None, "SFT epochs [Tab. 5: 1] (when --sft_steps is 0)")
     sft_steps: int | None = arg(None, "SFT steps; overrides epochs when > 0")
     sft_lr: float | None = arg(None, "SFT learning rate [Tab. 5: 5e-6]")
@@ -125,6 +125,7 @@ class Args:
     gamma: float = arg(1.0, "GAE gamma within an operation (impl: 1)")
     lam: float = arg(0.95, "GAE lambda (impl: 0.95)")
     clip: float = arg(0.2, "PPO clip epsilon (impl: 0.2)")
+    code_shaping: bool = arg(False, "the authors' code's credit shaping: pruned Yes -0.1, No +0.1, last RD -+0.05")
     forced_weight: float | None = arg(None, "policy-loss weight of the forced RD answers of Eq. 1 (spec §9.10: 1)")
     vf_coef: float = arg(0.5, "value loss coefficient (impl: 0.5)")
     value_clip: float = arg(0.2, "value clip around the old values (impl: 0.2); 0: plain MSE")
@@ -145,6 +146,7 @@ PRESETS = {  # field: (toy, paper), for the fields left at None; any flag overri
     "max_new_tokens": (48, 160),  # impl
     "teacher": ("oracle", "llm"),  # simplification: the toy oracle teacher (header 1)
     "warmup_select": ("cheapest", "uniform"),  # simplification: header 2
+    "warmup_types": ("one_hop,two_hop", ""),  # simplification: header 13
     "sft_epochs": (0.0, 1.0),  # [Tab. 5]
     "sft_steps": (1500, 0),
     "sft_lr": (2e-3, 5e-6),  # [Tab. 5]
@@ -424,6 +426,22 @@ def leaf_credits(nodes):
         if (parent := nodes[i]["parent"]) is not None:
             total[parent], count[parent] = total[parent] + total[i], count[parent] + count[i]
     return [t / c if c else None for t, c in zip(total, count)]
+
+
+def code_shaping(nodes, credit, pruned=0.1, final=0.05):
+    """The authors' code's shaping of Eq. 2 (not in the paper; spec §5.7): a pruned RD Yes takes its sibling No's credit
+    - 0.1 and that No + 0.1; every leaf's last RD operation gets -0.05 if it was Yes, +0.05 if No."""
+    credit = list(credit)
+    for i, n in enumerate(nodes):
+        if n.get("pruned") and n["kind"] == "rd":
+            no = next(j for j, m in enumerate(nodes) if m["parent"] == n["parent"] and m["kind"] == "rd" and j != i)
+            credit[i], credit[no] = credit[no] - pruned, credit[no] + pruned
+    for i in [n["parent"] for n in nodes if n["kind"] == "leaf"]:
+        while i is not None and nodes[i]["kind"] != "rd":
+            i = nodes[i]["parent"]
+        if i is not None:
+            credit[i] += -final if parse_rd(nodes[i]["text"]) else final
+    return credit
 
 
 # --------------------------------------------------------------------------- 4. rollout [§3.1, Eq. 1, Alg. 1]
@@ -758,11 +776,12 @@ class ValueModel(torch.nn.Module):
         return self.head(hidden.to(self.head.weight.dtype)).squeeze(-1)  # (B, T)
 
 
-def op_samples(trees, canonical=None):
+def op_samples(trees, canonical=None, shaping=False):
     """One PPO sample per operation, pooled [App. C]: loss_mask = 1 on the action; canonical: RD as its Yes/No ids."""
     samples = []
     for tree in trees:
-        for n, credit in zip(tree["nodes"], leaf_credits(tree["nodes"])):  # [Eq. 2]
+        credits = leaf_credits(tree["nodes"])  # [Eq. 2]
+        for n, credit in zip(tree["nodes"], code_shaping(tree["nodes"], credits) if shaping else credits):
             if n["kind"] in AGENTS and n["action_ids"] and credit is not None:
                 action = canonical[parse_rd(n["text"])] if canonical and n["kind"] == "rd" else n["action_ids"]
                 mask, ids = [0] * len(n["prompt_ids"]) + [1] * len(action), n["prompt_ids"] + action
@@ -983,7 +1002,8 @@ def warm_up(accelerator, args, out, train_rows, test_rows, env, world):
     policy, tokenizer = load_proxy(args, accelerator.device)
     before_sft = evaluate_stage(accelerator, out, "raw", policy, tokenizer, env, test_rows, args)
     types = {t.strip() for t in args.warmup_types.split(",") if t.strip()}  # simplification: header 13
-    rows = [r for r in train_rows if not types or r["metadata"].get("type") in types]
+    typed = types and any("type" in r["metadata"] for r in train_rows)  # rows without a type (plain FlashRAG): all
+    rows = [r for r in train_rows if not typed or r["metadata"].get("type") in types]
     examples, solved = build_warmup(rows, env.llm, env, args)
     accelerator.print(f"warm-up: {dict(Counter(e['agent'] for e in examples))}; {solved:.2f} of the questions solved")
     if not examples:
@@ -1032,7 +1052,7 @@ def train(args):
         with accelerator.autocast():
             seed = args.seed * 100_003 + it * 7919 + accelerator.process_index
             trees = rollout(rows, actor, env, args, mode, seed)
-        samples = op_samples(trees, canonical)
+        samples = op_samples(trees, canonical, args.code_shaping)
         stats = rollout_stats(trees, samples) | ppo_update(accelerator, policy, value, ref, optimizers, schedulers,
                                                            samples, tokenizer.pad_token_id, args)  # fmt: skip
         stats |= {"iteration": it + 1, "charts/seconds": time.time() - t0}
