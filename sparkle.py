@@ -18,8 +18,8 @@ it reaches (Eq. 2), R = α·Recall(c_T) + (1−α)·F1(y). A diff against c3po.p
 Deviations from the paper (each marked `# simplification: ... (header N)` where it lives):
 1. Toy world: the warm-up teacher is an oracle reading the thoughts and the question's metadata (--teacher_noise).
 2. Toy preset: the warm-up keeps only the cheapest successful paths (fewest retrievals, then steps; --warmup_select).
-3. Toy world: SFT examples and not-popular PPO trees are entity-renamed for the proxy (--augment_p, --rl_augment_p).
-4. Toy preset: compact templates, top-3 documents, 5 triples, L = 2, smaller PPO sizes.
+3. Toy world: SFT examples are entity-renamed for the proxy (--augment_p; not-popular PPO trees with --rl_augment_p).
+4. Toy preset: compact templates, top-3 documents, 5 triples, L = 2, 128 trees per update, smaller PPO minibatches.
 5. --teacher llm plays the proxy roles zero-shot with the agents' prompts (the paper: Qwen2.5-72B, prompts unstated).
 6. The thoughts so far go to the LLM as an assistant message (impl: the assistant turn continued raw).
 7. PPO trains QF's and KI's sampled tokens, not the authors' canonical re-renders (RD's: the exact Yes/No; spec §9.11).
@@ -27,8 +27,8 @@ Deviations from the paper (each marked `# simplification: ... (header N)` where 
 9. Advantages are whitened over the rollout, one PPO epoch, value clipping 0.2 (the authors' OpenRLHF settings).
 10. The ablations' prompts are ours (the paper describes them; App. D.2); w/o QF keeps the QF output format.
 11. The LLM's steps are capped at --llm_max_tokens; latency is batched wall time per question.
-12. Toy preset: the forced RD answers' policy loss is scaled by --forced_weight 0.1 (paper preset 1; c3po.py item 4).
-13. Toy: --warmup_types builds the warm-up data from some question types only, a teacher weaker than RL can reach.
+12. Toy preset: the authors' code's shaping of the Eq. 2 credit (--code_shaping; spec §5.7), the paper preset: off.
+13. Toy preset: warm-up data from one- and two-hop questions only (--warmup_types), a teacher weaker than RL can reach.
 """
 
 import copy
@@ -50,7 +50,7 @@ from common.llm import backbone_of, chat_prompts, generate, right_pad, unknown_w
 from common.metrics import answer_scores, doc_recall, f1_score, summarize
 from common.models import load_model_and_tokenizer, make_llm
 from common.retrieval import TfidfEncoder, load_corpus, open_retriever
-from common.runs import arg
+from common.runs import arg, cosine
 from common.toy import RenamingEnv, oracle_sparkle, rename_entities, rename_rows, world_or_none
 
 ABLATIONS = ["none", "no_rd", "no_qf", "direct_qf", "no_ki", "direct_ki"]
@@ -106,7 +106,9 @@ class Args:
     teacher_temperature: float = arg(0.6, "llm teacher sampling temperature")
     warmup_keep: int = arg(4, "successful trajectories kept per question")
     warmup_select: str | None = arg(None, "all successes, or the cheapest ones", choices=["uniform", "cheapest"])
-    warmup_types: str | None = arg(None, "comma-separated types the warm-up data is built from (empty: all; header 13)")
+    warmup_types: str | None = arg(
+        None, "comma-separated types the warm-up data is built from (empty: all; header 13)"
+    )
     sft_epochs: float | None = arg(None, "SFT epochs [Tab. 5: 1] (when --sft_steps is 0)")
     sft_steps: int | None = arg(None, "SFT steps; overrides epochs when > 0")
     sft_lr: float | None = arg(None, "SFT learning rate [Tab. 5: 5e-6]")
@@ -125,8 +127,8 @@ class Args:
     gamma: float = arg(1.0, "GAE gamma within an operation (impl: 1)")
     lam: float = arg(0.95, "GAE lambda (impl: 0.95)")
     clip: float = arg(0.2, "PPO clip epsilon (impl: 0.2)")
-    code_shaping: bool = arg(False, "the authors' code's credit shaping: pruned Yes -0.1, No +0.1, last RD -+0.05")
-    forced_weight: float | None = arg(None, "policy-loss weight of the forced RD answers of Eq. 1 (spec §9.10: 1)")
+    code_shaping: bool | None = arg(None, "the authors' code's credit shaping of Eq. 2 (spec §5.7; header 12)")
+    forced_weight: float = arg(1.0, "policy-loss weight of the forced RD answers of Eq. 1 (spec §9.10: 1)")
     vf_coef: float = arg(0.5, "value loss coefficient (impl: 0.5)")
     value_clip: float = arg(0.2, "value clip around the old values (impl: 0.2); 0: plain MSE")
     max_grad_norm: float = arg(1.0, "gradient clipping (impl: 1.0)")
@@ -153,14 +155,14 @@ PRESETS = {  # field: (toy, paper), for the fields left at None; any flag overri
     "sft_batch_size": (32, 64),  # [Tab. 5]
     "micro_batch_size": (8, 4),  # impl
     "augment_p": (1.0, 0.0),  # simplification: toy renaming (header 3)
-    "rl_augment_p": (1.0, 0.0),
+    "rl_augment_p": (0.0, 0.0),
     "ppo_iterations": (10, 120),  # impl: one episode of 7,500 questions, 64 per rollout
-    "rollout_batch": (64, 64),  # impl
+    "rollout_batch": (128, 64),  # impl: 64 (header 4)
     "ppo_batch_size": (32, 1024),  # [Tab. 6]
     "policy_lr": (1e-4, 5e-7),  # [Tab. 6]
     "value_lr": (1e-3, 5e-6),  # [Tab. 6]
     "critic_init": ("sft", "base"),  # simplification: header 8
-    "forced_weight": (0.1, 1.0),  # simplification: header 12
+    "code_shaping": (True, False),  # simplification: header 12
 }
 
 
@@ -429,8 +431,8 @@ def leaf_credits(nodes):
 
 
 def code_shaping(nodes, credit, pruned=0.1, final=0.05):
-    """The authors' code's shaping of Eq. 2 (not in the paper; spec §5.7): a pruned RD Yes takes its sibling No's credit
-    - 0.1 and that No + 0.1; every leaf's last RD operation gets -0.05 if it was Yes, +0.05 if No."""
+    """The authors' code's shaping of Eq. 2 (not in the paper; spec §5.7): a pruned RD Yes takes its sibling No's
+    credit - 0.1 and that No + 0.1; every leaf's last RD operation gets -0.05 if it was Yes, +0.05 if No."""
     credit = list(credit)
     for i, n in enumerate(nodes):
         if n.get("pruned") and n["kind"] == "rd":
@@ -734,12 +736,6 @@ def sft_batch(examples, tokenizer, args, rng, world):
     return ids, labels, right_pad([[1] * len(s[0]) for s in seqs], 0)
 
 
-def cosine(step, total, warmup):
-    """Linear warm-up then cosine decay to 0.1 of the peak [Tab. 6: cosine] (impl: cosine_with_min_lr 0.1)."""
-    decay = 0.1 + 0.45 * (1 + math.cos(math.pi * (step - warmup) / max(total - warmup, 1)))
-    return (step + 1) / warmup if step < warmup else decay
-
-
 def sft(accelerator, model, tokenizer, examples, args, world):
     """Cross-entropy on the outputs of the warm-up pairs (runs.sft_step); Adam (0.9, 0.95), 3% warm-up, cosine."""
     rng = random.Random(args.seed)
@@ -888,10 +884,9 @@ def ppo_update(accelerator, policy, value, ref, optimizers, schedulers, samples,
                 accelerator.backward((pg + args.vf_coef * vf).sum() / len(mb))
                 log_ratio = (logp - old[r, t]).detach()
                 clipfrac = (((ratio - 1).abs() > args.clip).float() * msk).sum() / msk.sum()
-                approx_kl = (((log_ratio.exp() - 1) - log_ratio) * msk).sum().item() / msk.sum().item()  # k3
-                for key, x in (("policy", pg.mean()), ("value", vf.mean()), ("clipfrac", clipfrac)):
+                approx_kl = (((log_ratio.exp() - 1) - log_ratio) * msk).sum() / msk.sum()  # k3
+                for key, x in dict(policy=pg.mean(), value=vf.mean(), clipfrac=clipfrac, approx_kl=approx_kl).items():
                     stats[f"losses/{key}"].append(x.item())
-                stats["losses/approx_kl"].append(approx_kl)
             for model, opt in zip((policy, value), optimizers):
                 accelerator.clip_grad_norm_(model.parameters(), args.max_grad_norm)
                 opt.step()
@@ -1046,7 +1041,7 @@ def train(args):
     for it in range(steps["ppo"], args.ppo_iterations):
         t0 = time.time()
         rows = rng.sample(train_rows, min(args.rollout_batch, len(train_rows)))
-        rows = rename_rows(rows, world, rng, args.rl_augment_p)  # simplification: renamed not-popular trees (header 3)
+        rows = rename_rows(rows, world, rng, args.rl_augment_p)  # simplification: renamed trees (header 3), if asked
         rows = [r for r in rows for _ in range(args.samples_per_question)]
         actor = proxy_actor(accelerator.unwrap_model(policy), tokenizer, args, greedy=False)
         with accelerator.autocast():
