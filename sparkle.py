@@ -27,7 +27,7 @@ Deviations from the paper (each marked `# simplification: ... (header N)` where 
 9. Advantages are whitened over the rollout, one PPO epoch, value clipping 0.2 (the authors' OpenRLHF settings).
 10. The ablations' prompts are ours (the paper describes them; App. D.2); w/o QF keeps the QF output format.
 11. The LLM's steps are capped at --llm_max_tokens; latency is batched wall time per question.
-12. Toy preset: the authors' code's shaping of the Eq. 2 credit (--code_shaping; spec §5.7), the paper preset: off.
+12. Toy preset: the forced RD answers' loss x --forced_weight 0.1; the code's credit shaping (--code_shaping, spec §5.7).
 13. Toy preset: warm-up data from one- and two-hop questions only (--warmup_types), a teacher weaker than RL can reach.
 """
 
@@ -106,9 +106,7 @@ class Args:
     teacher_temperature: float = arg(0.6, "llm teacher sampling temperature")
     warmup_keep: int = arg(4, "successful trajectories kept per question")
     warmup_select: str | None = arg(None, "all successes, or the cheapest ones", choices=["uniform", "cheapest"])
-    warmup_types: str | None = arg(
-        None, "comma-separated types the warm-up data is built from (empty: all; header 13)"
-    )
+    warmup_types: str | None = arg(None, "types of the warm-up data, comma-separated (empty: all; header 13)")
     sft_epochs: float | None = arg(None, "SFT epochs [Tab. 5: 1] (when --sft_steps is 0)")
     sft_steps: int | None = arg(None, "SFT steps; overrides epochs when > 0")
     sft_lr: float | None = arg(None, "SFT learning rate [Tab. 5: 5e-6]")
@@ -128,7 +126,7 @@ class Args:
     lam: float = arg(0.95, "GAE lambda (impl: 0.95)")
     clip: float = arg(0.2, "PPO clip epsilon (impl: 0.2)")
     code_shaping: bool | None = arg(None, "the authors' code's credit shaping of Eq. 2 (spec §5.7; header 12)")
-    forced_weight: float = arg(1.0, "policy-loss weight of the forced RD answers of Eq. 1 (spec §9.10: 1)")
+    forced_weight: float | None = arg(None, "policy-loss weight of the forced RD answers of Eq. 1 (spec §9.10: 1)")
     vf_coef: float = arg(0.5, "value loss coefficient (impl: 0.5)")
     value_clip: float = arg(0.2, "value clip around the old values (impl: 0.2); 0: plain MSE")
     max_grad_norm: float = arg(1.0, "gradient clipping (impl: 1.0)")
@@ -162,6 +160,7 @@ PRESETS = {  # field: (toy, paper), for the fields left at None; any flag overri
     "policy_lr": (1e-4, 5e-7),  # [Tab. 6]
     "value_lr": (1e-3, 5e-6),  # [Tab. 6]
     "critic_init": ("sft", "base"),  # simplification: header 8
+    "forced_weight": (0.1, 1.0),  # simplification: header 12
     "code_shaping": (True, False),  # simplification: header 12
 }
 
@@ -431,18 +430,15 @@ def leaf_credits(nodes):
 
 
 def code_shaping(nodes, credit, pruned=0.1, final=0.05):
-    """The authors' code's shaping of Eq. 2 (not in the paper; spec §5.7): a pruned RD Yes takes its sibling No's
-    credit - 0.1 and that No + 0.1; every leaf's last RD operation gets -0.05 if it was Yes, +0.05 if No."""
-    credit = list(credit)
-    for i, n in enumerate(nodes):
-        if n.get("pruned") and n["kind"] == "rd":
+    """The authors' code's shaping of the Eq. 2 credits (spec §5.7; not in the paper), on a copy of `credit`."""
+    credit, last = list(credit), []  # last[i]: the nearest RD node at or above node i
+    for i, n in enumerate(nodes):  # a parent before its children, a decision's Yes before its No (rd_requests)
+        if n.get("pruned") and n["kind"] == "rd":  # a pruned Yes: its No's credit - 0.1, that No + 0.1
             no = next(j for j, m in enumerate(nodes) if m["parent"] == n["parent"] and m["kind"] == "rd" and j != i)
             credit[i], credit[no] = credit[no] - pruned, credit[no] + pruned
-    for i in [n["parent"] for n in nodes if n["kind"] == "leaf"]:
-        while i is not None and nodes[i]["kind"] != "rd":
-            i = nodes[i]["parent"]
-        if i is not None:
-            credit[i] += -final if parse_rd(nodes[i]["text"]) else final
+        last.append(i if n["kind"] == "rd" else None if n["parent"] is None else last[n["parent"]])
+        if n["kind"] == "leaf" and last[i] is not None:  # a leaf's last RD operation: -0.05 if Yes, +0.05 if No
+            credit[last[i]] += -final if parse_rd(nodes[last[i]]["text"]) else final
     return credit
 
 
@@ -478,11 +474,8 @@ def rank_triples(encoder, questions, queries, found, n):
         return [[] for _ in pairs]
     q = encoder.encode([f"{a} {b}" for a, b in zip(questions, queries)], is_query=True)  # (P, D)
     scores = iter(encoder.encode(texts) @ q.T)  # (N, P)
-    ranked = []
-    for i, ps in enumerate(pairs):
-        s = [float(next(scores)[i]) for _ in ps]
-        ranked.append([ps[j] for j in sorted(range(len(ps)), key=lambda j: -s[j])[:n]])
-    return ranked
+    sims = [[float(next(scores)[i]) for _ in ps] for i, ps in enumerate(pairs)]  # each pair: its question's column
+    return [[ps[j] for j in sorted(range(len(ps)), key=lambda j: -s[j])[:n]] for ps, s in zip(pairs, sims)]
 
 
 def add_documents(docs, new, cap):
@@ -527,8 +520,7 @@ def rollout(rows, act, env, args, mode, seed=0):
     warm-up), standard (RD sampled from the start: the w/ Standard Rollout ablation), greedy / sample (inference)."""
     testing, tpl, ablation = mode in ("greedy", "sample"), TEMPLATES[args.templates], args.ablation
     depth = args.tree_depth if mode == "tree" and ablation != "no_rd" else 0  # [§3.1] the first L steps (w/o RD: 0)
-    max_steps = args.max_steps_eval if testing else args.max_steps
-    max_rd = args.max_steps_eval if testing else args.max_rd_calls  # impl: at test, as many RD calls as steps
+    max_steps, max_rd = (args.max_steps_eval,) * 2 if testing else (args.max_steps, args.max_rd_calls)  # impl
     trees = [dict(row=r, nodes=[dict(kind="root", parent=None, depth=0)], llm_calls=0, proxy_calls=0) for r in rows]
     start = dict(docs=[], thoughts="", previous="", current="", step=0, retrievals=0, rd_calls=0, trace=[], branch=0)
     live, step = [(t, 0, start) for t in trees], 0
@@ -894,11 +886,9 @@ def ppo_update(accelerator, policy, value, ref, optimizers, schedulers, samples,
         sched.step()
     out = {k: sum(v) / len(v) for k, v in stats.items()}
     kl = [o - r for s in samples for o, r in zip(s["old"], s["ref"])]
-    out["rollout/kl"] = sum(kl) / max(len(kl), 1)
     ret, val = returns[mask.bool()].cpu(), old_values[mask.bool()].cpu()
     explained = (1 - (ret - val).var() / ret.var().clamp(min=1e-8)).item() if len(ret) > 1 else 0.0
-    out["losses/explained_variance"] = explained
-    return out
+    return out | {"rollout/kl": sum(kl) / max(len(kl), 1), "losses/explained_variance": explained}
 
 
 # --------------------------------------------------------------------------- 8. evaluation [§4.1, §4.2 RQ5-6]
@@ -997,8 +987,7 @@ def warm_up(accelerator, args, out, train_rows, test_rows, env, world):
     policy, tokenizer = load_proxy(args, accelerator.device)
     before_sft = evaluate_stage(accelerator, out, "raw", policy, tokenizer, env, test_rows, args)
     types = {t.strip() for t in args.warmup_types.split(",") if t.strip()}  # simplification: header 13
-    typed = types and any("type" in r["metadata"] for r in train_rows)  # rows without a type (plain FlashRAG): all
-    rows = [r for r in train_rows if not typed or r["metadata"].get("type") in types]
+    rows = [r for r in train_rows if not types or r["metadata"].get("type") in types | {None}]  # untyped rows: kept
     examples, solved = build_warmup(rows, env.llm, env, args)
     accelerator.print(f"warm-up: {dict(Counter(e['agent'] for e in examples))}; {solved:.2f} of the questions solved")
     if not examples:
@@ -1012,8 +1001,7 @@ def warm_up(accelerator, args, out, train_rows, test_rows, env, world):
 
 def train(args):
     """Teacher warm-up data, SFT, PPO on binary tree rollouts, evaluation before and after; --resume continues."""
-    start = time.time()
-    accelerator, out = runs.start(args, "sparkle")  # the run's folder; refuses a checkpoint without --resume
+    start, (accelerator, out) = time.time(), runs.start(args, "sparkle")  # refuses a checkpoint without --resume
     train_rows = sample_rows(load_split(args.data_dir, "train", args.question_types), args.n_train, args.seed)
     test_rows = load_split(args.data_dir, "test", args.question_types)[: args.n_eval]
     env = environment(args)
@@ -1045,8 +1033,7 @@ def train(args):
         rows = [r for r in rows for _ in range(args.samples_per_question)]
         actor = proxy_actor(accelerator.unwrap_model(policy), tokenizer, args, greedy=False)
         with accelerator.autocast():
-            seed = args.seed * 100_003 + it * 7919 + accelerator.process_index
-            trees = rollout(rows, actor, env, args, mode, seed)
+            trees = rollout(rows, actor, env, args, mode, args.seed * 100_003 + it * 7919 + accelerator.process_index)
         samples = op_samples(trees, canonical, args.code_shaping)
         stats = rollout_stats(trees, samples) | ppo_update(accelerator, policy, value, ref, optimizers, schedulers,
                                                            samples, tokenizer.pad_token_id, args)  # fmt: skip

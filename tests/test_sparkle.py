@@ -306,13 +306,13 @@ def test_ppo_update_whitens_over_the_rollout_with_the_population_variance(monkey
 
     monkeypatch.setattr(sparkle, "score_samples", fake_score)
     monkeypatch.setattr(sparkle, "clipped_surrogate", spy)
-    args = args_for(micro_batch_size=4, ppo_batch_size=8)
+    args = args_for(micro_batch_size=4, ppo_batch_size=8, forced_weight=0.1)
     ref, value = copy.deepcopy(model), sparkle.ValueModel(model)
     optimizers = [torch.optim.Adam(m.parameters(), lr=1e-3) for m in (model, value)]
     schedulers = [torch.optim.lr_scheduler.LambdaLR(o, lambda step: 1.0) for o in optimizers]
     sparkle.ppo_update(Accelerator(cpu=True), model, value, ref, optimizers, schedulers, samples, 0, args)
     assert sorted(seen[0]) == pytest.approx(sorted([0.4315, 0.4315, -1.7258, 1.2305, -0.3675]), abs=1e-4)
-    assert seen[1] == pytest.approx([0.1, 1.0])  # the forced operation's weight: the toy preset's --forced_weight
+    assert seen[1] == pytest.approx([0.1, 1.0])  # the forced operation's weight: --forced_weight
 
 
 # ---------------------------------------------------------------- the rollout with scripted agents, spec §8.3, §8.12
