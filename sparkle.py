@@ -27,7 +27,7 @@ Deviations from the paper (each marked `# simplification: ... (header N)` where 
 9. Advantages are whitened over the rollout, one PPO epoch, value clipping 0.2 (the authors' OpenRLHF settings).
 10. The ablations' prompts are ours (the paper describes them; App. D.2); w/o QF keeps the QF output format.
 11. The LLM's steps are capped at --llm_max_tokens; latency is batched wall time per question.
-12. Toy preset: the forced RD answers' loss x --forced_weight 0.1; the code's credit shaping (--code_shaping, spec §5.7).
+12. Toy preset: forced RD answers' loss x --forced_weight 0.1; the code's credit shaping (--code_shaping, spec §5.7).
 13. Toy preset: warm-up data from one- and two-hop questions only (--warmup_types), a teacher weaker than RL can reach.
 """
 
