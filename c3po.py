@@ -50,7 +50,7 @@ from common.llm import backbone_of, chat_prompts, generate, right_pad, unknown_w
 from common.metrics import answer_scores, cover_em, summarize
 from common.models import load_model_and_tokenizer, make_llm
 from common.retrieval import open_retriever
-from common.runs import arg
+from common.runs import arg, cosine
 from common.toy import RenamingEnv, oracle_c3po, rename_entities, rename_rows, world_or_none
 
 
@@ -729,12 +729,6 @@ def sft_batch(examples, tokenizer, args, rng, world):
     seqs.sort(key=lambda s: len(s[0]))  # micro-batches of similar lengths: less padding, the same gradient
     ids, labels = right_pad([s[0] for s in seqs], tokenizer.pad_token_id), right_pad([s[1] for s in seqs], -100)
     return ids, labels, right_pad([[1] * len(s[0]) for s in seqs], 0)
-
-
-def cosine(step, total, warmup):
-    """Linear warm-up then cosine decay to 0.1 of the peak [Tab. 6-7: cosine]."""
-    decay = 0.1 + 0.45 * (1 + math.cos(math.pi * (step - warmup) / max(total - warmup, 1)))
-    return (step + 1) / warmup if step < warmup else decay
 
 
 def sft(accelerator, model, tokenizer, examples, args, world):

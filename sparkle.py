@@ -18,8 +18,8 @@ it reaches (Eq. 2), R = α·Recall(c_T) + (1−α)·F1(y). A diff against c3po.p
 Deviations from the paper (each marked `# simplification: ... (header N)` where it lives):
 1. Toy world: the warm-up teacher is an oracle reading the thoughts and the question's metadata (--teacher_noise).
 2. Toy preset: the warm-up keeps only the cheapest successful paths (fewest retrievals, then steps; --warmup_select).
-3. Toy world: SFT examples and not-popular PPO trees are entity-renamed for the proxy (--augment_p, --rl_augment_p).
-4. Toy preset: compact templates, top-3 documents, 5 triples, L = 2, smaller PPO sizes.
+3. Toy world: SFT examples are entity-renamed for the proxy (--augment_p; not-popular PPO trees with --rl_augment_p).
+4. Toy preset: compact templates, top-3 documents, 5 triples, L = 2, 128 trees per update, smaller PPO minibatches.
 5. --teacher llm plays the proxy roles zero-shot with the agents' prompts (the paper: Qwen2.5-72B, prompts unstated).
 6. The thoughts so far go to the LLM as an assistant message (impl: the assistant turn continued raw).
 7. PPO trains QF's and KI's sampled tokens, not the authors' canonical re-renders (RD's: the exact Yes/No; spec §9.11).
@@ -27,8 +27,8 @@ Deviations from the paper (each marked `# simplification: ... (header N)` where 
 9. Advantages are whitened over the rollout, one PPO epoch, value clipping 0.2 (the authors' OpenRLHF settings).
 10. The ablations' prompts are ours (the paper describes them; App. D.2); w/o QF keeps the QF output format.
 11. The LLM's steps are capped at --llm_max_tokens; latency is batched wall time per question.
-12. Toy preset: the forced RD answers' policy loss is scaled by --forced_weight 0.1 (paper preset 1; c3po.py item 4).
-13. Toy: --warmup_types builds the warm-up data from some question types only, a teacher weaker than RL can reach.
+12. Toy preset: forced RD answers' loss x --forced_weight 0.1; the code's credit shaping (--code_shaping, spec §5.7).
+13. Toy preset: warm-up data from one- and two-hop questions only (--warmup_types), a teacher weaker than RL can reach.
 """
 
 import copy
@@ -50,7 +50,7 @@ from common.llm import backbone_of, chat_prompts, generate, right_pad, unknown_w
 from common.metrics import answer_scores, doc_recall, f1_score, summarize
 from common.models import load_model_and_tokenizer, make_llm
 from common.retrieval import TfidfEncoder, load_corpus, open_retriever
-from common.runs import arg
+from common.runs import arg, cosine
 from common.toy import RenamingEnv, oracle_sparkle, rename_entities, rename_rows, world_or_none
 
 ABLATIONS = ["none", "no_rd", "no_qf", "direct_qf", "no_ki", "direct_ki"]
@@ -106,7 +106,7 @@ class Args:
     teacher_temperature: float = arg(0.6, "llm teacher sampling temperature")
     warmup_keep: int = arg(4, "successful trajectories kept per question")
     warmup_select: str | None = arg(None, "all successes, or the cheapest ones", choices=["uniform", "cheapest"])
-    warmup_types: str = arg("", "comma-separated types the warm-up data is built from (empty: all; header 13)")
+    warmup_types: str | None = arg(None, "types of the warm-up data, comma-separated (empty: all; header 13)")
     sft_epochs: float | None = arg(None, "SFT epochs [Tab. 5: 1] (when --sft_steps is 0)")
     sft_steps: int | None = arg(None, "SFT steps; overrides epochs when > 0")
     sft_lr: float | None = arg(None, "SFT learning rate [Tab. 5: 5e-6]")
@@ -125,6 +125,7 @@ class Args:
     gamma: float = arg(1.0, "GAE gamma within an operation (impl: 1)")
     lam: float = arg(0.95, "GAE lambda (impl: 0.95)")
     clip: float = arg(0.2, "PPO clip epsilon (impl: 0.2)")
+    code_shaping: bool | None = arg(None, "the authors' code's credit shaping of Eq. 2 (spec §5.7; header 12)")
     forced_weight: float | None = arg(None, "policy-loss weight of the forced RD answers of Eq. 1 (spec §9.10: 1)")
     vf_coef: float = arg(0.5, "value loss coefficient (impl: 0.5)")
     value_clip: float = arg(0.2, "value clip around the old values (impl: 0.2); 0: plain MSE")
@@ -145,20 +146,22 @@ PRESETS = {  # field: (toy, paper), for the fields left at None; any flag overri
     "max_new_tokens": (48, 160),  # impl
     "teacher": ("oracle", "llm"),  # simplification: the toy oracle teacher (header 1)
     "warmup_select": ("cheapest", "uniform"),  # simplification: header 2
+    "warmup_types": ("one_hop,two_hop", ""),  # simplification: header 13
     "sft_epochs": (0.0, 1.0),  # [Tab. 5]
     "sft_steps": (1500, 0),
     "sft_lr": (2e-3, 5e-6),  # [Tab. 5]
     "sft_batch_size": (32, 64),  # [Tab. 5]
     "micro_batch_size": (8, 4),  # impl
     "augment_p": (1.0, 0.0),  # simplification: toy renaming (header 3)
-    "rl_augment_p": (1.0, 0.0),
+    "rl_augment_p": (0.0, 0.0),
     "ppo_iterations": (10, 120),  # impl: one episode of 7,500 questions, 64 per rollout
-    "rollout_batch": (64, 64),  # impl
+    "rollout_batch": (128, 64),  # impl: 64 (header 4)
     "ppo_batch_size": (32, 1024),  # [Tab. 6]
     "policy_lr": (1e-4, 5e-7),  # [Tab. 6]
     "value_lr": (1e-3, 5e-6),  # [Tab. 6]
     "critic_init": ("sft", "base"),  # simplification: header 8
     "forced_weight": (0.1, 1.0),  # simplification: header 12
+    "code_shaping": (True, False),  # simplification: header 12
 }
 
 
@@ -426,6 +429,19 @@ def leaf_credits(nodes):
     return [t / c if c else None for t, c in zip(total, count)]
 
 
+def code_shaping(nodes, credit, pruned=0.1, final=0.05):
+    """The authors' code's shaping of the Eq. 2 credits (spec §5.7; not in the paper), on a copy of `credit`."""
+    credit, last = list(credit), []  # last[i]: the nearest RD node at or above node i
+    for i, n in enumerate(nodes):  # a parent before its children, a decision's Yes before its No (rd_requests)
+        if n.get("pruned") and n["kind"] == "rd":  # a pruned Yes: its No's credit - 0.1, that No + 0.1
+            no = next(j for j, m in enumerate(nodes) if m["parent"] == n["parent"] and m["kind"] == "rd" and j != i)
+            credit[i], credit[no] = credit[no] - pruned, credit[no] + pruned
+        last.append(i if n["kind"] == "rd" else None if n["parent"] is None else last[n["parent"]])
+        if n["kind"] == "leaf" and last[i] is not None:  # a leaf's last RD operation: -0.05 if Yes, +0.05 if No
+            credit[last[i]] += -final if parse_rd(nodes[last[i]]["text"]) else final
+    return credit
+
+
 # --------------------------------------------------------------------------- 4. rollout [§3.1, Eq. 1, Alg. 1]
 class KGRetriever:
     """The retriever with the KG corpus G: hits carry their triples [Alg. 1 L11]; the encoder that ranks them."""
@@ -458,11 +474,8 @@ def rank_triples(encoder, questions, queries, found, n):
         return [[] for _ in pairs]
     q = encoder.encode([f"{a} {b}" for a, b in zip(questions, queries)], is_query=True)  # (P, D)
     scores = iter(encoder.encode(texts) @ q.T)  # (N, P)
-    ranked = []
-    for i, ps in enumerate(pairs):
-        s = [float(next(scores)[i]) for _ in ps]
-        ranked.append([ps[j] for j in sorted(range(len(ps)), key=lambda j: -s[j])[:n]])
-    return ranked
+    sims = [[float(next(scores)[i]) for _ in ps] for i, ps in enumerate(pairs)]  # each pair: its question's column
+    return [[ps[j] for j in sorted(range(len(ps)), key=lambda j: -s[j])[:n]] for ps, s in zip(pairs, sims)]
 
 
 def add_documents(docs, new, cap):
@@ -507,8 +520,7 @@ def rollout(rows, act, env, args, mode, seed=0):
     warm-up), standard (RD sampled from the start: the w/ Standard Rollout ablation), greedy / sample (inference)."""
     testing, tpl, ablation = mode in ("greedy", "sample"), TEMPLATES[args.templates], args.ablation
     depth = args.tree_depth if mode == "tree" and ablation != "no_rd" else 0  # [§3.1] the first L steps (w/o RD: 0)
-    max_steps = args.max_steps_eval if testing else args.max_steps
-    max_rd = args.max_steps_eval if testing else args.max_rd_calls  # impl: at test, as many RD calls as steps
+    max_steps, max_rd = (args.max_steps_eval,) * 2 if testing else (args.max_steps, args.max_rd_calls)  # impl
     trees = [dict(row=r, nodes=[dict(kind="root", parent=None, depth=0)], llm_calls=0, proxy_calls=0) for r in rows]
     start = dict(docs=[], thoughts="", previous="", current="", step=0, retrievals=0, rd_calls=0, trace=[], branch=0)
     live, step = [(t, 0, start) for t in trees], 0
@@ -716,12 +728,6 @@ def sft_batch(examples, tokenizer, args, rng, world):
     return ids, labels, right_pad([[1] * len(s[0]) for s in seqs], 0)
 
 
-def cosine(step, total, warmup):
-    """Linear warm-up then cosine decay to 0.1 of the peak [Tab. 6: cosine] (impl: cosine_with_min_lr 0.1)."""
-    decay = 0.1 + 0.45 * (1 + math.cos(math.pi * (step - warmup) / max(total - warmup, 1)))
-    return (step + 1) / warmup if step < warmup else decay
-
-
 def sft(accelerator, model, tokenizer, examples, args, world):
     """Cross-entropy on the outputs of the warm-up pairs (runs.sft_step); Adam (0.9, 0.95), 3% warm-up, cosine."""
     rng = random.Random(args.seed)
@@ -758,11 +764,12 @@ class ValueModel(torch.nn.Module):
         return self.head(hidden.to(self.head.weight.dtype)).squeeze(-1)  # (B, T)
 
 
-def op_samples(trees, canonical=None):
+def op_samples(trees, canonical=None, shaping=False):
     """One PPO sample per operation, pooled [App. C]: loss_mask = 1 on the action; canonical: RD as its Yes/No ids."""
     samples = []
     for tree in trees:
-        for n, credit in zip(tree["nodes"], leaf_credits(tree["nodes"])):  # [Eq. 2]
+        credits = leaf_credits(tree["nodes"])  # [Eq. 2]
+        for n, credit in zip(tree["nodes"], code_shaping(tree["nodes"], credits) if shaping else credits):
             if n["kind"] in AGENTS and n["action_ids"] and credit is not None:
                 action = canonical[parse_rd(n["text"])] if canonical and n["kind"] == "rd" else n["action_ids"]
                 mask, ids = [0] * len(n["prompt_ids"]) + [1] * len(action), n["prompt_ids"] + action
@@ -869,10 +876,9 @@ def ppo_update(accelerator, policy, value, ref, optimizers, schedulers, samples,
                 accelerator.backward((pg + args.vf_coef * vf).sum() / len(mb))
                 log_ratio = (logp - old[r, t]).detach()
                 clipfrac = (((ratio - 1).abs() > args.clip).float() * msk).sum() / msk.sum()
-                approx_kl = (((log_ratio.exp() - 1) - log_ratio) * msk).sum().item() / msk.sum().item()  # k3
-                for key, x in (("policy", pg.mean()), ("value", vf.mean()), ("clipfrac", clipfrac)):
+                approx_kl = (((log_ratio.exp() - 1) - log_ratio) * msk).sum() / msk.sum()  # k3
+                for key, x in dict(policy=pg.mean(), value=vf.mean(), clipfrac=clipfrac, approx_kl=approx_kl).items():
                     stats[f"losses/{key}"].append(x.item())
-                stats["losses/approx_kl"].append(approx_kl)
             for model, opt in zip((policy, value), optimizers):
                 accelerator.clip_grad_norm_(model.parameters(), args.max_grad_norm)
                 opt.step()
@@ -880,11 +886,9 @@ def ppo_update(accelerator, policy, value, ref, optimizers, schedulers, samples,
         sched.step()
     out = {k: sum(v) / len(v) for k, v in stats.items()}
     kl = [o - r for s in samples for o, r in zip(s["old"], s["ref"])]
-    out["rollout/kl"] = sum(kl) / max(len(kl), 1)
     ret, val = returns[mask.bool()].cpu(), old_values[mask.bool()].cpu()
     explained = (1 - (ret - val).var() / ret.var().clamp(min=1e-8)).item() if len(ret) > 1 else 0.0
-    out["losses/explained_variance"] = explained
-    return out
+    return out | {"rollout/kl": sum(kl) / max(len(kl), 1), "losses/explained_variance": explained}
 
 
 # --------------------------------------------------------------------------- 8. evaluation [§4.1, §4.2 RQ5-6]
@@ -983,7 +987,7 @@ def warm_up(accelerator, args, out, train_rows, test_rows, env, world):
     policy, tokenizer = load_proxy(args, accelerator.device)
     before_sft = evaluate_stage(accelerator, out, "raw", policy, tokenizer, env, test_rows, args)
     types = {t.strip() for t in args.warmup_types.split(",") if t.strip()}  # simplification: header 13
-    rows = [r for r in train_rows if not types or r["metadata"].get("type") in types]
+    rows = [r for r in train_rows if not types or r["metadata"].get("type") in types | {None}]  # untyped rows: kept
     examples, solved = build_warmup(rows, env.llm, env, args)
     accelerator.print(f"warm-up: {dict(Counter(e['agent'] for e in examples))}; {solved:.2f} of the questions solved")
     if not examples:
@@ -997,8 +1001,7 @@ def warm_up(accelerator, args, out, train_rows, test_rows, env, world):
 
 def train(args):
     """Teacher warm-up data, SFT, PPO on binary tree rollouts, evaluation before and after; --resume continues."""
-    start = time.time()
-    accelerator, out = runs.start(args, "sparkle")  # the run's folder; refuses a checkpoint without --resume
+    start, (accelerator, out) = time.time(), runs.start(args, "sparkle")  # refuses a checkpoint without --resume
     train_rows = sample_rows(load_split(args.data_dir, "train", args.question_types), args.n_train, args.seed)
     test_rows = load_split(args.data_dir, "test", args.question_types)[: args.n_eval]
     env = environment(args)
@@ -1026,13 +1029,12 @@ def train(args):
     for it in range(steps["ppo"], args.ppo_iterations):
         t0 = time.time()
         rows = rng.sample(train_rows, min(args.rollout_batch, len(train_rows)))
-        rows = rename_rows(rows, world, rng, args.rl_augment_p)  # simplification: renamed not-popular trees (header 3)
+        rows = rename_rows(rows, world, rng, args.rl_augment_p)  # simplification: renamed trees (header 3), if asked
         rows = [r for r in rows for _ in range(args.samples_per_question)]
         actor = proxy_actor(accelerator.unwrap_model(policy), tokenizer, args, greedy=False)
         with accelerator.autocast():
-            seed = args.seed * 100_003 + it * 7919 + accelerator.process_index
-            trees = rollout(rows, actor, env, args, mode, seed)
-        samples = op_samples(trees, canonical)
+            trees = rollout(rows, actor, env, args, mode, args.seed * 100_003 + it * 7919 + accelerator.process_index)
+        samples = op_samples(trees, canonical, args.code_shaping)
         stats = rollout_stats(trees, samples) | ppo_update(accelerator, policy, value, ref, optimizers, schedulers,
                                                            samples, tokenizer.pad_token_id, args)  # fmt: skip
         stats |= {"iteration": it + 1, "charts/seconds": time.time() - t0}

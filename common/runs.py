@@ -3,6 +3,7 @@ atomically (a crash never leaves a half-written one) that --resume continues wit
 metrics.jsonl and results.json with the final `RESULT {...}` line; run_main ends a user's mistake in one line."""
 
 import json
+import math
 import random
 import shutil
 import sys
@@ -254,6 +255,13 @@ def load_training(accelerator, folder, objects, *rngs):
     if len(state["rng"]) == accelerator.num_processes:  # draw on as the uninterrupted run would
         set_rng_states(state["rng"][accelerator.process_index], *rngs)
     return state
+
+
+def cosine(step, total, warmup):
+    """Learning-rate factor: linear warm-up over `warmup` steps, then cosine decay to 0.1 of the peak at `total`
+    (OpenRLHF's cosine_with_min_lr, min_lr = 0.1 of the peak)."""
+    decay = 0.1 + 0.45 * (1 + math.cos(math.pi * (step - warmup) / max(total - warmup, 1)))
+    return (step + 1) / warmup if step < warmup else decay
 
 
 def sft_step(accelerator, model, optimizer, scheduler, ids, labels, attention, micro_batch_size, max_grad_norm=1.0):

@@ -713,3 +713,8 @@ def test_where_is_finds_a_spec_without_loading_it(tmp_path):
     assert where_is(f"hf:{tmp_path}") == where_is(str(tmp_path)) == f"local folder {tmp_path.resolve()}"
     assert where_is("hf:no-such-owner/no-such-model").startswith("hub id, not in the local cache")
     assert where_is(str(tmp_path / "missing" / "ppo")) is None and where_is("runs/x/ppo") is None and not where_is("")
+
+
+def test_cosine_schedule_warms_up_linearly_then_decays_to_a_tenth():
+    factors = [runs.cosine(s, 10, 2) for s in (0, 1, 2, 6, 10)]  # warm-up 2 steps, then cosine over 8 to 0.1
+    assert factors == pytest.approx([0.5, 1.0, 1.0, 0.55, 0.1])

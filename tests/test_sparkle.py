@@ -80,6 +80,24 @@ def test_a_pruned_branch_gives_no_credit_and_no_sample():
     assert len(samples) == 12 - 3 and Counter_of(samples) == {"rd": 5, "qf": 2, "ki": 2}
 
 
+def test_the_authors_code_shaping_on_the_hand_built_tree():
+    # spec §8.4, code mode: Y2b pruned -> Y2b = value(N2b) - 0.1, N2b = 0.0 + 0.1; then each leaf's last RD op -+0.05
+    nodes = spec_tree(with_c=False)
+    for n in nodes:
+        n["text"] = "no" if n["name"].startswith("N") else "yes"
+    nodes[[n["name"] for n in nodes].index("Y2b")]["pruned"] = True
+    plain = sparkle.leaf_credits(nodes)
+    credit = {n["name"]: c for n, c in zip(nodes, sparkle.code_shaping(nodes, plain))}
+    assert credit["Y2b"] == pytest.approx(-0.1) and credit["N2b"] == pytest.approx(0.15)  # D's last RD: N2b, +0.05
+    assert credit["Y2a"] == pytest.approx(0.95) and credit["N2a"] == pytest.approx(0.55)  # A's and B's last RD ops
+    assert credit["Y1"] == pytest.approx(0.75) and credit["N1"] == pytest.approx(0.0)  # not a leaf's last: unchanged
+    assert credit["Q2b"] is None and credit["Q2a"] == pytest.approx(1.0)  # QF and KI keep Eq. 2; the pruned: none
+    for n in nodes:
+        n.update(prompt_ids=[1, 2], action_ids=[3] if n["kind"] in sparkle.AGENTS else None, fixed=None)
+    shaped = {s["credit"] for s in sparkle.op_samples([dict(nodes=nodes)], shaping=True)}
+    assert len(sparkle.op_samples([dict(nodes=nodes)], shaping=True)) == 10 and -0.1 in {round(c, 6) for c in shaped}
+
+
 def Counter_of(samples):
     return {a: sum(s["agent"] == a for s in samples) for a in sparkle.AGENTS}
 
@@ -288,13 +306,13 @@ def test_ppo_update_whitens_over_the_rollout_with_the_population_variance(monkey
 
     monkeypatch.setattr(sparkle, "score_samples", fake_score)
     monkeypatch.setattr(sparkle, "clipped_surrogate", spy)
-    args = args_for(micro_batch_size=4, ppo_batch_size=8)
+    args = args_for(micro_batch_size=4, ppo_batch_size=8, forced_weight=0.1)
     ref, value = copy.deepcopy(model), sparkle.ValueModel(model)
     optimizers = [torch.optim.Adam(m.parameters(), lr=1e-3) for m in (model, value)]
     schedulers = [torch.optim.lr_scheduler.LambdaLR(o, lambda step: 1.0) for o in optimizers]
     sparkle.ppo_update(Accelerator(cpu=True), model, value, ref, optimizers, schedulers, samples, 0, args)
     assert sorted(seen[0]) == pytest.approx(sorted([0.4315, 0.4315, -1.7258, 1.2305, -0.3675]), abs=1e-4)
-    assert seen[1] == pytest.approx([0.1, 1.0])  # the forced operation's weight: the toy preset's --forced_weight
+    assert seen[1] == pytest.approx([0.1, 1.0])  # the forced operation's weight: --forced_weight
 
 
 # ---------------------------------------------------------------- the rollout with scripted agents, spec §8.3, §8.12
@@ -507,10 +525,12 @@ class Stop(Exception):
     pass
 
 
-@pytest.mark.parametrize("types", ["", "one_hop,two_hop", "comparison, yes_no"])
+@pytest.mark.parametrize("types", ["", "one_hop,two_hop", "comparison, yes_no", "untyped"])
 def test_the_warm_up_data_comes_from_the_warmup_types_only(toy, types, tmp_path, monkeypatch):
     args, env, _ = toy
     rows = [json.loads(line) for line in (ROOT / "data/toy/train.jsonl").read_text().splitlines()]
+    if types == "untyped":  # a FlashRAG folder without types: the toy preset's one_hop,two_hop keeps every row
+        rows, types = [dict(r, metadata={}) for r in rows], "one_hop,two_hop"
     seen = []
 
     def build_warmup(rows, *_):
@@ -524,6 +544,9 @@ def test_the_warm_up_data_comes_from_the_warmup_types_only(toy, types, tmp_path,
         sparkle.warm_up(
             SimpleNamespace(device="cpu"), replace_args(args, warmup_types=types), tmp_path, rows, rows[:2], env, None
         )
+    if not rows[0]["metadata"]:
+        assert seen == rows
+        return
     wanted = {t.strip() for t in types.split(",") if t.strip()} or {r["metadata"]["type"] for r in rows}
     assert len(wanted) >= 2 and {r["metadata"]["type"] for r in seen} == wanted
     assert seen == [r for r in rows if r["metadata"]["type"] in wanted]  # every row of those types, in order
