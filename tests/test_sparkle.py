@@ -569,6 +569,18 @@ def outcome(result):
     return [{k: v for k, v in r.items() if k not in ("latency_s", "sampled")} for r in (result, result["sampled"])]
 
 
+@pytest.mark.parametrize("flags, shaped", [([], True), (["--code_shaping", "false"], False)])
+def test_train_hands_the_code_shaping_flag_to_the_credits(tmp_path, capsys, monkeypatch, flags, shaped):
+    seen, op_samples = (
+        [],
+        sparkle.op_samples,
+    )  # the toy preset shapes the Eq. 2 credits (header 12), a flag turns it off
+    spy = lambda trees, canonical, shaping: seen.append(shaping) or op_samples(trees, canonical, shaping)
+    monkeypatch.setattr(sparkle, "op_samples", spy)
+    run(["--train", "--output_dir", str(tmp_path / "run"), *TINY, *flags], capsys)
+    assert seen == [shaped, shaped]  # one rollout per PPO update (TINY: 2)
+
+
 def test_toy_train_then_eval_and_ask(tmp_path, capsys):
     out = tmp_path / "run"
     stdout = run(["--train", "--output_dir", str(out), *TINY], capsys)
