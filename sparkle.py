@@ -126,6 +126,7 @@ class Args:
     lam: float = arg(0.95, "GAE lambda (impl: 0.95)")
     clip: float = arg(0.2, "PPO clip epsilon (impl: 0.2)")
     code_shaping: bool | None = arg(None, "the authors' code's credit shaping of Eq. 2 (spec §5.7; header 12)")
+    rd_subsample: bool = arg(False, "the authors' code's RD subsampling: per tree, RD samples down to #QF + #KI")
     forced_weight: float | None = arg(None, "policy-loss weight of the forced RD answers of Eq. 1 (spec §9.10: 1)")
     vf_coef: float = arg(0.5, "value loss coefficient (impl: 0.5)")
     value_clip: float = arg(0.2, "value clip around the old values (impl: 0.2); 0: plain MSE")
@@ -706,10 +707,8 @@ def build_warmup(rows, llm, env, args, batch=128):
     quiet = not PartialState().is_local_main_process
     for s in tqdm(range(0, len(rows), batch), desc="warm-up trees", leave=False, disable=quiet):
         trees = rollout(rows[s : s + batch], teacher_actor(args, llm, args.seed + s), env, args, "tree", s)
-        for tree in trees:
-            got = successful_paths(tree, args.warmup_keep, rng, args.warmup_select)
-            solved += bool(got)
-            examples += got
+        got = [successful_paths(tree, args.warmup_keep, rng, args.warmup_select) for tree in trees]
+        solved, examples = solved + sum(map(bool, got)), examples + [e for g in got for e in g]
     return examples, solved / max(len(rows), 1)
 
 
@@ -764,25 +763,29 @@ class ValueModel(torch.nn.Module):
         return self.head(hidden.to(self.head.weight.dtype)).squeeze(-1)  # (B, T)
 
 
-def op_samples(trees, canonical=None, shaping=False):
+def op_samples(trees, canonical=None, shaping=False, rng=None):
     """One PPO sample per operation, pooled [App. C]: loss_mask = 1 on the action; canonical: RD as its Yes/No ids."""
     samples = []
     for tree in trees:
-        credits = leaf_credits(tree["nodes"])  # [Eq. 2]
+        credits, ops = leaf_credits(tree["nodes"]), []  # [Eq. 2]
         for n, credit in zip(tree["nodes"], code_shaping(tree["nodes"], credits) if shaping else credits):
             if n["kind"] in AGENTS and n["action_ids"] and credit is not None:
                 action = canonical[parse_rd(n["text"])] if canonical and n["kind"] == "rd" else n["action_ids"]
                 mask, ids = [0] * len(n["prompt_ids"]) + [1] * len(action), n["prompt_ids"] + action
-                samples.append(dict(ids=ids, credit=credit, agent=n["kind"], loss_mask=mask, forced=bool(n["fixed"])))
+                ops.append(dict(ids=ids, credit=credit, agent=n["kind"], loss_mask=mask, forced=bool(n["fixed"])))
+        # rng: the authors' code's subsampling (spec §5.7, not in the paper): every QF and KI sample, RD ones drawn
+        # without replacement down to #QF + #KI per tree (all kept when fewer, or without QF and KI samples)
+        rd = [i for i, s in enumerate(ops) if s["agent"] == "rd"]
+        keep = set(rng.sample(rd, len(ops) - len(rd)) if rng and 0 < len(ops) - len(rd) < len(rd) else rd)
+        samples += [s for i, s in enumerate(ops) if s["agent"] != "rd" or i in keep]
     return samples
 
 
 def gae(rewards, values, gamma, lam):
     """GAE within one operation's action tokens, V after the last token = 0: (A, G = A + V) (impl)."""
-    advantages, last = [0.0] * len(rewards), 0.0
+    advantages, last, next_values = [0.0] * len(rewards), 0.0, list(values[1:]) + [0.0]
     for m in reversed(range(len(rewards))):
-        next_value = values[m + 1] if m + 1 < len(rewards) else 0.0
-        last = rewards[m] + gamma * next_value - values[m] + gamma * lam * last
+        last = rewards[m] + gamma * next_values[m] - values[m] + gamma * lam * last
         advantages[m] = last
     return advantages, [a + v for a, v in zip(advantages, values)]
 
@@ -894,9 +897,8 @@ def ppo_update(accelerator, policy, value, ref, optimizers, schedulers, samples,
 # --------------------------------------------------------------------------- 8. evaluation [§4.1, §4.2 RQ5-6]
 def tree_record(tree):
     """Outcome of a one-path (inference) tree: EM, F1, acc, reward, recall of c_T, calls, tokens, steps."""
-    nodes, golds = tree["nodes"], tree["row"]["golden_answers"]
-    leaf = next(n for n in nodes if n["kind"] == "leaf")
-    tokens = sum(len(n["action_ids"] or []) for n in nodes if n["kind"] in AGENTS and n["fixed"] is None)
+    leaf, golds = next(n for n in tree["nodes"] if n["kind"] == "leaf"), tree["row"]["golden_answers"]
+    tokens = sum(len(n["action_ids"] or []) for n in tree["nodes"] if n["kind"] in AGENTS and n["fixed"] is None)
     record = dict(**answer_scores(leaf["answer"], golds), reward=leaf["reward"], recall=leaf["recall"])
     record |= dict(retrievals=leaf["trace"][-1][1], llm_calls=tree["llm_calls"], proxy_calls=tree["proxy_calls"])
     return record | dict(steps=leaf["depth"], generated_tokens=tokens, no_answer=float(leaf["why"] != "answer"))
@@ -1034,7 +1036,7 @@ def train(args):
         actor = proxy_actor(accelerator.unwrap_model(policy), tokenizer, args, greedy=False)
         with accelerator.autocast():
             trees = rollout(rows, actor, env, args, mode, args.seed * 100_003 + it * 7919 + accelerator.process_index)
-        samples = op_samples(trees, canonical, args.code_shaping)
+        samples = op_samples(trees, canonical, args.code_shaping, rng if args.rd_subsample else None)
         stats = rollout_stats(trees, samples) | ppo_update(accelerator, policy, value, ref, optimizers, schedulers,
                                                            samples, tokenizer.pad_token_id, args)  # fmt: skip
         stats |= {"iteration": it + 1, "charts/seconds": time.time() - t0}

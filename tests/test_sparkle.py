@@ -102,6 +102,32 @@ def Counter_of(samples):
     return {a: sum(s["agent"] == a for s in samples) for a in sparkle.AGENTS}
 
 
+def flat_tree(n_rd, n_qf, n_ki):
+    """A root with one agent operation per child, each above its own leaf (credit k / 100)."""
+    nodes = [dict(kind="root", parent=None)]
+    for k, kind in enumerate(["rd"] * n_rd + ["qf"] * n_qf + ["ki"] * n_ki):
+        nodes.append(dict(kind=kind, parent=0, text="yes", prompt_ids=[1], action_ids=[100 + k], fixed=None))
+        nodes.append(dict(kind="leaf", parent=len(nodes) - 1, reward=k / 100))
+    return dict(nodes=nodes)
+
+
+def test_rd_subsampling_of_the_authors_code_per_tree():
+    # spec §8.13: 30 RD, 15 QF, 15 KI -> all kept; 40 RD, 5 QF, 5 KI -> 10 RD sampled; 7 RD, no QF/KI -> all 7
+    rng, counts = random.Random(0), lambda trees, rng=None: Counter_of(sparkle.op_samples(trees, rng=rng))
+    assert counts([flat_tree(30, 15, 15)], rng) == {"rd": 30, "qf": 15, "ki": 15}
+    assert counts([flat_tree(40, 5, 5)], rng) == {"rd": 10, "qf": 5, "ki": 5}
+    assert counts([flat_tree(7, 0, 0)], rng) == {"rd": 7, "qf": 0, "ki": 0}
+    assert counts([flat_tree(40, 5, 5), flat_tree(7, 0, 0)], rng) == {"rd": 17, "qf": 5, "ki": 5}  # per tree
+    assert counts([flat_tree(40, 5, 5)]) == {"rd": 40, "qf": 5, "ki": 5}  # off (the paper): every operation
+    tree, drawn = flat_tree(40, 5, 5), set()
+    full = {s["ids"][-1]: s["credit"] for s in sparkle.op_samples([tree])}
+    for _ in range(40):
+        kept = sparkle.op_samples([tree], rng=rng)
+        assert all(full[s["ids"][-1]] == s["credit"] for s in kept)  # the kept samples, unchanged
+        drawn |= {s["ids"][-1] for s in kept if s["agent"] == "rd"}
+    assert drawn == set(range(100, 140))  # drawn at random from all 40, not the first 10
+
+
 def test_credit_is_a_mean_over_leaves_not_over_child_means():
     # spec §8.4, L = 3 variant: under T1 two leaves (1.0, 0.8) below its Yes chain, one (0.5) below its No child
     spec = [("root", "root", None, None), ("r1", "llm", "root", None), *chain("r1", "1"), ("r2", "llm", "T1", None)]
@@ -569,16 +595,19 @@ def outcome(result):
     return [{k: v for k, v in r.items() if k not in ("latency_s", "sampled")} for r in (result, result["sampled"])]
 
 
-@pytest.mark.parametrize("flags, shaped", [([], True), (["--code_shaping", "false"], False)])
-def test_train_hands_the_code_shaping_flag_to_the_credits(tmp_path, capsys, monkeypatch, flags, shaped):
-    seen, op_samples = (
-        [],
-        sparkle.op_samples,
-    )  # the toy preset shapes the Eq. 2 credits (header 12), a flag turns it off
-    spy = lambda trees, canonical, shaping: seen.append(shaping) or op_samples(trees, canonical, shaping)
+@pytest.mark.parametrize(
+    "flags, shaped, subsampled",
+    [([], True, False), (["--code_shaping", "false"], False, False), (["--rd_subsample"], True, True)],
+)
+def test_train_hands_the_code_flags_to_the_samples(tmp_path, capsys, monkeypatch, flags, shaped, subsampled):
+    # the toy preset shapes the Eq. 2 credits (header 12), a flag turns it off; RD subsampling is off unless asked
+    seen, op_samples = [], sparkle.op_samples
+    spy = lambda trees, canonical, shaping, rng: (
+        seen.append((shaping, rng is not None)) or op_samples(trees, canonical, shaping, rng)
+    )
     monkeypatch.setattr(sparkle, "op_samples", spy)
     run(["--train", "--output_dir", str(tmp_path / "run"), *TINY, *flags], capsys)
-    assert seen == [shaped, shaped]  # one rollout per PPO update (TINY: 2)
+    assert seen == [(shaped, subsampled)] * 2  # one rollout per PPO update (TINY: 2)
 
 
 def test_toy_train_then_eval_and_ask(tmp_path, capsys):
