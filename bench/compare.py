@@ -21,6 +21,7 @@ trained policy or proxy and the frozen LLM), generated tokens (written by either
 tokenizer; the frozen LLM's replies counted here where a method records only its own model's), and seconds (wall time
 of the batched evaluation divided by the questions, --threads torch threads; training excluded).
 Writes OUT/results.md, OUT/results.png (F1 against cost; matplotlib: pip install -e ".[plot]"), RUNS/compare.json.
+`--replot docs/results.md` only redraws OUT/results.png from that page's main table (rows edited in by hand).
 """
 
 import argparse
@@ -73,6 +74,7 @@ def parse_args(argv=None):
     p.add_argument("--runs", default="runs/compare", help="the training runs' folder (reused when found)")
     p.add_argument("--out", default="docs", help="folder of results.md and results.png")
     p.add_argument("--untrained", action="store_true", help="evaluate each method's untrained start (no training)")
+    p.add_argument("--replot", default="", help="a results.md: redraw OUT/results.png from its table, nothing else")
     p.add_argument("--threads", type=int, default=1, help="torch threads of the evaluations (timed)")
     p.add_argument(
         "--train_flags",
@@ -367,6 +369,23 @@ F1 by question type (mean over the seeds), and the question types each method's 
 """
 
 
+def table_results(path):
+    """The main table of a results.md as results: two seeds per system at mean -/+ spread / 2, each column's min and
+    max for a two-seed table (with more seeds, the bars span the spread around the mean)."""
+    results = {}
+    for line in Path(path).read_text().splitlines():
+        cells = [c.strip() for c in line.strip().strip("|").split("|")]
+        if len(cells) == len(COLUMNS) + 1 and re.fullmatch(r"[\d.]+( ± [\d.]+)?", cells[1]):
+            figures = [[float(x) for x in c.split(" ± ")] + [0.0] for c in cells[1:]]
+            results[cells[0]] = {
+                seed: {key: mean + sign * spread / 2 for (key, _, _), (mean, spread, *_) in zip(COLUMNS, figures)}
+                for seed, sign in ((0, -1), (1, 1))
+            }
+    if not results:
+        raise SystemExit(f"--replot {path}: no table of {len(COLUMNS)} figures per system found")
+    return results
+
+
 def plot(results, methods, path):
     """results.png: F1 against generated tokens and against LLM calls per question, min-max bars over the seeds."""
     try:
@@ -408,6 +427,13 @@ def main(argv=None):
     import torch
 
     args = parse_args(argv)
+    if args.replot:  # the picture of a table edited by hand: methods are the systems named after one
+        results = table_results(args.replot)
+        Path(args.out).mkdir(parents=True, exist_ok=True)
+        methods = [s for s in results if s.split(" (")[0] in NAMES.values()]
+        if picture := plot(results, methods, Path(args.out) / "results.png"):
+            print(f"wrote {picture} from {args.replot}")
+        return None
     torch.set_num_threads(args.threads)
     rows = load_split(args.data_dir, "test")[: args.n_eval]
     if not args.untrained:

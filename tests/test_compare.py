@@ -106,3 +106,31 @@ def test_throughput_runs_every_method_and_finds_the_same_hits(tmp_path):
     steps = [r for r in rows if r["part"] == "train_step"]
     assert [r["method"] for r in steps] == ["smartrag", "c3po", "sparkle", "tearag", "sparcrag"]
     assert all(r["rollout_s"] > 0 for r in steps) and "| train step |" in stdout
+
+
+def test_replot_reads_the_table_back_as_each_columns_min_and_max(tmp_path, monkeypatch):
+    md = tmp_path / "results.md"
+    md.write_text(
+        "| system | EM | F1 | acc | retrievals | LLM calls | generated tokens | s / question |\n"
+        "|---|---|---|---|---|---|---|---|\n"
+        "| SPARKLE (ppo) | 0.873 ± 0.025 | 0.873 ± 0.025 | 0.883 ± 0.020 | 1.22 ± 0.02 | 9.03 ± 0.21 | 109.7 ± 0.9 "
+        "| 0.03 |\n"
+        "| no retrieval (the frozen LLM alone) | 0.170 | 0.170 | 0.212 | 0.00 | 1.00 | 2.0 | 0.0002 |\n"
+        "| system | trained on | one_hop | two_hop | three_hop | comparison | yes_no |\n"
+    )
+    monkeypatch.syspath_prepend(str(ROOT / "bench"))
+    import compare
+
+    results = compare.table_results(md)
+    assert list(results) == ["SPARKLE (ppo)", "no retrieval (the frozen LLM alone)"]  # the type table is not read
+    sparkle = results["SPARKLE (ppo)"]
+    assert (sparkle[0]["f1"], sparkle[1]["f1"]) == pytest.approx((0.8605, 0.8855))  # mean -/+ spread / 2
+    assert (sparkle[0]["llm_calls"], sparkle[1]["generated_tokens"]) == pytest.approx((8.925, 110.15))
+    assert results["no retrieval (the frozen LLM alone)"][1]["llm_calls"] == 1.0  # one seed: no bar
+    stdout, _ = run("compare.py", "--replot", str(md), "--out", str(tmp_path / "out"))
+    assert (tmp_path / "out" / "results.png").exists() == ("wrote" in stdout)  # matplotlib installed: the picture
+    assert not (tmp_path / "out" / "results.md").exists()  # nothing else is written
+    md.write_text("no table\n")
+    done = subprocess.run([sys.executable, "bench/compare.py", "--replot", str(md)], cwd=ROOT, env=ENV, text=True,
+                          capture_output=True)  # fmt: skip
+    assert done.returncode != 0 and "no table" in done.stderr.strip().splitlines()[-1]
