@@ -8,7 +8,7 @@ import random
 import shutil
 import sys
 import time
-from dataclasses import asdict, field
+from dataclasses import asdict, field, fields
 from pathlib import Path
 
 import numpy as np
@@ -91,7 +91,8 @@ def make_accelerator(report_to="none", project_dir=None):
 
 def start_run(args, method, stages=("sft", "ppo")):
     """The folder of a training run, default runs/<run_name>, run_name <method>__<seed>__<main process's time>; a
-    checkpoint there is continued only with --resume, and only when saved with the same arguments."""
+    checkpoint there is continued only with --resume, and only when saved with the same arguments (an argument added
+    since, at its default, is the same)."""
     from accelerate import PartialState
     from accelerate.utils import broadcast_object_list
 
@@ -106,11 +107,12 @@ def start_run(args, method, stages=("sft", "ppo")):
             if saved
             else f"--resume: no checkpoint in {out} (name the run to continue: --run_name/--output_dir)"
         )
+    defaults = {f.name: f.default for f in fields(args)}  # dataclasses.MISSING where a field has none
     for stage, before in ((s, state.get("args") or {}) for s, state in saved.items()):
         if changed := [
             f"{k}: {before.get(k)!r} -> {v!r}"
             for k, v in asdict(args).items()
-            if k not in NOT_COMPARED and before.get(k) != v
+            if k not in NOT_COMPARED and before.get(k, defaults[k] if before else None) != v
         ]:
             raise SystemExit(f"--resume: {out / stage} was trained with other arguments ({'; '.join(changed)})")
     return out

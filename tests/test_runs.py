@@ -343,6 +343,11 @@ def test_a_run_gets_a_name_and_its_own_folder_and_resumes_only_when_asked(tmp_pa
     runs.save_checkpoint(tmp_path / "old/sft", model, tokenizer, {"steps": 3})  # saved before runs kept their args
     with pytest.raises(SystemExit, match="other arguments"):
         runs.start_run(Args(output_dir="old", resume=True), "m")
+    before_lr = {k: v for k, v in vars(Args(run_name="pre")).items() if k != "lr"}  # saved before --lr existed
+    runs.save_checkpoint(tmp_path / "runs/pre/sft", model, tokenizer, {"args": before_lr})
+    with pytest.raises(SystemExit, match=r"other arguments \(lr: None -> 0.2\)"):
+        runs.start_run(Args(run_name="pre", resume=True, lr=0.2), "m")
+    assert runs.start_run(Args(run_name="pre", resume=True), "m") == Path("runs/pre")  # the new argument's default
 
 
 def test_random_states_round_trip_through_json():
