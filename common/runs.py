@@ -266,24 +266,79 @@ def cosine(step, total, warmup):
     return (step + 1) / warmup if step < warmup else decay
 
 
-def sft_step(accelerator, model, optimizer, scheduler, ids, labels, attention, micro_batch_size, max_grad_norm=1.0):
+def own_share(batch, accelerator):
+    """This process's items of a batch that every process holds in the same order (item i goes to process i mod N),
+    and their weight: a process that a short last batch leaves without an item takes the batch's first with weight 0,
+    so that it still runs the forward and backward that DDP's gradient all-reduce waits for."""
+    mine = batch[accelerator.process_index :: accelerator.num_processes]
+    return (mine, 1.0) if mine or not batch else (batch[:1], 0.0)
+
+
+def global_sum(accelerator, value):
+    """`value` (a number or a tensor) summed over the run's processes: a float tensor on the device."""
+    value = torch.as_tensor(value, dtype=torch.float32, device=accelerator.device)
+    return accelerator.reduce(value.clone(), "sum") if accelerator.num_processes > 1 else value
+
+
+def micro_backward(accelerator, model, n, size, loss_of):
+    """Gradient accumulation over this process's rows 0..n-1 in micro-batches of `size`: accelerator.backward of
+    `loss_of(rows)` (rows a slice) for each, all but the last under no_sync, so that DDP all-reduces the gradients once
+    per step however many micro-batches each process holds. Returns the sum of the losses (a float)."""
+    import contextlib
+
+    total = 0.0
+    for m in range(0, n, size):
+        with contextlib.nullcontext() if m + size >= n else accelerator.no_sync(model):
+            loss = loss_of(slice(m, m + size))
+            accelerator.backward(loss)
+        total += float(loss.detach())
+    return total
+
+
+def sft_step(
+    accelerator, model, optimizer, scheduler, ids, labels, attention, micro_batch_size, max_grad_norm=1.0, weight=1.0
+):
     """One optimizer step of next-token cross-entropy on the labelled tokens (labels != -100: the targets; prompts and
-    padding are -100), summed over the batch and divided by their count, in micro-batches of `micro_batch_size` rows
-    cut to their longest row (gradient accumulation: the same gradient as one pass). Returns the batch's loss."""
+    padding are -100), summed over the batch of every process and divided by their count, in micro-batches of
+    `micro_batch_size` rows cut to their longest row: the same gradient for any micro-batch size and process count
+    (DDP averages over processes, hence the factor N). `weight` 0: own_share's stand-in row. Returns the batch's
+    loss."""
     ids, labels, attention = (t.to(accelerator.device) for t in (ids, labels, attention))  # (B, T) each
-    n_tokens, total = (labels[:, 1:] != -100).sum().clamp(min=1), 0.0
-    optimizer.zero_grad()
-    for m in range(0, len(ids), micro_batch_size):
-        rows, width = slice(m, m + micro_batch_size), int(attention[m : m + micro_batch_size].sum(1).max())
+    n_tokens = global_sum(accelerator, (labels[:, 1:] != -100).sum() * weight).clamp(min=1)
+    scale = accelerator.num_processes * weight / n_tokens
+
+    def loss_of(rows):
+        width = int(attention[rows].sum(1).max())
         logits = model(input_ids=ids[rows, :width], attention_mask=attention[rows, :width]).logits  # (b, t, V)
         targets = labels[rows, 1:width].flatten()  # token t + 1 is predicted at position t
-        loss = F.cross_entropy(logits[:, :-1].flatten(0, 1).float(), targets, ignore_index=-100, reduction="sum")
-        accelerator.backward(loss / n_tokens)
-        total += (loss / n_tokens).item()
+        return (
+            F.cross_entropy(logits[:, :-1].flatten(0, 1).float(), targets, ignore_index=-100, reduction="sum") * scale
+        )
+
+    optimizer.zero_grad()
+    total = micro_backward(accelerator, model, len(ids), micro_batch_size, loss_of)
     accelerator.clip_grad_norm_(model.parameters(), max_grad_norm)
     optimizer.step()
     scheduler.step()
-    return total
+    return float(global_sum(accelerator, total)) / accelerator.num_processes
+
+
+def map_shared(fn, items):
+    """fn over `items`, the work split over the run's processes (process i maps items[i::N]) and gathered back in the
+    order of `items` on every process: work every process needs (a warm-up set) done once in all, not once per
+    process. fn maps a list to a list as long; its results must not depend on the process that computes them (seed
+    by item, never by rank), so that any process count gives the same list."""
+    from accelerate import PartialState
+    from accelerate.utils import gather_object
+
+    state = PartialState()
+    n, mine = state.num_processes, fn(items[state.process_index :: state.num_processes])
+    if n == 1:
+        return mine
+    out = [None] * len(items)
+    for rank, part in enumerate(gather_object([mine])):
+        out[rank::n] = part
+    return out
 
 
 def rng_states(*own):

@@ -36,13 +36,15 @@ def test_common_plumbing_stays_small():
         name: code_lines(ROOT / "common" / name)
         for name in ("llm.py", "retrieval.py", "metrics.py", "data.py", "runs.py")
     }
-    assert sum(sizes.values()) <= 1200, sizes  # +50 for issue 20: context fitting, cut-short indexes, dataset mixing
+    # +50: context fitting, cut-short indexes, dataset mixing; +50: steps that give the same gradient for any process
+    # count and micro-batch size (own_share, global_sum, micro_backward, map_shared)
+    assert sum(sizes.values()) <= 1250, sizes
 
 
 def test_the_index_builder_stays_small():
     """common/indexing.py, the command line that builds retriever folders at wiki-18 scale (shards over processes,
     resume, faiss factories), is a tool beside the plumbing the method files share, counted apart like the toy world
-    (issue 20: it moved out of retrieval.py with its command line rather than growing the plumbing)."""
+    (it moved out of retrieval.py with its command line rather than growing the plumbing)."""
     assert code_lines(ROOT / "common" / "indexing.py") <= 150
 
 

@@ -723,3 +723,26 @@ def test_where_is_finds_a_spec_without_loading_it(tmp_path):
 def test_cosine_schedule_warms_up_linearly_then_decays_to_a_tenth():
     factors = [runs.cosine(s, 10, 2) for s in (0, 1, 2, 6, 10)]  # warm-up 2 steps, then cosine over 8 to 0.1
     assert factors == pytest.approx([0.5, 1.0, 1.0, 0.55, 0.1])
+
+
+def test_own_share_gives_every_process_a_row_and_a_short_last_batch_a_stand_in():
+    """Item i goes to process i mod N; a process left without an item gets the batch's first at weight 0."""
+    from types import SimpleNamespace
+
+    at = lambda rank: SimpleNamespace(process_index=rank, num_processes=3)
+    assert [runs.own_share(list("abcde"), at(r)) for r in range(3)] == [(["a", "d"], 1.0), (["b", "e"], 1.0),
+                                                                         (["c"], 1.0)]  # fmt: skip
+    assert [runs.own_share(["a"], at(r)) for r in range(3)] == [(["a"], 1.0), (["a"], 0.0), (["a"], 0.0)]
+    assert runs.own_share([], at(1)) == ([], 1.0)
+
+
+def test_micro_backward_gives_the_gradient_of_one_pass_for_any_micro_batch_size():
+    from accelerate import Accelerator
+
+    accelerator, x = Accelerator(cpu=True), torch.arange(5.0)
+    grads = []
+    for size in (1, 2, 5):
+        w = torch.zeros(1, requires_grad=True)
+        total = runs.micro_backward(accelerator, torch.nn.Linear(1, 1), 5, size, lambda r: ((w - x[r]) ** 2).sum())
+        grads.append((w.grad.item(), total))
+    assert grads == [(-20.0, 30.0)] * 3  # d/dw sum (w - x)^2 at 0 = -2 * 10; the losses sum to 0+1+4+9+16
