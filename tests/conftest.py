@@ -14,6 +14,16 @@ os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 
+def free_port():
+    """A TCP port free on this host now, for an `accelerate launch --main_process_port` (runs side by side never share
+    one)."""
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return str(s.getsockname()[1])
+
+
 def check_contract(out_dir, stdout):
     """The result contract every --train / --eval run honours: results.json with the required keys, and the same json
     as the last printed line `RESULT {...}`. Returns the results."""

@@ -9,7 +9,7 @@ import sys
 from pathlib import Path
 
 import pytest
-from conftest import check_contract
+from conftest import check_contract, free_port
 
 ROOT = Path(__file__).resolve().parents[1]
 TINY_LM = "toy-lm:layers=1,hidden=32,heads=2,kv_heads=2,intermediate=64"
@@ -35,7 +35,7 @@ def test_train_runs_in_two_processes_with_one_result(method, tmp_path):
         launch += ["--config_file", str(ROOT / "configs" / "accelerate" / "multi_gpu.yaml")]
     else:
         launch += ["--multi_gpu", "--num_machines", "1", "--dynamo_backend", "no"]
-    launch += ["--main_process_port", str(29541 + list(FLAGS).index(method))]  # one free port per test
+    launch += ["--main_process_port", free_port()]
     command = [str(ROOT / f"{method}.py"), "--train", "--run_name", "ddp", "--data_dir", str(ROOT / "data" / "toy")]
     command += ["--model", TINY_LM, *flags]
     done = subprocess.run(launch + command, cwd=tmp_path, capture_output=True, text=True, env=env, timeout=900)
@@ -72,7 +72,7 @@ def test_the_multi_node_config_trains_across_two_machines_on_one_host(tmp_path):
     env = os.environ | {"HF_HUB_OFFLINE": "1", "OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT)}
     launch = [sys.executable, "-m", "accelerate.commands.launch", "--config_file"]
     launch += [str(ROOT / "configs" / "accelerate" / "multi_node.yaml"), "--num_processes", "2", "--mixed_precision"]
-    launch += ["no", "--main_process_ip", "127.0.0.1", "--main_process_port", "29571"]
+    launch += ["no", "--main_process_ip", "127.0.0.1", "--main_process_port", free_port()]
     command = [str(ROOT / "c3po.py"), "--train", "--run_name", "nodes", "--data_dir", str(ROOT / "data" / "toy")]
     command += ["--model", TINY_LM, *PPO]
     second = subprocess.Popen([*launch, "--machine_rank", "1", *command], cwd=tmp_path, env=env,

@@ -21,6 +21,7 @@ from pathlib import Path
 import pytest
 import rehearsal_stages
 import torch
+from conftest import free_port
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -33,7 +34,10 @@ def stage_runs(tmp_path_factory):
     env = os.environ | {"HF_HUB_OFFLINE": "1", "OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT)}
     launch = [sys.executable, "-m", "accelerate.commands.launch", "--multi_gpu", "--num_processes", "2"]
     launch += ["--num_machines", "1", "--mixed_precision", "no", "--dynamo_backend", "no", "--main_process_port"]
-    for command in ([sys.executable, script, str(out / "one.pt")], [*launch, "29581", script, str(out / "two.pt")]):
+    for command in (
+        [sys.executable, script, str(out / "one.pt")],
+        [*launch, free_port(), script, str(out / "two.pt")],
+    ):
         done = subprocess.run(command, cwd=ROOT, env=env, capture_output=True, text=True, timeout=900)
         assert done.returncode == 0, done.stderr[-4000:]
     return [torch.load(out / f"{n}.pt", weights_only=True) for n in ("one", "two")]

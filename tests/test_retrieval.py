@@ -13,6 +13,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+from conftest import free_port
 
 from common import retrieval
 from common.data import DataError
@@ -240,7 +241,7 @@ def test_sharded_build_in_two_processes_gives_the_index_of_one(corpus_path, tmp_
     ]
     assert np.load(tmp_path / "one" / "embeddings" / "shard_00002.npy").dtype == np.float16
     launch = ["accelerate", "launch", "--multi_gpu", "--num_processes", "2", "--num_machines", "1"]
-    launch += ["--mixed_precision", "no", "--dynamo_backend", "no", "--main_process_port", "29517"]
+    launch += ["--mixed_precision", "no", "--dynamo_backend", "no", "--main_process_port", free_port()]
     command = ["-m", "common.retrieval", "build", "--corpus", str(corpus_path), "--encoder", "tfidf"]
     command += ["--out", str(tmp_path / "two"), "--shard_size", "5"]
     out = subprocess.run(launch + command, cwd=REPO, capture_output=True, text=True, env=os.environ | {"CI": "1"})
