@@ -396,13 +396,63 @@ def result_record(method, args, before_sft, before, after, steps, wall, llm_call
             "wall_s": round(wall, 1), "train_steps": steps, "args": asdict(args)}  # fmt: skip
 
 
-def write_results(out, results, main_process=True):
-    """results.json, written atomically, then the final `RESULT <json>` line on stdout (main process only)."""
+TABLE = ("em", "f1", "acc", "reward", "retrievals", "llm_calls", "generated_tokens")  # the end-of-run table's rows
+HEADLINE = ("em", "f1", "acc", "reward")  # RESULT's metrics, where an evaluation has them (the rest: results.json)
+
+
+def end_table(results, rows=TABLE):
+    """The table that ends a run: a row per metric, a column per evaluation (the raw start, before and after the RL or
+    preference stage; an --eval's one evaluation)."""
+    named = [("start", "before_sft"), ("before", "before"), ("after", "after")]
+    if results.get("mode") == "eval":
+        named = [("eval", "after")]
+    columns = [(name, results[key]) for name, key in named if isinstance(results.get(key), dict)]
+    number = lambda v: isinstance(v, (int, float)) and not isinstance(v, bool)
+    rows = [k for k in rows if any(number(c.get(k)) for _, c in columns)]
+    lines = [f"{'':<18}" + "".join(f"{name:>10}" for name, _ in columns)]
+    for k in rows:
+        cells = "".join(f"{c[k]:>10.4g}" if number(c.get(k)) else f"{'-':>10}" for _, c in columns)
+        lines.append(f"{k:<18}{cells}")
+    return "\n".join(lines)
+
+
+def run_paths(out, results):
+    """What a run leaves a user to open: results.json, the final checkpoint (an --eval's: the model it read) and the
+    newest predictions file."""
+    out, stages = Path(out), list(results.get("train_steps") or {})
+    checkpoint = next((out / s for s in reversed(stages) if (out / s / STATE).is_file()), None)
+    predictions = sorted(out.glob("predictions*.jsonl"), key=lambda f: f.stat().st_mtime)
+    paths = {"results": out / "results.json", "checkpoint": checkpoint or results.get("model")}
+    return paths | ({"predictions": predictions[-1]} if predictions else {})
+
+
+def result_line(results, path, limit=400):
+    """`RESULT {...}` of at most `limit` characters: method, preset, seed, n_eval, the headline metrics before and
+    after, and the path of results.json (the full record)."""
+    number = lambda v: isinstance(v, (int, float)) and not isinstance(v, bool)
+    head = {k: results.get(k) for k in ("method", "preset", "seed", "n_eval")}
+    sides = ("before", "after") if results.get("mode") != "eval" else ("after",)
+    for keep in range(len(HEADLINE), -1, -1):  # fewer metrics while the line is too long
+        for side in sides:
+            metrics = results.get(side) or {}
+            head[side] = {k: round(metrics[k], 4) for k in HEADLINE[:keep] if number(metrics.get(k))}
+        line = "RESULT " + json.dumps(head | {"results": str(path)})
+        if len(line) <= limit:
+            return line
+    return "RESULT " + json.dumps(head | {"results": str(path)[-(limit // 2) :]})
+
+
+def write_results(out, results, main_process=True, rows=TABLE):
+    """results.json, written atomically, then (main process only) the run's end for the person watching: the table of
+    `rows` before and after, the paths, and the last line `RESULT {...}` (result_line)."""
     if main_process:
         tmp = Path(out) / "results.json.tmp"
         tmp.write_text(json.dumps(results, indent=1))
         tmp.replace(Path(out) / "results.json")
-        print("RESULT " + json.dumps(results), flush=True)
+        paths = run_paths(out, results)
+        print("\n" + end_table(results, rows), flush=True)
+        print("\n".join(f"{k}: {v}" for k, v in paths.items() if v), flush=True)
+        print(result_line(results, paths["results"]), flush=True)
 
 
 USER_ERRORS = {"common.data": "UserError", "common.llm": "ModelLoadError", "common.retrieval": "EncoderLoadError"}

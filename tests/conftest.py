@@ -45,7 +45,14 @@ def check_contract(out_dir, stdout):
     ):
         assert key in results, key
     last = stdout.strip().splitlines()[-1]
-    assert last.startswith("RESULT ") and json.loads(last[len("RESULT ") :]) == results
+    assert last.startswith("RESULT ") and len(last) <= 400, last[:500]
+    head = json.loads(last[len("RESULT ") :])
+    assert {k: head[k] for k in ("method", "preset", "seed", "n_eval")} == {
+        k: results[k] for k in ("method", "preset", "seed", "n_eval")
+    }
+    for side in ("before", "after"):
+        assert all(round(results[side][k], 4) == v for k, v in head.get(side, {}).items()), (side, head)
+    assert Path(head["results"]).resolve() == (Path(out_dir) / "results.json").resolve()
     return results
 
 

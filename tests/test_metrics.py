@@ -1,4 +1,4 @@
-"""Answer metrics against hand-worked values (SmartRAG spec §8.1, C-3PO spec §8.8).
+"""Answer metrics against hand-worked values (FlashRAG's definitions, which SmartRAG and C-3PO evaluate with).
 
 normalize_answer, exact_match, f1_score and sub_exact_match follow FlashRAG's evaluator (normalize_answer, ExactMatch,
 F1_Score, Sub_ExactMatch); every expected value below was worked out by hand from those definitions.
@@ -52,7 +52,7 @@ def test_normalize_answer(text, expected):
     assert normalize_answer(text) == expected
 
 
-# pred, golds, EM, F1: SmartRAG spec §8.1 (F1 = 2PR/(P+R))
+# pred, golds, EM, F1 (F1 = 2PR/(P+R) over normalised tokens)
 @pytest.mark.parametrize(
     "pred, golds, em, f1",
     [

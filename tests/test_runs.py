@@ -218,11 +218,9 @@ def test_metrics_and_results_files(tmp_path, capsys):
     assert [json.loads(line)["iteration"] for line in lines] == [1, 2]
     runs.write_results(tmp_path, {"method": "x", "after": {"em": 0.5}})
     last = capsys.readouterr().out.strip().splitlines()[-1]
-    assert (
-        json.loads(last[len("RESULT ") :])
-        == json.loads((tmp_path / "results.json").read_text())
-        == {"method": "x", "after": {"em": 0.5}}
-    )
+    assert json.loads((tmp_path / "results.json").read_text()) == {"method": "x", "after": {"em": 0.5}}
+    head = json.loads(last[len("RESULT ") :])
+    assert head["method"] == "x" and head["after"] == {"em": 0.5} and head["results"] == str(tmp_path / "results.json")
     runs.write_results(tmp_path / "nothing", {"method": "y"}, main_process=False)  # other ranks write nothing
     assert capsys.readouterr().out == "" and not (tmp_path / "nothing").exists()
 
@@ -664,7 +662,7 @@ def test_result_record_is_the_result_contract():
     assert evaluated["llm_calls_per_question"] == 3.0 and evaluated["retrievals_per_question"] == 1.5
 
 
-PAPER_MODELS = {  # each paper preset's models (spec §6 of each method), as its --dry_run must print them
+PAPER_MODELS = {  # each paper preset's models (each paper's experimental setup), as its --dry_run must print them
     "smartrag": ["meta-llama/Llama-2-7b-chat-hf", "intfloat/e5-base-v2"],
     "c3po": ["Qwen/Qwen2-0.5B", "hf:Qwen/Qwen2-72B-Instruct", "facebook/contriever-msmarco"],
     "sparkle": ["Qwen/Qwen2.5-3B-Instruct", "hf:Qwen/Qwen2.5-7B-Instruct", "intfloat/e5-large-v2"],
@@ -746,3 +744,34 @@ def test_micro_backward_gives_the_gradient_of_one_pass_for_any_micro_batch_size(
         total = runs.micro_backward(accelerator, torch.nn.Linear(1, 1), 5, size, lambda r: ((w - x[r]) ** 2).sum())
         grads.append((w.grad.item(), total))
     assert grads == [(-20.0, 30.0)] * 3  # d/dw sum (w - x)^2 at 0 = -2 * 10; the losses sum to 0+1+4+9+16
+
+
+def test_a_run_ends_with_its_table_its_paths_and_a_short_result_line(tmp_path, capsys):
+    """The full record in results.json; on screen the before/after table, the paths, and RESULT (<= 400 characters)
+    with the headline metrics, however long the record."""
+    (tmp_path / "ppo").mkdir()
+    (tmp_path / "ppo" / runs.STATE).write_text("{}")
+    (tmp_path / "predictions_ppo.jsonl").write_text("{}\n")
+    evaluation = {"em": 0.25, "f1": 0.31234567, "retrievals": 1.5, "generated_tokens": 12.0, "per_type": {"x": 1}}
+    results = {"method": "m", "mode": "train", "preset": "toy", "seed": 3, "n_eval": 40, "model": "toy-lm",
+               "before_sft": evaluation | {"em": 0.1}, "before": evaluation, "after": evaluation | {"em": 0.5},
+               "train_steps": {"sft": 2, "ppo": 4}, "trees": ["x" * 100] * 300}  # fmt: skip
+    runs.write_results(tmp_path, results)
+    lines = capsys.readouterr().out.strip().splitlines()
+    assert json.loads((tmp_path / "results.json").read_text()) == results
+    assert lines[-1].startswith("RESULT ") and len(lines[-1]) <= 400
+    head = json.loads(lines[-1][len("RESULT ") :])
+    assert head == {"method": "m", "preset": "toy", "seed": 3, "n_eval": 40, "before": {"em": 0.25, "f1": 0.3123},
+                    "after": {"em": 0.5, "f1": 0.3123}, "results": str(tmp_path / "results.json")}  # fmt: skip
+    table = lines[:5]
+    assert table[0].split() == ["start", "before", "after"] and table[1].split() == ["em", "0.1", "0.25", "0.5"]
+    assert [row.split()[0] for row in table[1:5]] == ["em", "f1", "retrievals", "generated_tokens"]
+    assert lines[-4:-1] == [
+        f"results: {tmp_path / 'results.json'}",
+        f"checkpoint: {tmp_path / 'ppo'}",
+        f"predictions: {tmp_path / 'predictions_ppo.jsonl'}",
+    ]
+    deep = Path("runs/" + "d" * 250 + "/results.json")  # a line that cannot hold every metric: fewer metrics
+    head = json.loads(runs.result_line(results, deep)[len("RESULT ") :])
+    assert len(runs.result_line(results, deep)) <= 400 and head["results"] == str(deep) and head["seed"] == 3
+    assert 0 < len(head["after"]) < 2
