@@ -2,8 +2,10 @@
 atomically (a crash never leaves a half-written one) that --resume continues with their arguments and random states,
 metrics.jsonl and results.json with the final `RESULT {...}` line; run_main ends a user's mistake in one line."""
 
+import copy
 import json
 import math
+import os
 import random
 import shutil
 import sys
@@ -20,9 +22,10 @@ STATE = "run_state.json"
 NOT_COMPARED = ("output_dir", "run_name", "resume", "dry_run", "eval_every", "report_to", "gradient_checkpointing")
 
 
-def arg(default, help, **metadata):
-    """A dataclass field with its --help text (the method files' Args)."""
-    return field(default=default, metadata={"help": help, **metadata})
+def arg(default, help, low=None, high=None, **metadata):
+    """A dataclass field with its --help text (the method files' Args); `low`/`high`: the range a number must lie in
+    (checked by parse_flags; None, a preset's placeholder, is left to the preset)."""
+    return field(default=default, metadata={"help": help, "low": low, "high": high, **metadata})
 
 
 def save_checkpoint(folder, model, tokenizer, state, tensors=None):
@@ -71,7 +74,6 @@ def make_accelerator(report_to="none", project_dir=None):
     """The run's Accelerator with the trackers `report_to`: CPU without CUDA; on a GPU, bf16 autocast over fp32 master
     weights unless accelerate's flags or config say otherwise (`accelerate launch --mixed_precision no|fp16|bf16`)."""
     import importlib.util
-    import os
 
     from accelerate import Accelerator
 
@@ -119,13 +121,35 @@ def start_run(args, method, stages=("sft", "ppo")):
 
 
 def parse_flags(args_class, argv=None):
-    """The command line as an `args_class` dataclass (HfArgumentParser); a flag it does not know ends in one line."""
+    """The command line as an `args_class` dataclass (HfArgumentParser). A mistake ends in one line naming the flag
+    and what it accepts, exit 2 (never the whole usage): an unknown flag, a value of the wrong type or outside its
+    choices, a number outside the range its field declares (arg's `low`/`high`)."""
     from transformers import HfArgumentParser
 
+    class Parser(HfArgumentParser):
+        def error(self, message):
+            self.exit(2, f"error: {message} (see --help)\n")
+
+        @staticmethod
+        def _parse_dataclass_field(parser, f):  # the range is checked below, not handed to argparse
+            f = copy.copy(f)
+            f.metadata = {k: v for k, v in f.metadata.items() if k not in ("low", "high")}
+            HfArgumentParser._parse_dataclass_field(parser, f)
+
     try:
-        return HfArgumentParser(args_class).parse_args_into_dataclasses(args=argv)[0]
+        args = Parser(args_class).parse_args_into_dataclasses(args=argv)[0]
     except ValueError as e:  # "Some specified arguments are not used by the HfArgumentParser: [...]"
-        raise SystemExit(f"unknown flags {str(e).rpartition(': ')[2]} (see --help)") from None
+        print(f"error: unknown flags {str(e).rpartition(': ')[2]} (see --help)", file=sys.stderr)
+        raise SystemExit(2) from None
+    for f in fields(args):
+        value, low, high = getattr(args, f.name), f.metadata.get("low"), f.metadata.get("high")
+        if isinstance(value, (int, float)) and not isinstance(value, bool):
+            if (low is not None and value < low) or (high is not None and value > high):
+                bounds = f"in [{low}, {high}]" if low is not None and high is not None else f">= {low}"
+                bounds = bounds if low is not None else f"<= {high}"
+                print(f"error: --{f.name} {value}: must be {bounds}", file=sys.stderr)
+                raise SystemExit(2)
+    return args
 
 
 def parse_args(args_class, argv=None, untrained="the untrained start answers at random"):
@@ -178,9 +202,12 @@ def dry_run(args):
     files = ("triples", "index", "entity_index", "bm25_index", "dense_index") + (("corpus",) if corpus_read else ())
     paths |= {k: Path(config[k]) for k in files if config.get(k)}
     where = {k: where_is(config.get(k)) for k in ("model", "llm", "encoder", "reranker", "rewriter", "base_llm")}
+    offline = os.environ.get("HF_HUB_OFFLINE", "0").lower() in ("1", "true", "yes", "on")
     for flag, place in [(k, p.exists() and str(p)) for k, p in paths.items()] + [(k, w) for k, w in where.items()]:
-        if place:
+        if place and not (offline and place.startswith("hub id, not in")):
             lines.append(f"  {flag}: {place}")
+        elif place:  # HF_HUB_OFFLINE: the run could not download it
+            missing.append(f"--{flag} {config[flag]} (a hub id not in the local cache, and HF_HUB_OFFLINE is set)")
         elif flag in paths or config.get(flag):
             missing.append(f"--{flag.split()[0]} {paths.get(flag) or config[flag]}")
     print("\n".join(lines))
