@@ -24,8 +24,8 @@ import shutil
 from pathlib import Path
 
 import numpy as np
-from tqdm.auto import tqdm
 
+from common import runs
 from common.retrieval import (
     BM25Retriever,
     DenseRetriever,
@@ -71,7 +71,7 @@ def build_sharded(
     state.wait_for_everyone()
     path = lambda i: shards / f"shard_{i:05d}.npy"
     todo = [i for i in range(state.process_index, n_shards, state.num_processes) if not path(i).is_file()]
-    for i in tqdm(todo, desc=f"encode (process {state.process_index})", disable=not todo):
+    for i in runs.progress(todo, desc=f"encode (process {state.process_index})", disable=not todo):
         vectors = encoder.encode(texts[i * shard_size : (i + 1) * shard_size]).astype(np.float16)
         atomic_write(path(i), lambda p: save_npy(p, vectors))  # called at once
     state.wait_for_everyone()
@@ -82,7 +82,7 @@ def build_sharded(
     if not index.is_trained:
         rows = np.sort(np.random.default_rng(0).choice(len(texts), min(train_size, len(texts)), replace=False))
         index.train(np.stack([parts[r // shard_size][r % shard_size] for r in rows]).astype(np.float32))
-    for part in tqdm(parts, desc="index", disable=n_shards < 2):
+    for part in runs.progress(parts, desc="index", disable=n_shards < 2):
         for start in range(0, len(part), 65_536):
             index.add(np.asarray(part[start : start + 65_536], dtype=np.float32))
     retriever = DenseRetriever(index, docs, encoder, corpus_path, index_factory, search_params)

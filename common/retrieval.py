@@ -27,8 +27,8 @@ from collections import Counter
 from pathlib import Path
 
 import numpy as np
-from tqdm.auto import tqdm
 
+from common import runs
 from common.data import DataError, iter_jsonl, write_jsonl
 
 BGE_QUERY_INSTRUCTION = "Represent this sentence for searching relevant passages: "
@@ -202,7 +202,7 @@ class HFEncoder:
         texts = [prefix + t for t in texts]
         starts = range(0, len(texts), self.batch_size)
         chunks = [np.zeros((0, self.dim), dtype=np.float32)]
-        for start in tqdm(starts, desc="encode", leave=False, disable=is_query or len(starts) < 2):
+        for start in runs.progress(starts, desc="encode", leave=False, disable=is_query or len(starts) < 2):
             batch = self.tokenizer(
                 texts[start : start + self.batch_size],
                 padding=True,
@@ -386,7 +386,7 @@ class DenseRetriever:
         encoder = fit_tfidf(encoder, texts) if isinstance(encoder, TfidfEncoder) else encoder
         index = new_index(encoder.dim, index_factory, encoder, texts, train_size)
         starts = range(0, len(texts), chunk_size)
-        for start in tqdm(starts, desc="index", disable=len(starts) < 2):
+        for start in runs.progress(starts, desc="index", disable=len(starts) < 2):
             index.add(encoder.encode(texts[start : start + chunk_size]))
         return cls(index, docs, encoder, corpus_path, index_factory)
 

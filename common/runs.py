@@ -240,6 +240,16 @@ def start_eval(args):
     return accelerator, out
 
 
+def progress(iterable, desc, disable=False, **kw):
+    """A tqdm bar on stderr; where stderr is not a terminal (a log file, a pipe) it writes at most a line every 30 s
+    instead of one per step."""
+    from tqdm import tqdm
+
+    if not sys.stderr.isatty():
+        kw = {"mininterval": 30.0, "maxinterval": 60.0} | kw
+    return tqdm(iterable, desc=desc, disable=disable, **kw)
+
+
 def log_update(accelerator, out, stats, step):
     """One training update: a metrics.jsonl line, the trackers, and a ` | `-separated console line."""
     append_metrics(Path(out) / "metrics.jsonl", stats, accelerator.is_main_process)

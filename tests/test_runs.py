@@ -807,3 +807,15 @@ def test_a_command_line_mistake_is_one_line_naming_the_flag_and_exit_2(capsys):
             runs.parse_flags(Args, ["--train", *argv])
         assert exit_.value.code == 2 and capsys.readouterr().err.splitlines() == [message]
     assert runs.parse_flags(Args, ["--n_train", "1", "--p", "0"]).n_train == 1  # the bounds are inclusive
+
+
+def test_a_progress_bar_writes_to_a_log_at_most_every_30_seconds(monkeypatch):
+    import io
+
+    monkeypatch.setattr(sys, "stderr", io.StringIO())  # a log file, not a terminal
+    bar = runs.progress(range(1000), "steps", file=sys.stderr)
+    for _ in bar:
+        pass
+    assert bar.mininterval == 30.0 and sys.stderr.getvalue().count("steps") <= 2  # the first and the final line
+    monkeypatch.setattr(sys.stderr, "isatty", lambda: True, raising=False)
+    assert runs.progress(range(3), "x", file=io.StringIO()).mininterval == 0.1  # tqdm's own, on a terminal
