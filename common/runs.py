@@ -152,17 +152,58 @@ def parse_flags(args_class, argv=None):
     return args
 
 
-def parse_args(args_class, argv=None, untrained="the untrained start answers at random"):
+def parse_args(args_class, argv=None, untrained="the untrained start answers at random", method=None):
     """The command line as an `args_class` dataclass (parse_flags): one mode of --train, --eval, --ask; --ask
-    needs --model; a checkpoint given as --model without --data_dir brings its world (the data_dir it trained on)."""
+    needs --model; a checkpoint given as --model without --data_dir brings its world (the data_dir it trained on);
+    a checkpoint of another method than `method` is refused, naming both."""
     args = parse_flags(args_class, argv)
     if not (args.train or args.eval or args.ask or getattr(args, "dry_run", False)):
         raise SystemExit('choose a mode: --train, --eval or --ask "question" (see --help)')
     if args.ask and args.model is None:
         raise SystemExit(f"--ask needs --model: a trained checkpoint (e.g. runs/<run_name>/ppo); {untrained}")
-    if args.data_dir is None and args.model and (state := load_state(args.model)):
+    state = load_state(args.model) if args.model else None
+    if method and state and (other := checkpoint_method(state, args_class)) not in (None, f"a {method}"):
+        raise SystemExit(f"--model {args.model} is {other} checkpoint, not a {method} one")
+    if args.data_dir is None and state:
         args.data_dir = state.get("data_dir")  # a checkpoint remembers its world (tokenizer, reader, corpus)
     return args
+
+
+def checkpoint_method(state, args_class):
+    """Whose checkpoint a state is: "a <its method>", else, for one saved without it, "another method's" where its
+    arguments do not fit `args_class` (None: it fits)."""
+    if state.get("method") or not state.get("args"):
+        return state.get("method") and f"a {state['method']}"
+    return None if set(state["args"]) <= {f.name for f in fields(args_class)} else "another method's"
+
+
+def eval_dir(args, method):
+    """--eval's own folder, never an earlier evaluation's: <model>/eval/<data>-<time> (for a hub id or a toy spec:
+    runs/<method>-eval/<data>-<time>), the time the main process's."""
+    from accelerate.utils import broadcast_object_list
+
+    base = Path(args.model) / "eval" if args.model and Path(args.model).is_dir() else Path("runs") / f"{method}-eval"
+    stamp = broadcast_object_list([time.strftime("%Y%m%d-%H%M%S")])[0]
+    out, n = base / f"{Path(args.data_dir or 'data').name}-{stamp}", 1
+    while out.exists():  # two evaluations within a second
+        out, n = base / f"{Path(args.data_dir or 'data').name}-{stamp}-{n}", n + 1
+    return str(out)
+
+
+def per_round(value, rounds, flag):
+    """A per-round list flag ("1,2,3") as `rounds` numbers: the first `rounds` of a longer list (a shorter run of the
+    same schedule); a shorter list is one line naming the flag."""
+    values = [float(v) for v in str(value).split(",") if v.strip()]
+    if len(values) < rounds:
+        raise SystemExit(f"{flag} needs {rounds} comma-separated numbers (one per round), got {value!r}")
+    return values[:rounds]
+
+
+def nothing_to_train(accelerator, warnings, stage, what):
+    """A stage that trains on nothing (0 pairs, 0 samples, no warm-up path): one warning line, kept in `warnings`
+    (results.json's "warnings")."""
+    warnings.append(f"{stage}: {what}")
+    accelerator.print(f"warning: {stage} trained on nothing ({what})")
 
 
 BUILT_IN = ("policy", "oracle", "llm", "tfidf", "bm25", "lexical")  # specs naming a method role or a built-in scorer

@@ -819,3 +819,56 @@ def test_a_progress_bar_writes_to_a_log_at_most_every_30_seconds(monkeypatch):
     assert bar.mininterval == 30.0 and sys.stderr.getvalue().count("steps") <= 2  # the first and the final line
     monkeypatch.setattr(sys.stderr, "isatty", lambda: True, raising=False)
     assert runs.progress(range(3), "x", file=io.StringIO()).mininterval == 0.1  # tqdm's own, on a terminal
+
+
+def test_a_checkpoint_of_another_method_is_refused_naming_both(tmp_path):
+    from dataclasses import dataclass
+
+    @dataclass
+    class Args:
+        train: bool = False
+        eval: bool = False
+        ask: str = ""
+        model: str | None = None
+        data_dir: str | None = None
+        rounds: int = 3
+
+    (tmp_path / runs.STATE).write_text(json.dumps({"method": "sparkle", "data_dir": "w"}))
+    with pytest.raises(SystemExit, match=f"^--model {tmp_path} is a sparkle checkpoint, not a tearag one$"):
+        runs.parse_args(Args, ["--eval", "--model", str(tmp_path)], method="tearag")
+    assert runs.parse_args(Args, ["--eval", "--model", str(tmp_path)], method="sparkle").data_dir == "w"
+    (tmp_path / runs.STATE).write_text(json.dumps({"args": {"model": "x", "ppo_iterations": 3}}))  # saved unmarked
+    with pytest.raises(SystemExit, match="is another method's checkpoint, not a tearag one"):
+        runs.parse_args(Args, ["--eval", "--model", str(tmp_path)], method="tearag")
+    (tmp_path / runs.STATE).write_text(json.dumps({"args": {"model": "x", "rounds": 1}}))
+    assert runs.parse_args(Args, ["--eval", "--model", str(tmp_path)], method="tearag").model == str(tmp_path)
+
+
+def test_each_evaluation_writes_its_own_folder(tmp_path, monkeypatch):
+    from types import SimpleNamespace
+
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "ckpt").mkdir()
+    args = SimpleNamespace(model=str(tmp_path / "ckpt"), data_dir="data/mine")
+    first = runs.eval_dir(args, "sparkle")
+    Path(first).mkdir(parents=True)
+    second = runs.eval_dir(args, "sparkle")
+    assert first != second and Path(first).parent == Path(second).parent == tmp_path / "ckpt" / "eval"
+    assert Path(first).name.startswith("mine-") and second.startswith(first)  # within the same second: a suffix
+    assert Path(runs.eval_dir(SimpleNamespace(model="toy-lm", data_dir=None), "c3po")).parent == Path("runs/c3po-eval")
+
+
+def test_per_round_lists_follow_the_round_count():
+    assert runs.per_round("1,2,3", 3, "--dpo_epochs") == [1.0, 2.0, 3.0]
+    assert runs.per_round("1,2,3", 1, "--dpo_epochs") == [1.0]  # a shorter run takes the first values
+    with pytest.raises(SystemExit, match=r"^--eta needs 4 comma-separated numbers \(one per round\), got '1,2,3'$"):
+        runs.per_round("1,2,3", 4, "--eta")
+
+
+def test_a_stage_that_trains_on_nothing_warns_once_and_keeps_the_warning(capsys):
+    from accelerate import Accelerator
+
+    warnings = []
+    runs.nothing_to_train(Accelerator(cpu=True), warnings, "dpo round 1", "0 preference pairs")
+    assert warnings == ["dpo round 1: 0 preference pairs"]
+    assert capsys.readouterr().out == "warning: dpo round 1 trained on nothing (0 preference pairs)\n"
