@@ -92,6 +92,17 @@ def load_qa(path):
     return rows
 
 
+def require_metadata(rows, keys, path, purpose):
+    """A DataError naming the file, the first row (its id) that lacks one of the metadata `keys`, and what needs
+    them (`purpose`, e.g. "the toy oracle teacher"); data/README.md lists each method's fields."""
+    for row in rows:
+        if missing := [k for k in keys if k not in row.get("metadata", {})]:
+            raise DataError(
+                f"{path}: row {row['id']!r} has no metadata {', '.join(map(repr, missing))}, which {purpose} needs "
+                f"(data/README.md lists the fields each method reads)"
+            )
+
+
 def load_split(data_dir, split, types=""):
     """QA rows of data_dir/<split>.jsonl whose metadata "type" is one of `types` (comma-separated or a list; all rows
     if empty or None). A row without a type never matches a filter. When no row of the file has a type (a plain

@@ -183,3 +183,12 @@ def test_mix_command_line_reports_a_malformed_file_in_one_line(tmp_path):
         and out.stderr.strip() == f"error: {tmp_path / 'bad.jsonl'}:1: not valid JSON (Expecting value)"
     )
     assert not (tmp_path / "o.jsonl").exists()
+
+
+def test_missing_metadata_is_one_line_naming_the_row_the_fields_and_the_need():
+    from common.data import require_metadata
+
+    rows = [{"id": "a", "metadata": {"hops": 1, "relations": ["x"]}}, {"id": 7, "metadata": {"hops": 2}}]
+    require_metadata(rows[:1], ["hops", "relations"], "d/train.jsonl", "the toy oracle teacher")
+    with pytest.raises(DataError, match=r"^d/train.jsonl: row 7 has no metadata 'relations', which the toy oracle"):
+        require_metadata(rows, ["hops", "relations"], "d/train.jsonl", "the toy oracle teacher")
