@@ -264,7 +264,10 @@ def start(args, method):
     out = start_run(args, method)
     accelerator = make_accelerator(args.report_to, out)
     out.mkdir(parents=True, exist_ok=True)
-    accelerator.init_trackers(args.run_name, {k: "None" if v is None else v for k, v in asdict(args).items()})
+    config = {k: "None" if v is None else v for k, v in asdict(args).items()}
+    # tensorboard's events in <run folder>/tensorboard; a wandb run named after the run, in the method's project
+    name = "tensorboard" if args.report_to == "tensorboard" else method
+    accelerator.init_trackers(name, config, init_kwargs={"wandb": {"name": args.run_name}})
     set_seed(args.seed)
     return accelerator, out
 

@@ -1137,7 +1137,7 @@ def test_report_to_tensorboard_logs_the_updates_beside_metrics_jsonl(tmp_path, c
     from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
     run(["--train", "--output_dir", str(tmp_path / "run"), "--report_to", "tensorboard", *TINY], capsys)
-    events = EventAccumulator(str(tmp_path / "run" / "run")).Reload()  # <output_dir>/<run_name>
+    events = EventAccumulator(str(tmp_path / "run" / "tensorboard")).Reload()  # <output_dir>/tensorboard
     logged = [json.loads(line) for line in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
     policy = [(e.step, e.value) for e in events.Scalars("losses/policy")]
     assert policy == [(m["iteration"], pytest.approx(m["losses/policy"])) for m in logged if "iteration" in m]
