@@ -22,10 +22,11 @@ STATE = "run_state.json"
 NOT_COMPARED = ("output_dir", "run_name", "resume", "dry_run", "eval_every", "report_to", "gradient_checkpointing")
 
 
-def arg(default, help, low=None, high=None, **metadata):
+def arg(default, help, low=None, high=None, group=None, **metadata):
     """A dataclass field with its --help text (the method files' Args); `low`/`high`: the range a number must lie in
-    (checked by parse_flags; None, a preset's placeholder, is left to the preset)."""
-    return field(default=default, metadata={"help": help, "low": low, "high": high, **metadata})
+    (checked by parse_flags; None, a preset's placeholder, is left to the preset); `group`: the --help group this
+    field and the ones after it belong to."""
+    return field(default=default, metadata={"help": help, "low": low, "high": high, "group": group, **metadata})
 
 
 def save_checkpoint(folder, model, tokenizer, state, tensors=None):
@@ -120,24 +121,39 @@ def start_run(args, method, stages=("sft", "ppo")):
     return out
 
 
-def parse_flags(args_class, argv=None):
-    """The command line as an `args_class` dataclass (HfArgumentParser). A mistake ends in one line naming the flag
-    and what it accepts, exit 2 (never the whole usage): an unknown flag, a value of the wrong type or outside its
-    choices, a number outside the range its field declares (arg's `low`/`high`)."""
+def parse_flags(args_class, argv=None, presets=None):
+    """The command line as an `args_class` dataclass (HfArgumentParser). --help lists the flags under the groups their
+    fields open (arg's `group`, kept by the fields that follow), a preset's field (`presets`: name -> (toy, paper))
+    with its toy and paper values. A mistake ends in one line naming the flag and what it accepts, exit 2 (never the
+    whole usage): an unknown flag, a value of the wrong type or outside its choices, a number outside the range its
+    field declares (arg's `low`/`high`)."""
+    import argparse
+
     from transformers import HfArgumentParser
 
+    class Formatter(argparse.ArgumentDefaultsHelpFormatter):
+        def _get_help_string(self, action):  # a preset's field (default None) shows its two values instead
+            return action.help if action.default is None else super()._get_help_string(action)
+
     class Parser(HfArgumentParser):
+        group, groups = None, {}
+
         def error(self, message):
             self.exit(2, f"error: {message} (see --help)\n")
 
-        @staticmethod
-        def _parse_dataclass_field(parser, f):  # the range is checked below, not handed to argparse
+        def _parse_dataclass_field(self, parser, f):  # group and range are ours, not argparse's
+            metadata = {k: v for k, v in f.metadata.items() if k not in ("low", "high", "group")}
+            self.group = f.metadata.get("group") or self.group
+            if f.name in (presets or {}):
+                metadata["help"] += " (toy: {!r}, paper: {!r})".format(*presets[f.name])
+            if self.group and self.group not in self.groups:
+                self.groups[self.group] = self.add_argument_group(self.group)
             f = copy.copy(f)
-            f.metadata = {k: v for k, v in f.metadata.items() if k not in ("low", "high")}
-            HfArgumentParser._parse_dataclass_field(parser, f)
+            f.metadata = metadata
+            HfArgumentParser._parse_dataclass_field(self.groups.get(self.group, parser), f)
 
     try:
-        args = Parser(args_class).parse_args_into_dataclasses(args=argv)[0]
+        args = Parser(args_class, formatter_class=Formatter).parse_args_into_dataclasses(args=argv)[0]
     except ValueError as e:  # "Some specified arguments are not used by the HfArgumentParser: [...]"
         print(f"error: unknown flags {str(e).rpartition(': ')[2]} (see --help)", file=sys.stderr)
         raise SystemExit(2) from None
@@ -152,11 +168,11 @@ def parse_flags(args_class, argv=None):
     return args
 
 
-def parse_args(args_class, argv=None, untrained="the untrained start answers at random", method=None):
+def parse_args(args_class, argv=None, untrained="the untrained start answers at random", method=None, presets=None):
     """The command line as an `args_class` dataclass (parse_flags): one mode of --train, --eval, --ask; --ask
     needs --model; a checkpoint given as --model without --data_dir brings its world (the data_dir it trained on);
-    a checkpoint of another method than `method` is refused, naming both."""
-    args = parse_flags(args_class, argv)
+    a checkpoint of another method than `method` is refused, naming both; `presets`: parse_flags's."""
+    args = parse_flags(args_class, argv, presets)
     if not (args.train or args.eval or args.ask or getattr(args, "dry_run", False)):
         raise SystemExit('choose a mode: --train, --eval or --ask "question" (see --help)')
     if args.ask and args.model is None:

@@ -872,3 +872,21 @@ def test_a_stage_that_trains_on_nothing_warns_once_and_keeps_the_warning(capsys)
     runs.nothing_to_train(Accelerator(cpu=True), warnings, "dpo round 1", "0 preference pairs")
     assert warnings == ["dpo round 1: 0 preference pairs"]
     assert capsys.readouterr().out == "warning: dpo round 1 trained on nothing (0 preference pairs)\n"
+
+
+def test_help_groups_the_flags_and_shows_a_presets_toy_and_paper_values(capsys):
+    from dataclasses import dataclass
+
+    @dataclass
+    class Args:
+        train: bool = runs.arg(False, "train", group="run")
+        seed: int = runs.arg(0, "the seed")
+        top_k: int | None = runs.arg(None, "documents per search", low=1, group="retrieval")
+
+    with pytest.raises(SystemExit):
+        runs.parse_flags(Args, ["--help"], presets={"top_k": (3, 10)})
+    text = capsys.readouterr().out
+    run, retrieval = text.index("\nrun:\n"), text.index("\nretrieval:\n")
+    assert run < text.index("--seed", run) < retrieval < text.index("--top_k", retrieval)  # each under its group
+    assert "documents per search (toy: 3, paper: 10)" in " ".join(text.split())  # the presets' values, not None
+    assert "(default: None)" not in text and "the seed (default: 0)" in " ".join(text.split())
