@@ -16,7 +16,7 @@ extra steps cost), builds chosen/rejected pairs and trains DPO + eta SFT against
     python tearag.py --ask "who is the director of sutisek ?" --model runs/<run_name>/dpo
     accelerate launch tearag.py --train --preset paper --data_dir data/tearag --index indexes/e5_wiki18
 
-The paper prints no prompt: the instruction and the summary templates are the spec's proposals (`# proposal:`).
+The paper prints no prompt: the instruction and the summary templates are ours (`# proposal:`).
 
 Deviations from the paper (each marked `# simplification:` where it lives):
 1. The knowledge graph is a triples jsonl (one source chunk per triplet) held in memory, not extracted by an LLM.
@@ -29,6 +29,11 @@ Deviations from the paper (each marked `# simplification:` where it lives):
 8. `--evidence sentence`: a hop's supporting sentence is the one holding its sub-answer, not an annotated fact.
 9. Toy option (off): `--sft_redundant_p` of the one-hop SFT paths repeat their step: a start that over-decomposes.
 10. Option (off): `--sft_summaries 1` writes every SFT summary with one template, not the paper's "diverse" ones.
+11. The SFT losses are token means (SFT: over a batch's loss tokens, IP-DPO: its chosen paths'), not Eq. 4/15's sums.
+12. SFT supporting triplets: the step passage's triplets whose head or tail is its answer (paper: Qwen2.5-72B picks).
+13. SFT important entities: the supporting triplets' entities that the subquery names (paper: all their entities).
+14. Golden evidence: a multi-hop question's supporting passages, HotpotQA's too (paper: its evidence sentences).
+15. Toy preset: the compact template, the question without the instruction (the paper preset writes it as system turn).
 """
 
 import math
@@ -105,7 +110,7 @@ class Args:
     sft_lr: float | None = arg(None, "SFT learning rate [§5.1.3: 5e-4]")
     sft_batch_size: int | None = arg(None, "SFT batch size [§5.1.3: 128]")
     sft_single_steps: bool | None = arg(None, "add each step of a path as a 1-hop question [§4.3.1, Tab. 1]")
-    sft_distractors: int | None = arg(None, "retrieved items added to each SFT context (spec §9.26; paper: 0)")
+    sft_distractors: int | None = arg(None, "retrieved items added to each SFT context (ours; paper: 0)")
     sft_redundant_p: float | None = arg(None, "toy: share of one-hop SFT paths that repeat their step (paper: 0)")
     sft_summaries: int | None = arg(None, "SFT summary templates used, the first N of SUMMARIES [§4.3.1 (5): all]")
     weight_decay: float = arg(0.001, "AdamW weight decay of SFT and DPO [§5.1.3: 0.001]")
@@ -114,14 +119,14 @@ class Args:
     # IP-DPO [§4.3.2, §5.1.3]
     rounds: int = arg(3, "IP-DPO rounds [§5.5.1: TeaRAG-1..3]")
     n_rollouts: int = arg(8, "sampled paths per question R [§5.1.3: 8]")
-    temperature: float = arg(1.0, "sampling temperature of the rollouts (not in the paper; spec [R]: 1.0)")
+    temperature: float = arg(1.0, "sampling temperature of the rollouts (not in the paper; ours: 1.0)")
     dpo_epochs: str | None = arg(None, "epochs of each round [§5.1.3: 2,2,1]")
     eta: str = arg("1,0.5,0.25", "SFT weight of each round, decreasing [Eq. 17; §5.1.3: within 0.25-1]")
     beta: float = arg(0.5, "DPO beta [Eq. 16; §5.1.3: 0.5]")
     dpo_lr: float | None = arg(None, "IP-DPO learning rate [§5.1.3: 1e-4]")
     dpo_batch_size: int = arg(16, "pairs per IP-DPO step [§5.1.3: 16]")
     rollout_batch: int | None = arg(None, "questions per batched rollout (times R paths)")
-    evidence: str = arg("passage", "golden evidence g_t [Eq. 9-11; spec §5.2]", choices=["passage", "sentence"])
+    evidence: str = arg("passage", "golden evidence g_t [Eq. 9-11, §4.3.2]", choices=["passage", "sentence"])
 
 
 PRESETS = {  # values for the fields left at None; any flag overrides them
@@ -131,7 +136,7 @@ PRESETS = {  # values for the fields left at None; any flag overrides them
         "reranker": "lexical",
         "model": "toy-lm",
         "lora_r": 0,
-        "templates": "compact",
+        "templates": "compact",  # simplification: the question without the instruction (header item 15)
         "n_dpo": 96,
         "n_eval": 200,
         "max_new_tokens": 40,
@@ -195,7 +200,7 @@ def apply_preset(args):
 # --------------------------------------------------------------------------- 1. prompts and formats [§4.2, Fig. 4]
 REF_OPEN, REF_CLOSE = "<Reference>", "</Reference>"  # [§4.2.5, Fig. 4a] the tokens that wrap the retrieved context
 ENTITY_QUERY = "Key entity: {entity}. Query: {subquery}."  # [§4.2.3] verbatim
-# proposal: the paper prints no instruction; this one is the spec's (§4), the same in SFT, sampling and evaluation
+# proposal: the paper prints no instruction; this one is ours, the same in SFT, sampling and evaluation
 INSTRUCTION = """\
 You are a question-answering agent that solves the question step by step with a search tool.
 In each step, write exactly:
@@ -209,7 +214,7 @@ When the collected information is sufficient, instead of a new step write:
 Final answer: <short answer>
 Use at most 5 steps. Do not write anything after the final answer."""
 QUESTION = "Question: {question}"
-# proposal: "diverse templates" in two parts, the supporting triplets then the answer [§4.3.1 (5); spec §4]
+# proposal: "diverse templates" in two parts, the supporting triplets then the answer [§4.3.1 (5)]
 SUMMARIES = (
     "The fact {facts} logically implies the answer: {answer}.",  # the case study's pattern [Tab. 11]
     "According to the evidence, {facts}. Therefore, the answer is: {answer}.",
@@ -247,7 +252,7 @@ def reference_block(items):
 
 # --------------------------------------------------------------------------- 2. parsing and the format check
 HEADER = re.compile(r"step\s*(\d+)\s*:\s*important\s+entity\s*:(.*?)subquery\s*:(.*)", re.IGNORECASE | re.DOTALL)
-STEP_START, STEP_WORD = re.compile(r"step\s*\d+\s*:", re.IGNORECASE), re.compile(r"\bstep\b", re.IGNORECASE)
+STEP_START = re.compile(r"step\s*\d+\s*:", re.IGNORECASE)
 SUMMARY = re.compile(r"\s*summary\s*:(.*?)(step\s*\d+\s*:.*|final\s+answer\s*:(.*))?", re.IGNORECASE | re.DOTALL)
 FINAL = re.compile(r"final\s+answer\s*:", re.IGNORECASE)
 
@@ -260,7 +265,7 @@ def parse_header(text):
 
 
 def parse_path(text):
-    """Steps (entities, subquery, summary), final answer and format check of a path's text [§4.2; spec §3.2].
+    """Steps (entities, subquery, summary), final answer and format check of a path's text [§4.2, Eq. 6; ours].
 
     Valid: k >= 1 steps, each "Step i:" (i = 1..k) with non-empty entities and subquery, one Reference block and a
     non-empty summary; then one non-empty "Final answer:" and nothing after it."""
@@ -393,14 +398,14 @@ class RetrievalSystem:
             return []
         chunk_hits = self.chunks.search(subqueries, a.chunk_candidates)  # D_q = R(q_i, D), top-20 then rerank
         entity_queries = [
-            [ENTITY_QUERY.format(entity=v, subquery=q) for v in ents] or [q]  # no entity: q (spec §9.9)
+            [ENTITY_QUERY.format(entity=v, subquery=q) for v in ents] or [q]  # no entity: q (ours)
             for q, ents in zip(subqueries, entity_lists)
         ]
         entity_hits = iter(self.entities.search([x for qs in entity_queries for x in qs], a.entity_candidates))
         contexts = []
         for q, ents, queries, hits in zip(subqueries, entity_lists, entity_queries, chunk_hits):
             chunks = self.top(q, [self.chunk(h["id"]) for h in hits], a.k_d)
-            found = {}  # candidate entity -> best logit over the entity queries that returned it (spec §9.8)
+            found = {}  # candidate entity -> best logit over the entity queries that returned it (ours)
             for x in queries:
                 names = [h["contents"] for h in next(entity_hits)]
                 for name, s in zip(names, self.rerank([(x, n) for n in names])):
@@ -428,15 +433,13 @@ class RetrievalSystem:
         if a.retrieval == "concat":  # TeaRAG-Con: top-5 chunks and top-5 triplets, 10 units [§5.5.1]
             return chunks[:5] + triplets[:5]
         nodes, adjacency = build_kag(entities, chunks, triplets, a.tau)
-        seeds = {("V", norm_name(v)) for v in entities}
-        p = np.array([1.0 if n == ("Q",) else 0.5 if n in seeds else 0.0 for n in nodes])  # subquery 1, entities 0.5
-        pi = personalized_pagerank(adjacency, p, a.alpha, a.ppr_iterations)  # [§4.2.5]
+        pi = personalized_pagerank(adjacency, personalization(nodes, entities), a.alpha, a.ppr_iterations)
         return top_nodes(nodes, pi, chunks + triplets, a.k_f)
 
 
 def build_kag(key_entities, chunks, triplets, tau):
     """Nodes and symmetric weighted adjacency (n, n) of the Knowledge Association Graph [§4.2.4]. Node keys: ("Q",)
-    the subquery, ("D", id) a chunk, ("T", id) a triplet, ("V", name) an entity; a simple graph (spec §9.5)."""
+    the subquery, ("D", id) a chunk, ("T", id) a triplet, ("V", name) an entity; a simple graph (ours)."""
     nodes, edges = {("Q",): 0}, {}
     node = lambda key: nodes.setdefault(key, len(nodes))
 
@@ -465,8 +468,14 @@ def build_kag(key_entities, chunks, triplets, tau):
     return list(nodes), adjacency
 
 
+def personalization(nodes, entities):
+    """p of Eq. 3 over the KAG's nodes: 1 on the subquery, 0.5 on the key entities, 0 elsewhere [§4.2.5]."""
+    seeds = {("V", norm_name(v)) for v in entities}
+    return np.array([1.0 if n == ("Q",) else 0.5 if n in seeds else 0.0 for n in nodes])
+
+
 def personalized_pagerank(adjacency, p, alpha=0.5, n_iter=200):
-    """pi = alpha W pi + (1 - alpha) p, N rounds [Eq. 3]; W column-stochastic, p normalised, pi_0 = p (spec §9.4)."""
+    """pi = alpha W pi + (1 - alpha) p, N rounds [Eq. 3]; W column-stochastic, p normalised, pi_0 = p (ours)."""
     degree = adjacency.sum(0)  # (n,)
     W = np.divide(adjacency, degree, out=np.zeros_like(adjacency), where=degree > 0)  # W[j, i] = A[j, i] / deg(i)
     p = p / p.sum()  # (n,)
@@ -514,14 +523,15 @@ def path_rewards(path, evidence, sim):
 
 
 def golden_evidence(row, docs, unit="passage"):
-    """G = [g_1..g_l] of a multi-hop question ([] for a single-hop one): its supporting passages (MuSiQue), or with
-    unit "sentence" the sentence of each that holds its hop's sub-answer (HotpotQA's supporting facts; spec §5.2)."""
+    """G = [g_1..g_l] of a multi-hop question ([] for a single-hop one) [§4.3.2]: its supporting passages found in the
+    corpus, or with unit "sentence" the sentence of each that holds its hop's sub-answer (HotpotQA's evidence)."""
     meta = row.get("metadata") or {}
     if int(meta.get("hops") or 1) < 2:
         return []
-    ids, answers = [str(i) for i in meta.get("supporting_doc_ids") or [] if str(i) in docs], meta.get("sub_answers")
+    # simplification: supporting passages, HotpotQA's too (the paper: its evidence sentences) (header item 14)
+    ids, answers = [str(i) for i in meta.get("supporting_doc_ids") or []], meta.get("sub_answers")
     gold, answers = [], [norm_name(a) for a in answers or []]
-    for t, i in enumerate(ids):
+    for t, i in [(t, i) for t, i in enumerate(ids) if i in docs]:  # hop t's passage, if the corpus holds it
         sentences = re.split(r"(?<=[.!?])\s+", docs[i]["text"])
         hits = [s for s in sentences if t < len(answers) and f" {answers[t]} " in f" {norm_name(s)} "]
         # simplification: the sentence holding the hop's sub-answer stands in for annotated facts (header item 8)
@@ -551,7 +561,7 @@ def rejection_type(r, c, single_hop, eps=1e-9):
 
 def build_pairs(rewards, single_hop):
     """[(chosen, rejected, type)] indices for one question's sampled paths [§4.3.2]: the chosen in descending total
-    reward, each matched by a forward-only walk over all paths in ascending total reward (spec §5.4)."""
+    reward, each matched by a forward-only walk over all paths in ascending total reward [§4.3.2]."""
     chosen = sorted((i for i, r in enumerate(rewards) if is_chosen(r, single_hop)), key=lambda i: -sum(rewards[i]))
     ranked = sorted(range(len(rewards)), key=lambda i: sum(rewards[i]))  # stable: ties by sample index
     pairs, ptr = [], 0
@@ -588,6 +598,10 @@ class ReasoningPath:
     def append(self, ids, text, trained):
         self.ids, self.mask, self.text = self.ids + list(ids), self.mask + [int(trained)] * len(ids), self.text + text
 
+    def sequence(self):
+        """(ids, loss_mask) of the prompt and the path, what DPO trains on."""
+        return self.prompt + self.ids, [0] * len(self.prompt) + self.mask
+
 
 def add_format_tokens(model, tokenizer):
     """<Reference> and </Reference> as single tokens [Fig. 4], and any format word the tokenizer cannot read (a
@@ -611,9 +625,12 @@ def encode_prompts(tokenizer, questions, templates):
 
 
 def cut_step(ids, tokenizer):
-    """At the step cap: the new turn's ids and text up to the 6th step header (spec §3.2)."""
+    """At the step cap [§5.1.3: k <= 5]: the new turn's ids and text before the step header that opens a 6th step, its
+    last "Step i:" (before its <Reference> when no header is there); ours."""
     decode = lambda part: tokenizer.decode(part, skip_special_tokens=True)
-    cut = next((j - 1 for j in range(1, len(ids) + 1) if STEP_WORD.search(decode(ids[:j]))), len(ids))
+    text = decode(ids)
+    end = ([m.start() for m in STEP_START.finditer(text)] or [text.rfind(REF_OPEN)])[-1]
+    cut = next((j - 1 for j in range(1, len(ids) + 1) if len(decode(ids[:j])) > end), len(ids))
     return ids[:cut], decode(ids[:cut])
 
 
@@ -674,17 +691,17 @@ def sft_steps(row, system, rng):
         # simplification: the decomposition's subquery as written, placeholders #k filled (header item 3)
         sub = re.sub(r"#(\d+)", lambda m: answers[int(m[1]) - 1] if int(m[1]) <= len(answers) else m[0], sub)
         ends = lambda t: (norm_name(t["head"]), norm_name(t["tail"]))
-        support = [t for t in system.kg.by_doc[str(doc)] if norm_name(answer) in ends(t)]  # (1) those that answer
+        # simplification: (1) the passage's triplets that hold the answer, not an LLM's choice (header item 12)
+        support = [t for t in system.kg.by_doc[str(doc)] if norm_name(answer) in ends(t)]
         names = [v for t in support for v in (t["head"], t["tail"]) if norm_name(v) in norm_name(sub)]
-        entities = list(dict.fromkeys(names))  # (2) the ones the subquery names (spec §9.27)
+        # simplification: (2) of their entities, those the subquery names, as Tab. 11 and Eq. 8 want (header item 13)
+        entities = list(dict.fromkeys(names))
         if not support or not entities:
             return None
         context, gold = [system.chunk(doc)], {("chunk", str(doc))} | {("triplet", t["id"]) for t in support}
         others = system.retrieve([sub], [entities])[0] if system.args.sft_distractors else []
         others = [it for it in others if (it["kind"], it["id"]) not in gold][: system.args.sft_distractors]
-        for t in (
-            support + others
-        ):  # (4) the golden paragraph, the evidence triplets (and distractors) at random places
+        for t in support + others:  # (4) the golden paragraph, triplets (and distractors) at random places
             context.insert(rng.randint(0, len(context)), t)
         facts = " and ".join(item_text(t) for t in support)
         # simplification: --sft_summaries < 3 narrows the "diverse templates" (header item 10)
@@ -748,21 +765,23 @@ def dpo_loss(pi_chosen, pi_rejected, ref_chosen, ref_rejected, beta):
     return -F.logsigmoid(margin), margin
 
 
-def sft_nll(logp_sums, counts):
-    """Token-mean NLL over the unmasked tokens [Eq. 4, 15] (a mean, spec §9.16, so that eta weighs like a mean)."""
-    return -logp_sums.sum() / counts.sum().clamp(min=1)
+def sft_nll(logp_sums, n_tokens):
+    """L_SFT [Eq. 15] of chosen paths: minus their summed log-probs over `n_tokens`, the loss tokens of the whole
+    batch, so that the micro-batches of every process add up to the batch's token mean, whatever their number."""
+    # simplification: a token mean, not Eq. 15's sum per path, so that eta weighs it like a mean (header item 11)
+    return -logp_sums.sum() / n_tokens
 
 
 # --------------------------------------------------------------------------- 9. SFT and IP-DPO training
 def linear(steps):
-    """Linear decay to 0 without warm-up (spec [R]; the paper gives no schedule)."""
+    """Linear decay to 0 without warm-up (ours; the paper gives no schedule)."""
     return lambda s: max(0.0, 1 - s / max(steps, 1))
 
 
 def sft(accelerator, model, tokenizer, examples, args, world):
     """Masked next-token loss on the SFT paths [Eq. 4]; AdamW, lr 5e-4, batch 128, weight decay 0.001 [§5.1.3]."""
     rng = random.Random(args.seed)
-    steps = args.sft_steps or math.ceil(len(examples) / args.sft_batch_size)  # [§5.1.3] one epoch
+    steps = args.sft_steps or math.ceil(len(examples) / args.sft_batch_size)  # [§5.1.3] one epoch, a short last batch
     optimizer = torch.optim.AdamW(model.parameters(), lr=args.sft_lr, weight_decay=args.weight_decay)
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, linear(steps))
     model, optimizer = accelerator.prepare(model, optimizer)
@@ -770,18 +789,18 @@ def sft(accelerator, model, tokenizer, examples, args, world):
     order, losses, mb = [], [], args.micro_batch_size
     bar = tqdm(range(steps), desc="SFT", disable=not accelerator.is_local_main_process)
     for _ in bar:
-        if len(order) < args.sft_batch_size:
+        if not order or (len(order) < args.sft_batch_size and args.sft_steps):
             order += rng.sample(range(len(examples)), len(examples))
         batch, order = order[: args.sft_batch_size], order[args.sft_batch_size :]
-        own = batch[accelerator.process_index :: accelerator.num_processes]  # same order on every process, own share
+        own, weight = runs.own_share(batch, accelerator)  # the same order on every process, its share
         seqs = [sft_sequence(examples[i], tokenizer, args, rng, world) for i in own]
         ids = right_pad([x for x, _ in seqs], tokenizer.pad_token_id)  # (B, T)
-        labels = right_pad(
-            [[t if m else -100 for t, m in zip(x, mask)] for x, mask in seqs], -100
-        )  # loss_mask 0: -100
+        labels = right_pad([[t if m else -100 for t, m in zip(x, mask)] for x, mask in seqs], -100)  # mask 0: -100
         attention = right_pad([[1] * len(x) for x, _ in seqs], 0)  # (B, T)
-        # token mean over the batch [Eq. 4], in micro-batches; no gradient clipping (the paper states none)
-        losses.append(runs.sft_step(accelerator, model, optimizer, scheduler, ids, labels, attention, mb, math.inf))
+        # [Eq. 4] in micro-batches, no gradient clipping (the paper states none); simplification: the token mean over
+        # the batch, not a sum (header item 11)
+        loss = runs.sft_step(accelerator, model, optimizer, scheduler, ids, labels, attention, mb, math.inf, weight)
+        losses.append(loss)
         bar.set_postfix(loss=f"{sum(losses[-20:]) / len(losses[-20:]):.3f}")
     return accelerator.unwrap_model(model), steps
 
@@ -792,9 +811,8 @@ def sample_round(model, tokenizer, system, rows, args, seed, name):
     model.eval()
     bar = tqdm(range(0, len(rows), args.rollout_batch), desc=name, disable=not PartialState().is_local_main_process)
     for i in bar:
-        batch = rollout(
-            model, tokenizer, system, rows[i : i + args.rollout_batch], args, args.n_rollouts, False, seed + i
-        )
+        part = rows[i : i + args.rollout_batch]
+        batch = rollout(model, tokenizer, system, part, args, args.n_rollouts, False, seed + i)
         for q in range(0, len(batch), args.n_rollouts):
             group = batch[q : q + args.n_rollouts]
             evidence = golden_evidence(group[0].row, system.docs, args.evidence)
@@ -809,47 +827,59 @@ def sample_round(model, tokenizer, system, rows, args, seed, name):
 
 
 def dpo_round(accelerator, model, tokenizer, pairs, eta, epochs, args, rng):
-    """DPO [Eq. 16] + eta SFT on the chosen paths [Eq. 15, 17], the model at the round's start as the reference."""
+    """DPO [Eq. 16] + eta SFT on the chosen paths [Eq. 15, 17], the model at the round's start as the reference, on
+    `pairs` ((ids, loss_mask) chosen, (ids, loss_mask) rejected) that every process holds, dpo_batch_size a step."""
     device, pad, mb = model.device, tokenizer.pad_token_id, args.micro_batch_size
-    seq = lambda p: (p.prompt + p.ids, [0] * len(p.prompt) + p.mask)
-    logps = lambda part: sequence_logps(model, [seq(p) for pair in part for p in pair], pad, device)[0].view(-1, 2)
+    logps = lambda part: sequence_logps(model, [s for pair in part for s in pair], pad, device)[0].view(-1, 2).tolist()
+    in_micro_batches = lambda part: [r for i in range(0, len(part), mb) for r in logps(part[i : i + mb])]
     model.eval()
-    with torch.no_grad():  # the reference Theta_{p-1}: the model that sampled this round's paths [Eq. 16]
-        ref = torch.cat(
-            [logps(pairs[i : i + mb]) for i in range(0, len(pairs), mb)] + [torch.zeros(0, 2, device=device)]
-        )
+    with torch.no_grad():  # the reference Theta_{p-1}, the model that sampled the round [Eq. 16], over the processes
+        ref = torch.tensor(runs.map_shared(in_micro_batches, pairs), device=device).view(-1, 2)  # (n_pairs, 2)
     optimizer = torch.optim.AdamW(model.parameters(), lr=args.dpo_lr, weight_decay=args.weight_decay)
-    per_process = max(1, args.dpo_batch_size // accelerator.num_processes)  # each process trains on its own pairs
-    n_steps = epochs * math.ceil(len(pairs) / per_process)
+    n_steps = epochs * math.ceil(len(pairs) / args.dpo_batch_size)
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, linear(n_steps))
     model, optimizer = accelerator.prepare(model, optimizer)
     model.train()
     stats = defaultdict(list)
     for _ in range(epochs):
-        order = rng.sample(range(len(pairs)), len(pairs))
-        for b in range(0, len(order), per_process):
-            batch = order[b : b + per_process]
+        order = rng.sample(range(len(pairs)), len(pairs))  # the same on every process
+        for b in range(0, len(order), args.dpo_batch_size):
             optimizer.zero_grad()
-            for m in range(0, len(batch), mb):
-                part = batch[m : m + mb]
-                seqs = [seq(pairs[i][0]) for i in part] + [seq(pairs[i][1]) for i in part]  # chosen, then rejected
-                logp, count = sequence_logps(model, seqs, pad, device)  # (2b,) each
-                (pi_c, pi_r), n_c = logp.chunk(2), count.chunk(2)[0]
-                l_dpo, margin = dpo_loss(pi_c, pi_r, ref[part, 0], ref[part, 1], args.beta)
-                l_sft = sft_nll(pi_c, n_c)
-                accelerator.backward((eta * l_sft + l_dpo.mean()) * len(part) / len(batch))  # L_ALL [Eq. 17]
-                for name, value in (("dpo", l_dpo.mean()), ("sft", l_sft), ("margin", margin.mean())):
-                    stats[f"losses/{name}"].append(value.item())
-                stats["losses/accuracy"].append((margin > 0).float().mean().item())
+            batch = order[b : b + args.dpo_batch_size]
+            for name, value in dpo_backward(accelerator, model, pairs, ref, batch, eta, args, pad).items():
+                stats[f"losses/{name}"].append(value)
             optimizer.step()
             scheduler.step()
     return accelerator.unwrap_model(model), {k: sum(v) / len(v) for k, v in stats.items()}, n_steps
 
 
+def dpo_backward(accelerator, model, pairs, ref, batch, eta, args, pad):
+    """The gradient of L_ALL [Eq. 17] on `batch` (pair indices, the same on every process), and its losses: this
+    process's share in micro-batches, L_DPO the mean over the batch's pairs and L_SFT over its chosen tokens, so that
+    any micro-batch size and process count give the batch's gradient (DDP averages over processes: hence the N)."""
+    own, weight = runs.own_share(batch, accelerator)
+    n_tokens = max(sum(sum(pairs[i][0][1][1:]) for i in batch), 1)  # the chosen paths' loss tokens, as sequence_logps
+    sums = torch.zeros(4, device=accelerator.device)  # L_DPO, -log p of the chosen, margin, margin > 0 over own pairs
+
+    def loss_of(rows):
+        part = own[rows]
+        seqs = [pairs[i][0] for i in part] + [pairs[i][1] for i in part]  # chosen, then rejected
+        pi_c, pi_r = sequence_logps(model, seqs, pad, accelerator.device)[0].chunk(2)  # (b,) each
+        l_dpo, margin = dpo_loss(pi_c, pi_r, ref[part, 0], ref[part, 1], args.beta)
+        sums.add_(weight * torch.stack([l_dpo.sum(), -pi_c.sum(), margin.sum(), (margin > 0).float().sum()]).detach())
+        return (eta * sft_nll(pi_c, n_tokens) + l_dpo.sum() / len(batch)) * accelerator.num_processes * weight
+
+    runs.micro_backward(accelerator, model, len(own), args.micro_batch_size, loss_of)
+    dpo, nll, margin, right = (runs.global_sum(accelerator, sums) / len(batch)).tolist()  # per pair
+    sft = nll * len(batch) / n_tokens  # per chosen token
+    return {"dpo": dpo, "sft": sft, "all": eta * sft + dpo, "margin": margin, "accuracy": right}
+
+
 # --------------------------------------------------------------------------- 10. evaluation [§5.1.1, §5.3.2]
 def path_record(p):
     """What one greedy path scored and cost, tokens counted as the paper counts them [§5.3.2]."""
-    golds, k, thinking = p.row["golden_answers"], len(p.contexts), len(p.ids) - p.retrieved
+    golds, k = p.row["golden_answers"], len(p.contexts)
+    thinking = sum(p.mask)  # the model's own tokens (loss_mask 1), not the environment's forced "Final answer:"
     supporting = {str(i) for i in (p.row.get("metadata") or {}).get("supporting_doc_ids") or []}
     seen = {it["doc_id"] for ctx in p.contexts for it in ctx}
     record = answer_scores(p.answer, golds)  # FlashRAG's EM and F1 (the paper's metrics) and sub-EM
@@ -928,7 +958,7 @@ def round_stats(rnd, paths, kinds, pairs, seconds):
     for i, name in enumerate(("format", "outcome", "process")):
         stats[f"rollout/{name}"] = mean([p.rewards[i] for p in paths])
     stats["rollout/steps"] = mean([len(p.contexts) for p in paths])
-    stats["rollout/thinking_tokens"] = mean([len(p.ids) - p.retrieved for p in paths])
+    stats["rollout/thinking_tokens"] = mean([sum(p.mask) for p in paths])
     return stats | {"charts/seconds": seconds}
 
 
@@ -963,7 +993,8 @@ def train(args):
         t0, seed = time.time(), args.seed * 100_003 + rnd * 7919 + accelerator.process_index
         with accelerator.autocast():
             paths, pairs, kinds = sample_round(model, tokenizer, system, shard, args, seed, f"round {rnd + 1}")
-        pairs = pairs[: min(gather_object([len(pairs)]))]  # every process takes the same number of steps
+        pairs = gather_object([(c.sequence(), r.sequence()) for c, r in pairs])  # every process: every pair, in order
+        kinds = sum(gather_object([kinds]), Counter())
         rng = random.Random(args.seed + rnd)
         model, stats, n_steps = dpo_round(accelerator, model, tokenizer, pairs, etas[rnd], epochs[rnd], args, rng)
         stats |= round_stats(rnd + 1, paths, kinds, len(pairs), time.time() - t0)

@@ -13,6 +13,7 @@ tests/test_paper_rehearsal.py compares the two files.
 
 import sys
 from pathlib import Path
+from types import SimpleNamespace
 
 import torch
 
@@ -92,7 +93,85 @@ def runs_map_shared(accelerator):
 
 # ------------------------------------------------------------------ sparkle
 
+
 # ------------------------------------------------------------------ tearag
+def tearag_model(seed=0):
+    """A tiny toy-lm with TeaRAG's format tokens (<Reference>, </Reference> single tokens)."""
+    import tearag as T
+
+    model, tokenizer = tiny_lm(seed)
+    T.add_format_tokens(model, tokenizer)
+    return model, tokenizer
+
+
+def tearag_sequences(tokenizer):
+    """Three SFT paths of unequal lengths in the paper's format (instruction as system turn) as tearag.sft_examples
+    writes them, and their (ids, loss_mask) as DPO trains on them."""
+    import tearag as T
+
+    block = lambda *facts: T.reference_block([{"kind": "triplet", "head": h, "relation": r, "tail": t}
+                                              for h, r, t in facts])  # fmt: skip
+    step = lambda i, entity, query, facts, answer: [
+        (T.step_header(i, [entity], query), True),
+        (block(*facts), False),
+        (f"Summary: The fact {' and '.join(map(' '.join, facts))} logically implies the answer: {answer}.\n", True),
+    ]
+    examples = [
+        ("what is the birth year of voben ?", step(1, "voben", "voben born", [("voben", "birth year", "1967")], "1967")
+         + [("Final answer: 1967", True)]),
+        ("in which country was dites born ?", step(1, "dites", "dites born", [("dites", "born in", "makux")], "makux")
+         + step(2, "makux", "makux city", [("makux", "country", "rusu"), ("rusu", "capital", "kovik")], "rusu")
+         + [("Final answer: rusu", True)]),
+        ("who is the director of sutisek ?", [("Final answer: fukix", True)]),
+    ]  # fmt: skip
+    args = SimpleNamespace(augment_p=0.0, templates="paper")
+    return examples, [T.sft_sequence(e, tokenizer, args, None, None) for e in examples]
+
+
+@stage("tearag:sft")
+def tearag_sft(accelerator, micro_batch_size=2):
+    """tearag.sft for one epoch of three paths at batch 2 (the paper's micro-batch 2): a full batch, then a short one
+    (process 1 gets no path: weight 0); the loss is what runs.sft_step reports."""
+    import tearag as T
+    from common import runs
+
+    model, tokenizer = tearag_model()
+    examples, _ = tearag_sequences(tokenizer)
+    args = SimpleNamespace(seed=0, sft_steps=0, sft_batch_size=2, sft_lr=1.0, weight_decay=0.0, augment_p=0.0,
+                           micro_batch_size=micro_batch_size, templates="paper")  # fmt: skip
+    before, losses, step = trained(model), [], runs.sft_step
+    adamw, torch.optim.AdamW = torch.optim.AdamW, lambda params, **kw: sgd(params)
+    runs.sft_step = lambda *a, **kw: losses.append(step(*a, **kw)) or losses[-1]
+    try:
+        model, steps = T.sft(accelerator, model, tokenizer, examples, args, None)
+    finally:
+        torch.optim.AdamW, runs.sft_step = adamw, step
+    assert steps == 2
+    return {"loss": sum(losses), "grad": before - trained(model)}
+
+
+@stage("tearag:dpo")
+def tearag_dpo(accelerator, micro_batch_size=2):
+    """tearag.dpo_round (eta 1, one epoch) on three pairs at dpo_batch_size 2: a full batch, then a short one; the
+    reference log-probs are the model's at the start, computed over both processes (runs.map_shared)."""
+    import random
+
+    import tearag as T
+
+    model, tokenizer = tearag_model(seed=1)
+    _, seqs = tearag_sequences(tokenizer)
+    pairs = [(seqs[0], seqs[1]), (seqs[1], seqs[2]), (seqs[2], seqs[0])]
+    args = SimpleNamespace(micro_batch_size=micro_batch_size, dpo_lr=1.0, weight_decay=0.0, dpo_batch_size=2, beta=0.5)
+    before = trained(model)
+    adamw, torch.optim.AdamW = torch.optim.AdamW, lambda params, **kw: sgd(params)
+    try:
+        model, stats, steps = T.dpo_round(accelerator, model, tokenizer, pairs, 1.0, 1, args, random.Random(0))
+    finally:
+        torch.optim.AdamW = adamw
+    assert steps == 2
+    return {"loss": stats["losses/all"], "dpo": stats["losses/dpo"], "sft": stats["losses/sft"],
+            "grad": before - trained(model)}  # fmt: skip
+
 
 # ------------------------------------------------------------------ sparcrag
 

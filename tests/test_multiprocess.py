@@ -52,6 +52,32 @@ def test_train_runs_in_two_processes_with_one_result(method, tmp_path):
         assert state["rng"][0]["own"] != state["rng"][1]["own"]
 
 
+def test_tearag_paper_preset_trains_in_two_processes_on_a_short_last_batch(tmp_path):
+    """tearag.py --preset paper (the instruction prompt, LoRA r 8, R = 8, epochs 2,2,1 cut to 1 round, micro-batch 2)
+    under two processes: 3 IP-DPO questions (shares 2 and 1), their pairs gathered on both, 2 pairs a step (the last
+    step 1 pair: process 1 runs a stand-in of weight 0). A random model writes no correct path, so each question's
+    first two paths make its pair (build_pairs is tested apart)."""
+    script = tmp_path / "tearag_paired.py"
+    script.write_text(
+        "import tearag\nfrom common import runs\n\n"
+        "tearag.build_pairs = lambda rewards, single_hop: [(0, 1, 'format')]\nruns.run_main(tearag.main)\n"
+    )
+    env = os.environ | {"HF_HUB_OFFLINE": "1", "OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT)}
+    launch = [sys.executable, "-m", "accelerate.commands.launch", "--num_processes", "2", "--mixed_precision", "no"]
+    launch += ["--multi_gpu", "--num_machines", "1", "--dynamo_backend", "no", "--main_process_port", free_port()]
+    flags = ["--train", "--preset", "paper", "--run_name", "paper", "--data_dir", str(ROOT / "data" / "toy"),
+             "--model", TINY_LM, "--encoder", "tfidf", "--reranker", "lexical", "--sft_steps", "2", "--sft_batch_size",
+             "3", "--n_dpo", "3", "--n_eval", "3", "--rounds", "1", "--eta", "1", "--dpo_epochs", "2",
+             "--dpo_batch_size", "2", "--rollout_batch", "2", "--max_new_tokens", "16"]  # fmt: skip
+    done = subprocess.run(launch + [str(script), *flags], cwd=tmp_path, capture_output=True, text=True, env=env,
+                          timeout=900)  # fmt: skip
+    assert done.returncode == 0, done.stderr[-3000:]
+    results = check_contract(tmp_path / "runs" / "paper", done.stdout)
+    assert results["preset"] == "paper" and results["train_steps"] == {"sft": 2, "dpo": 4}  # 2 epochs of 2 steps
+    assert results["rounds"][0]["pairs"] == 3 and results["args"]["micro_batch_size"] == 2
+    assert (tmp_path / "runs" / "paper" / "dpo" / "adapter_config.json").is_file()  # LoRA [§5.1.3]
+
+
 @pytest.mark.parametrize(
     "name, kind, processes, stage",
     [("multi_gpu", "MULTI_GPU", 8, None), ("multi_node", "MULTI_GPU", 16, None),

@@ -1,8 +1,9 @@
-"""TeaRAG: the KAG and PPR against the spec's worked graph, the rewards, pairs and DPO loss against hand-computed
+"""TeaRAG: the KAG and PPR against a worked graph (Fig. 4c), the rewards, pairs and DPO loss against hand-computed
 numbers, the parser and format check, the masks, the agent loop with a scripted LLM; then the CLI end to end."""
 
 import json
 import math
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -22,7 +23,7 @@ ROOT = Path(__file__).resolve().parents[1]
 WORLD = ROOT / "data" / "toy"
 
 
-# --------------------------------------------------------------------------- the KAG and PPR [spec §8.1-8.3, §8.12]
+# --------------------------------------------------------------------------- the KAG and PPR [§4.2.4-4.2.5, Eq. 1-3]
 def chunk(i, title, score):
     return {"kind": "chunk", "id": i, "doc_id": i, "title": title, "text": f"{title} text", "score": score}
 
@@ -32,7 +33,7 @@ def triplet(i, head, rel, tail, doc, score):
 
 
 def citibank(d2_score=0.0, e1_doc="d1"):
-    """The spec's §8.2 graph (Fig. 4c): subquery "In what year was Citibank founded?", key entity Citibank."""
+    """A graph after Fig. 4c: subquery "In what year was Citibank founded?", key entity Citibank."""
     chunks = [chunk("d1", "Citibank", 3.0), chunk("d2", "Citigroup", d2_score)]
     triplets = [triplet("e1", "Citibank", "founded in", "1812", e1_doc, 2.0),
                 triplet("e2", "Citibank (China)", "founded on", "1 April 2007", "dx", -1.0)]  # fmt: skip
@@ -41,12 +42,11 @@ def citibank(d2_score=0.0, e1_doc="d1"):
 
 def ppr_of(entities, chunks, triplets, alpha=0.5, p_scale=1.0, n_iter=200):
     nodes, adjacency = T.build_kag(entities, chunks, triplets, tau=0.2)
-    seeds = {("V", T.norm_name(v)) for v in entities}
-    p = p_scale * np.array([1.0 if n == ("Q",) else 0.5 if n in seeds else 0.0 for n in nodes])
+    p = p_scale * T.personalization(nodes, entities)
     return nodes, adjacency, T.personalized_pagerank(adjacency, p, alpha, n_iter)
 
 
-def test_kag_of_the_worked_graph_has_the_spec_edges_and_weights():
+def test_kag_of_the_worked_graph_has_its_edges_and_weights():
     nodes, adjacency = T.build_kag(["Citibank"], *citibank(), tau=0.2)
     index = {n: i for i, n in enumerate(nodes)}
     assert len(nodes) == 10 and np.count_nonzero(np.triu(adjacency)) == 14
@@ -66,7 +66,7 @@ def test_kag_of_the_worked_graph_has_the_spec_edges_and_weights():
 
 
 def test_triplet_below_tau_has_no_subquery_edge_but_keeps_its_co_occurrence_edges():
-    assert T.sigmoid(-1.5) - 0.2 < 0  # the §8.1 row: weight max(sigmoid(-1.5) - 0.2, 0) = 0
+    assert T.sigmoid(-1.5) - 0.2 < 0  # weight max(sigmoid(-1.5) - 0.2, 0) = 0 [Eq. 2]
     chunks, triplets = citibank()
     triplets[0]["score"] = -1.5
     nodes, adjacency = T.build_kag(["Citibank"], chunks, triplets, tau=0.2)
@@ -76,7 +76,7 @@ def test_triplet_below_tau_has_no_subquery_edge_but_keeps_its_co_occurrence_edge
     assert adjacency[e1, index[("D", "d1")]] == adjacency[e1, index[("V", "1812")]] == 1.0
 
 
-def test_ppr_on_the_worked_graph_matches_the_spec_values():
+def test_ppr_on_the_worked_graph_matches_hand_computed_values():
     chunks, triplets = citibank()
     nodes, adjacency, pi = ppr_of(["Citibank"], chunks, triplets)
     expected = {("Q",): 0.370587, ("V", "citibank"): 0.213326, ("D", "d1"): 0.144128, ("T", "e1"): 0.122811,
@@ -118,13 +118,35 @@ def test_co_occurrence_and_the_entity_seed_beat_raw_similarity():
     )
 
 
-def test_ppr_on_a_star_graph_ranks_by_relevance_weight():
+@pytest.mark.parametrize("alpha,expected", [(0.5, [2 / 3, 0.1875, 0.104167, 0.041667]),
+                                            (0.2, [0.833333, 0.09375, 0.052083, 0.020833]),
+                                            (0.8, [0.555556, 0.25, 0.138889, 0.055556])])  # fmt: skip
+def test_ppr_on_a_star_graph_ranks_by_relevance_weight(alpha, expected):
+    """pi = alpha W pi + (1 - alpha) p on a star around the subquery: pi_Q = 1 / (1 + alpha), a chunk of relevance
+    weight w_i alpha / (1 + alpha) w_i / sum w (alpha and 1 - alpha swapped in Eq. 3 give other values off 0.5)."""
     chunks = [chunk(f"c{i}", "", float(np.log(w / (1 - w)))) for i, w in enumerate([0.9, 0.5, 0.2])]
-    _, _, pi = ppr_of([], chunks, [])
-    assert np.allclose(pi, [2 / 3, 0.1875, 0.104167, 0.041667], atol=1e-6)  # 1/(1+a), a/(1+a) w_i / sum w
+    _, _, pi = ppr_of([], chunks, [], alpha=alpha)
+    assert np.allclose(pi, expected, atol=1e-6)
 
 
-# --------------------------------------------------------------------------- rewards [spec §8.4-8.7]
+def test_select_seeds_the_ppr_with_the_subquery_and_the_key_entities(monkeypatch):
+    """p of Eq. 3 [§4.2.5]: 1 on the subquery node, 0.5 on each key entity's node, 0 elsewhere, as select hands it to
+    the PPR; its context is the top k_f chunk/triplet nodes of the worked graph."""
+    nodes = [("Q",), ("V", "citibank"), ("D", "d1"), ("V", "citigroup"), ("T", "e1"), ("V", "1812")]
+    assert T.personalization(nodes, ["Citibank ", "nobody"]).tolist() == [1.0, 0.5, 0.0, 0.0, 0.0, 0.0]
+    assert T.personalization(nodes, ["Citibank", "1812"]).tolist() == [1.0, 0.5, 0.0, 0.0, 0.0, 0.5]
+    seen, ppr = [], T.personalized_pagerank
+    monkeypatch.setattr(T, "personalized_pagerank", lambda adjacency, p, *a: seen.append(p) or ppr(adjacency, p, *a))
+    system = T.RetrievalSystem.__new__(T.RetrievalSystem)  # select needs only the flags
+    system.args = SimpleNamespace(retrieval="ppr", tau=0.2, alpha=0.5, ppr_iterations=200, k_f=3)
+    chunks, triplets = citibank()
+    assert [it["id"] for it in system.select(["Citibank"], chunks, triplets)] == ["d1", "e1", "d2"]
+    kag_nodes = T.build_kag(["Citibank"], chunks, triplets, 0.2)[0]
+    assert dict(zip(kag_nodes, seen[0])) == {n: 1.0 if n == ("Q",) else 0.5 if n == ("V", "citibank") else 0.0
+                                             for n in kag_nodes}  # fmt: skip
+
+
+# --------------------------------------------------------------------------- rewards [Eq. 5-13]
 @pytest.mark.parametrize(
     "answer,gold,f1",
     [
@@ -145,6 +167,7 @@ def test_cover_exact_match_and_consistency():
     assert not T.cover_exact_match(["Carl Friedrich Otto Westphal"], "Where did Carl Westphal die?")
     assert not T.cover_exact_match([], "anything")
     assert T.cover_exact_match(["A", "b c"], "about a and  B C") == 1.0
+    assert T.cover_exact_match(["A", "Z"], "about a and b") == 0.0  # every key entity [Eq. 8], not any
 
 
 SIM_Q, SIM_S = np.array([[0.9, 0.3], [0.2, 0.7]]), np.array([[0.8, 0.1], [0.2, 0.9]])
@@ -205,7 +228,7 @@ def test_single_hop_rule_scales_the_outcome_by_the_step_count(k, f1, fmt, role):
     assert T.rejection_type(r, best, single_hop=True) == (role if role != "chosen" else None)
 
 
-# --------------------------------------------------------------------------- pairs [spec §8.6, §8.8]
+# --------------------------------------------------------------------------- pairs [Eq. 14, §4.3.2]
 def test_pairs_of_the_first_worked_example():
     rewards = [
         (1, 1.0, 0.90),
@@ -243,7 +266,7 @@ def test_hard_rejection_needs_a_lower_outcome_and_process_and_is_not_for_single_
     assert T.rejection_type((1, 0.7, 0.8), chosen, False) == "hard"  # both bounds inclusive (1e-9 tolerance)
 
 
-# --------------------------------------------------------------------------- losses [spec §8.9-8.10]
+# --------------------------------------------------------------------------- losses [Eq. 4, 15-17]
 def test_dpo_loss_on_known_log_probs():
     pi = torch.tensor([-10.0], requires_grad=True)
     loss, margin = T.dpo_loss(pi, torch.tensor([-12.0]), torch.tensor([-11.0]), torch.tensor([-11.5]), beta=0.5)
@@ -253,10 +276,46 @@ def test_dpo_loss_on_known_log_probs():
     same = T.dpo_loss(torch.tensor([-3.0, -7.0]), torch.tensor([-5.0, -1.0]), torch.tensor([-3.0, -7.0]),
                       torch.tensor([-5.0, -1.0]), 0.5)[0]  # fmt: skip
     assert torch.allclose(same, torch.full((2,), math.log(2)))
-    sft = T.sft_nll(torch.tensor([-6.0, -4.0]), torch.tensor([3.0, 2.0]))
+    sft = T.sft_nll(torch.tensor([-6.0, -4.0]), 5)
     assert sft.item() == pytest.approx(2.0)  # token mean: 10 / 5
     for eta, total in ((1, 2.386871), (0.5, 1.386871), (0.25, 0.886871)):  # L_ALL [Eq. 17]
         assert eta * sft.item() + loss.item() == pytest.approx(total, abs=1e-6)
+
+
+class Unigram(torch.nn.Module):
+    """A stand-in LM whose next-token distribution is softmax(bias) at every position, whatever it reads."""
+
+    def __init__(self, probs):
+        super().__init__()
+        self.bias = torch.nn.Parameter(torch.tensor(probs).log())
+
+    def forward(self, input_ids, attention_mask=None):
+        return SimpleNamespace(logits=self.bias.expand(*input_ids.shape, -1))
+
+
+@pytest.mark.parametrize("micro_batch_size", [4, 2, 1])
+def test_ip_dpo_objective_and_gradient_are_the_same_for_any_micro_batch_size(micro_batch_size):
+    """L_ALL [Eq. 17] on four pairs whose chosen paths have (sum log p, tokens) = (-10, 10), (-10, 10), (-50, 100),
+    (-50, 100): L_SFT = 120 / 220 over the batch's chosen tokens at every micro-batch size (a token mean per
+    micro-batch gave 0.75 at 2), L_DPO = log 2 at the reference, and the gradient in closed form."""
+    from accelerate import Accelerator
+
+    probs = [math.exp(-1), math.exp(-0.5), 1 - math.exp(-1) - math.exp(-0.5)]  # token 0 costs 1 nat, token 1 0.5
+    short, long, rejected = ([2] + [0] * 10, [0] + [1] * 10), ([2] + [1] * 100, [0] + [1] * 100), ([2, 2], [0, 1])
+    pairs = [(short, rejected), (short, rejected), (long, rejected), (long, rejected)]
+    model = Unigram(probs)
+    with torch.no_grad():  # the reference: the model itself (margin 0)
+        ref = torch.stack([T.sequence_logps(model, list(pair), 2, "cpu")[0] for pair in pairs])
+    assert ref[:, 0].tolist() == pytest.approx([-10, -10, -50, -50])
+    args = SimpleNamespace(beta=0.5, micro_batch_size=micro_batch_size)
+    stats = T.dpo_backward(Accelerator(cpu=True), model, pairs, ref, [0, 1, 2, 3], 1.0, args, 2)
+    assert stats["sft"] == pytest.approx(120 / 220) and stats["dpo"] == pytest.approx(math.log(2))
+    assert stats["all"] == pytest.approx(120 / 220 + math.log(2)) and stats["margin"] == 0.0
+    # d/d bias of sum log p = counts - n p; L_SFT: -(chosen counts - 220 p) / 220; L_DPO: -sigmoid(0) beta times the
+    # mean over pairs of (chosen counts - n p) - (rejected counts - p) = ([5, 50, 0] - 55 p) - ([0, 0, 1] - p)
+    p = torch.tensor(probs)
+    expected = (p - torch.tensor([20.0, 200, 0]) / 220) - 0.25 * (torch.tensor([5.0, 50, -1]) - 54 * p)
+    assert torch.allclose(model.bias.grad, expected, atol=1e-5)
 
 
 @pytest.fixture(scope="module")
@@ -313,7 +372,7 @@ def test_sft_mask_is_zero_exactly_on_the_prompt_and_the_reference_blocks(toy):
     assert sum(mask2) == sum(mask)  # other evidence: the same trained tokens
 
 
-# --------------------------------------------------------------------------- parsing and the format check [spec §8.11]
+# --------------------------------------------------------------------------- parsing, the format check [§4.2, Eq. 6]
 GOOD = (
     "Step 1:\nImportant entity: A\nSubquery: who is A ?\n<Reference>\nEvidence 1: Triplet: A r B\n</Reference>\n"
     "Summary: A r B.\nStep 2:\nImportant entity: B; C\nSubquery: B and C ?\n<Reference>\nEvidence 1: x\n</Reference>\n"
@@ -421,9 +480,8 @@ def test_rollout_never_retrieves_a_sixth_time_and_forces_the_answer(toy, monkeyp
     def script(prompt, n):
         if n == 6:
             return "1967"
-        return (
-            "Summary: more . " if n else ""
-        ) + f"Step {n + 1}: Important entity: voben Subquery: voben born <Reference>"
+        summary = "Summary: the last step found voben . " if n else ""
+        return summary + f"Step {n + 1}: Important entity: voben Subquery: voben born <Reference>"
 
     calls = []
     monkeypatch.setattr(T, "generate", scripted_generate(tokenizer, script, calls))
@@ -433,8 +491,34 @@ def test_rollout_never_retrieves_a_sixth_time_and_forces_the_answer(toy, monkeyp
     assert len(system.calls) == 5 and len(p.contexts) == 5
     assert p.answer == "1967" and not p.format_ok and p.forced
     assert "step 6" not in p.text.lower() and p.text.rstrip().endswith("1967")
+    assert p.steps[-1]["summary"] == "the last step found voben ."  # the 6th header cut, the 5th summary whole
     forced = tokenizer("\nFinal answer:", add_special_tokens=False)["input_ids"]
     assert p.mask[-len(forced) - 2 : -2] == [0] * len(forced)  # written by the environment
+
+
+def test_cut_step_cuts_before_the_sixth_step_header_not_at_the_word_step(toy):
+    _, tokenizer = toy
+    turn = "Summary: voben was born in 1967 ; the last step found makux . Step 6: Important entity: makux "
+    ids = tokenizer(turn + "Subquery: makux city <Reference>", add_special_tokens=False)["input_ids"]
+    kept, text = T.cut_step(ids, tokenizer)
+    assert text == "summary : voben was born in 1967 ; the last step found makux ." and ids[: len(kept)] == kept
+    no_header = tokenizer("Summary: voben . Subquery: makux city <Reference>", add_special_tokens=False)["input_ids"]
+    assert T.cut_step(no_header, tokenizer)[1] == "summary : voben . subquery : makux city"  # before its <Reference>
+
+
+def test_a_forced_answer_is_not_counted_as_thinking_tokens(toy, monkeypatch):
+    """At the cap the environment writes "Final answer:" (loss_mask 0): thinking tokens are the model's [§5.3.2]."""
+    model, tokenizer = toy
+    script = lambda prompt, n: (
+        "1967" if n == 6 else f"Step {n + 1}: Important entity: voben Subquery: voben born <Reference>"
+    )
+    monkeypatch.setattr(T, "generate", scripted_generate(tokenizer, script, []))
+    row = {"question": "what is the birth year of voben ?", "golden_answers": ["1967"]}
+    p = T.rollout(model, tokenizer, ScriptedSystem(), [row], loop_args(), greedy=True)[0]
+    forced = len(tokenizer("\nFinal answer:", add_special_tokens=False)["input_ids"])
+    record = T.path_record(p)
+    assert p.forced and record["thinking_tokens"] == record["generated_tokens"] == sum(p.mask)
+    assert record["thinking_tokens"] == len(p.ids) - p.retrieved - forced and record["total_tokens"] == len(p.ids)
 
 
 def test_rollout_ends_a_path_whose_header_does_not_parse(toy, monkeypatch):
@@ -500,12 +584,22 @@ def test_golden_evidence_is_the_supporting_passage_or_the_sentence_holding_the_s
     assert logits == pytest.approx([4.0, 8 * 2 * (d + b + m) / (2 * (d + b + m) + y) - 4])
 
 
+def test_golden_evidence_keeps_each_hop_with_its_own_sub_answer_when_a_passage_is_missing():
+    docs = {"1": {"title": "makux", "text": "voben was born in makux . makux is a city in rusu ."},
+            "2": {"title": "rusu", "text": "rusu is a country . the capital of rusu is kovik ."}}  # fmt: skip
+    meta = {"hops": 3, "supporting_doc_ids": ["0", "1", "2"], "sub_answers": ["makux", "rusu", "kovik"]}
+    # hop 1's passage "0" is not in the corpus: doc 1 is hop 2's (sub-answer rusu), doc 2 hop 3's (kovik)
+    assert T.golden_evidence({"metadata": meta}, docs, "sentence") == ["makux is a city in rusu .",
+                                                                       "the capital of rusu is kovik ."]  # fmt: skip
+    assert T.golden_evidence({"metadata": meta}, docs) == [T.item_text(docs["1"]), T.item_text(docs["2"])]
+
+
 def item_ends(item):
     return (item["head"], item["tail"])
 
 
 def test_sft_paths_follow_the_decomposition(system):
-    """(1)-(5) of §4.3.1; with the toy preset's 3 retrieved distractors per context (spec §9.26)."""
+    """(1)-(5) of §4.3.1; with the toy preset's 3 retrieved distractors per context (ours)."""
     rows = [json.loads(line) for line in (WORLD / "train.jsonl").open()][:40]
     row = next(r for r in rows if r["metadata"]["type"] == "two_hop" and r["metadata"]["answerable"])
     steps = T.sft_steps(row, system, __import__("random").Random(0))
@@ -563,6 +657,22 @@ def test_sft_summaries_come_from_the_first_n_templates(system, monkeypatch):
         used[n] = {opening(s["summary"]) for s in steps}
         assert len(steps) >= 30
     assert used == {3: {0, 1, 2}, 1: {0}}
+
+
+# --------------------------------------------------------------------------- departures from the paper, marked
+def test_every_departure_is_listed_in_the_header_and_marked_where_it_lives():
+    """Each numbered header item is cited by a `(header item N)` mark, and every mark names a listed item; among them
+    the token-mean SFT losses (Eq. 4, 15 sum), the rule-chosen supporting triplets and the entities the subquery names
+    (§4.3.1: an LLM's choice, all their entities), passage evidence for HotpotQA, the toy's compact template."""
+    source = (ROOT / "tearag.py").read_text()
+    items = dict(re.findall(r"^(\d+)\. (.*)$", T.__doc__, re.M))
+    marks = set(re.findall(r"\(header item (\d+)\)", source))
+    assert marks == set(items), (sorted(marks), sorted(items))
+    header = " ".join(items.values())
+    for needle in ("token means", "Eq. 4/15's sums", "Qwen2.5-72B", "that the subquery names", "evidence sentences",
+                   "compact template"):  # fmt: skip
+        assert needle in header, needle
+    assert not re.search(r"spec\s*§|spec \[R\]|the spec's", source)  # users have the paper, not the spec
 
 
 # --------------------------------------------------------------------------- the CLI end to end (tier 1)
