@@ -11,6 +11,7 @@ change of the trained weights under plain SGD at learning rate 1). The main proc
 tests/test_paper_rehearsal.py compares the two files.
 """
 
+import contextlib
 import sys
 from dataclasses import replace
 from pathlib import Path
@@ -88,22 +89,31 @@ def runs_map_shared(accelerator):
 
 
 # ------------------------------------------------------------------ smartrag
-def smartrag_setting(accelerator, **kw):
-    """smartrag's paper preset on the toy world (tfidf, the oracle rewriter, the toy reader as the base model), its
-    clipping switched off for the stage (a clipped gradient would hide a wrong scale); kw override flags."""
+def smartrag_setting(**kw):
+    """smartrag's paper preset on the toy world (tfidf, the oracle rewriter, the toy reader as the base model); kw
+    override flags."""
     import smartrag
 
     world = str(Path(__file__).resolve().parents[1] / "data" / "toy")
     flags = dict(preset="paper", train=True, data_dir=world, encoder="tfidf", rewriter="oracle", base_llm="toy")
-    accelerator.clip_grad_norm_ = lambda *args, **kwargs: None
     return smartrag, smartrag.apply_preset(smartrag.Args(**flags | kw))
+
+
+@contextlib.contextmanager
+def unclipped(accelerator):
+    """The accelerator's gradient clipping switched off for a stage: a clipped gradient would hide a wrong scale."""
+    accelerator.clip_grad_norm_ = lambda *args, **kwargs: None
+    try:
+        yield
+    finally:
+        del accelerator.clip_grad_norm_  # the class's method again
 
 
 @stage("smartrag:sft")
 def smartrag_sft(accelerator, micro_batch_size=2):
     """smartrag.sft, one step on three warm-up pairs of unequal target lengths (process 0 holds two rows, process 1
     one), then one step on a batch of one (process 1: the stand-in of weight 0). AdamW swapped for plain SGD."""
-    smartrag, args = smartrag_setting(accelerator, micro_batch_size=micro_batch_size, lora_r=0)
+    smartrag, args = smartrag_setting(micro_batch_size=micro_batch_size, lora_r=0)
     model, tokenizer = tiny_lm()
     tags = smartrag.add_tags(model, tokenizer)
     pair = lambda question, tag, text: dict(question=question, observations=[], tag=tag, text=text, popular=False,
@@ -117,7 +127,8 @@ def smartrag_sft(accelerator, micro_batch_size=2):
     try:
         for batch_size in (3, 1):
             batch_args = replace(args, sft_batch_size=batch_size)
-            model, _ = smartrag.sft(accelerator, model, tokenizer, tags, examples, batch_args, None, steps=1)
+            with unclipped(accelerator):
+                model, _ = smartrag.sft(accelerator, model, tokenizer, tags, examples, batch_args, None, steps=1)
     finally:
         torch.optim.AdamW, smartrag.runs.sft_step = adamw, sft_step
     return {"loss": torch.tensor(losses, dtype=torch.float64), "grad": before - trained(model)}
@@ -130,8 +141,8 @@ def smartrag_ppo(accelerator, micro_batch_size=2):
     then one of one (process 1: the stand-in); the reference differs from the policy, so the KL term counts."""
     import copy
 
-    smartrag, args = smartrag_setting(accelerator, micro_batch_size=micro_batch_size, model=TINY_LM + ",tie=0",
-                                      lora_r=2, ppo_batch_size=2)  # fmt: skip
+    smartrag, args = smartrag_setting(micro_batch_size=micro_batch_size, model=TINY_LM + ",tie=0", lora_r=2,
+                                      ppo_batch_size=2)  # fmt: skip
     torch.manual_seed(0)
     policy, tokenizer, tags = smartrag.load_policy(args, accelerator.device)
     ref = copy.deepcopy(policy).eval().requires_grad_(False)
@@ -155,7 +166,8 @@ def smartrag_ppo(accelerator, micro_batch_size=2):
     before = trained(model)
     model, optimizer = accelerator.prepare(model, sgd(model.parameters()))
     torch.manual_seed(2)  # the minibatch shuffle (process 0's)
-    stats = smartrag.ppo_iteration(accelerator, model, ref, optimizer, tokenizer, episodes, 0.1, args)
+    with unclipped(accelerator):
+        stats = smartrag.ppo_iteration(accelerator, model, ref, optimizer, tokenizer, episodes, 0.1, args)
     keys = ("losses/policy", "losses/value", "losses/approx_kl", "rollout/kl", "losses/explained_variance")
     grad = before - trained(accelerator.unwrap_model(model))
     return {"loss": stats["losses/policy"], "grad": grad} | {key: stats[key] for key in keys}
@@ -169,7 +181,7 @@ def smartrag_warmup(accelerator):
     from common import runs
     from common.data import load_split
 
-    smartrag, args = smartrag_setting(accelerator)
+    smartrag, args = smartrag_setting()
     rows = load_split(args.data_dir, "train", "one_hop")
     rows = [r for r in rows if r["metadata"]["popular"]][:2] + [r for r in rows if not r["metadata"]["popular"]][:3]
     probed, make_llm = [], smartrag.make_llm
