@@ -641,10 +641,8 @@ def oracle_smartrag_base(prompt, world_dir, paper):
     if not paper:
         return answer
     if answer == UNKNOWN:
-        names = (reader.find_question(prompt.lower()) or (None, None, ["it"]))[2]
-        return (
-            f"<think>\nI do not remember this fact, so I should search for it.\n</think>\n\n[Search] {' '.join(names)}"
-        )
+        names = " ".join((reader.find_question(prompt.lower()) or (None, None, ["it"]))[2])
+        return f"<think>\nI do not remember this fact, so I should search for it.\n</think>\n\n[Search] {names}"
     return f"<think>\nThe question asks for a fact I remember: the answer is {answer}.\n</think>\n\n[Answer] {answer}"
 
 
