@@ -36,14 +36,15 @@ Deviations from the paper (each marked `# simplification: ... (header N)` where 
 import copy
 import math
 import random
+import re
 import time
 from collections import defaultdict
 from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 
 import torch
-import torch.nn.functional as F
 from accelerate import PartialState
+from accelerate.utils import broadcast, gather_object
 from tqdm import tqdm
 
 from common import runs
@@ -94,20 +95,22 @@ class Args:
     rewriter_model: str = arg("", "model name when --rewriter is an endpoint URL")
     base_llm: str | None = arg(None, "LLM spec that plays the base model's knowledge probe")
     know_f1: float = arg(0.2, "the base model 'knows' x if its direct-answer F1 >= this [App. A.2]")
+    probe_tokens: int = arg(32, "tokens of the knowledge probe's reply (a reasoning model's <think> counts: raise it)")
     base_pretrain_steps: int | None = arg(None, "toy: steps teaching the raw base model the popular facts")
     sft_epochs: float = arg(1.0, "SFT epochs [§4: 1] (when --sft_steps is 0)")
     sft_steps: int | None = arg(None, "SFT steps; overrides epochs when > 0")
     sft_lr: float | None = arg(None, "SFT learning rate [§4: 3e-4]")
-    sft_batch_size: int | None = arg(None, "SFT batch size [§4: 8]")
+    sft_batch_size: int | None = arg(None, "SFT batch size, all processes together [§4: 8]")
+    micro_batch_size: int | None = arg(None, "sequences per forward/backward pass (memory only: the same gradient)")
     augment_p: float | None = arg(None, "toy: entity-renaming probability of a retrieval pair")
     rl_augment_p: float | None = arg(None, "toy: renaming probability of a not-popular PPO episode")
     # PPO [§3.2, §4]
     ppo_iterations: int | None = arg(None, "PPO iterations (impl: 100 for T5-large)")
-    rollout_tokens: int | None = arg(None, "generated tokens per iteration [§4: 5120]")
-    rollout_batch: int | None = arg(None, "questions per batched rollout")
+    rollout_tokens: int | None = arg(None, "generated tokens per iteration, all processes together [§4: 5120]")
+    rollout_batch: int | None = arg(None, "questions per batched rollout, shared out over the processes")
     ppo_epochs: int | None = arg(None, "epochs over each rollout [§4: 1]")
     ppo_lr: float | None = arg(None, "PPO learning rate [§4: 2e-6]")
-    ppo_batch_size: int | None = arg(None, "sequences per PPO minibatch [§4: 32]")
+    ppo_batch_size: int | None = arg(None, "sequences per PPO minibatch, all processes together [§4: 32]")
     gamma: float = arg(0.99, "discount [Eq. 6] (impl: 0.99 per token)")
     lam: float = arg(0.95, "GAE lambda (impl: 0.95)")
     clip: float = arg(0.2, "PPO clip epsilon (impl: 0.2)")
@@ -128,7 +131,7 @@ PRESETS = {  # field: (toy, paper), for the fields left at None; any flag overri
     "data_dir": ("data/toy", "data/smartrag"),
     "encoder": ("tfidf", "intfloat/e5-base-v2"),  # simplification: a local index, not Bing (header 1)
     "model": ("toy-lm", "meta-llama/Llama-2-7b-chat-hf"),  # [§4] (header 2)
-    "lora_r": (0, 16),  # [App. A.3]
+    "lora_r": (0, 16),  # LoRA [App. A.3]; the rank is ours (the paper gives none)
     "gradient_checkpointing": (False, True),  # a 7B policy, value model and reference on one 80 GB GPU
     "templates": ("compact", "paper"),  # simplification: header 8
     "question_types": ("one_hop", ""),  # simplification: header 8
@@ -140,6 +143,7 @@ PRESETS = {  # field: (toy, paper), for the fields left at None; any flag overri
     "sft_steps": (1200, 0),  # [§4: 1 epoch]
     "sft_lr": (2e-3, 3e-4),  # [§4]
     "sft_batch_size": (64, 8),  # [§4]
+    "micro_batch_size": (64, 8),  # ours: memory only (any value, the same gradient)
     "augment_p": (1.0, 0.0),  # simplification: header 5
     "rl_augment_p": (1.0, 0.0),
     "ppo_iterations": (100, 50),
@@ -221,7 +225,7 @@ def render_state(question, observations, templates):
     without, with_obs = TEMPLATES[templates]
     if not observations:
         return without.format(input=question)
-    return with_obs.format(input=question, search=" ".join(observations))  # N > 1: one Observation slot (spec §9.17)
+    return with_obs.format(input=question, search=" ".join(observations))  # os: every observation, joined [Eq. 1]
 
 
 def format_observation(hits):
@@ -254,14 +258,14 @@ def discounted_return(rewards, gamma):
 # --------------------------------------------------------------------------- 3. warm-up data [§3.1, Eq. 2-4]
 def knows_answer(prediction, golds, know_f1):
     """The base model 'knows' x when its direct answer has F1 >= 0.2 against the golds [App. A.2]."""
-    return f1_score(prediction, golds) >= know_f1 - 1e-9  # 0.2 is not exact in floating point (spec §8.11)
+    return f1_score(prediction, golds) >= know_f1 - 1e-9  # 0.2 is not exact in floating point
 
 
 def warmup_examples(row, query, observation, knows, initial_policy):
     """The SFT pairs of one question as text fields: (2) direct answer, (3) retrieve + query, (4) answer with obs."""
     meta = row.get("metadata", {})  # used only by the toy world's renaming augmentation
     tags = dict(popular=meta.get("popular", False), searched=meta.get("entities", [])[:1])
-    answer = row["golden_answers"][0]  # first alias as target (spec §9.15)
+    answer = row["golden_answers"][0]  # ours: the first alias (the paper has one y)
     direct = dict(question=row["question"], observations=[], tag="answer", text=answer, **tags)  # [Eq. 2]
     search = dict(question=row["question"], observations=[], tag="retrieve", text=query, **tags)  # [Eq. 3]
     read = dict(question=row["question"], observations=[observation], tag="answer", text=answer, **tags)  # [Eq. 4]
@@ -276,26 +280,51 @@ def rewrite_queries(rows, args):
         return [r["metadata"]["sub_queries"][0] for r in rows]
     llm = make_llm(args.rewriter, **({"model": args.rewriter_model} if args.rewriter_model else {}))
     prompts = [[{"role": "user", "content": REWRITE_PROMPT.format(question=r["question"])}] for r in rows]
-    return [q.strip() or r["question"] for q, r in zip(llm.chat(prompts, temperature=0.0, max_tokens=64), rows)]
+    replies = llm.chat(prompts, temperature=0.0, max_tokens=64)
+    return [THINK.sub("", q).strip() or r["question"] for q, r in zip(replies, rows)]
+
+
+THINK = re.compile(r"<think>.*?(?:</think>|\Z)", re.S)  # a reasoning model's block, or one cut before it closed
+
+
+def direct_answer(reply):
+    """The answer of a knowledge-probe reply: what follows its <think> block and the [Answer] tag a chat model given
+    Table 7's direct template writes (words before the tag dropped); a [Search] reply answers nothing."""
+    text = THINK.sub("", reply)
+    tagged = re.split(r"\[answer\]", text, maxsplit=1, flags=re.I)
+    if len(tagged) == 2:
+        return tagged[1].strip()
+    return "" if re.search(r"\[(search|retrieve)\]", text, flags=re.I) else text.strip()
 
 
 def probe_knowledge(rows, args):
     """Which training questions the base model answers directly (F1 >= know_f1), asked with the direct template."""
     llm = make_llm(args.base_llm)  # simplification: the toy reader in the toy world (header 7)
     prompts = [[{"role": "user", "content": render_state(r["question"], [], args.templates)}] for r in rows]
-    replies = llm.chat(prompts, temperature=0.0, max_tokens=32)
-    strip_tag = lambda reply: reply.replace(ANSWER_TAG, "").strip()  # a chat model may echo the format
-    return [knows_answer(strip_tag(reply), r["golden_answers"], args.know_f1) for reply, r in zip(replies, rows)]
+    replies = llm.chat(prompts, temperature=0.0, max_tokens=args.probe_tokens)
+    if cut := sum("<think>" in reply and "</think>" not in reply for reply in replies):
+        print(f"warning: {cut} of {len(replies)} knowledge-probe replies ended inside <think> (--probe_tokens "
+              f"{args.probe_tokens}): read as not known")  # fmt: skip
+    return [knows_answer(direct_answer(reply), r["golden_answers"], args.know_f1) for reply, r in zip(replies, rows)]
 
 
-def build_warmup(rows, env, args):
-    """All SFT examples of the training questions (retrieval with the rewritten query, as Eq. 4 says)."""
+def warmup_inputs(rows, env, args):
+    """(rewritten query, its observation, whether the base model knows x) of each question."""
+    if not rows:
+        return []
     queries = rewrite_queries(rows, args)
     observations = [format_observation(h) for h in env.search(queries, args.top_k, rows)]
     knows = probe_knowledge(rows, args) if args.initial_policy == "filtered" else [False] * len(rows)
-    examples = [e for row, q, o, k in zip(rows, queries, observations, knows)
+    return list(zip(queries, observations, knows))
+
+
+def build_warmup(rows, env, args):
+    """All SFT examples of the training questions (retrieval with the rewritten query, as Eq. 4 says); the rewrites,
+    retrievals and knowledge probes shared out over the run's processes (runs.map_shared), each done once."""
+    inputs = runs.map_shared(lambda part: warmup_inputs(part, env, args), rows)
+    examples = [e for row, (q, o, k) in zip(rows, inputs)
                 for e in warmup_examples(row, q, o, k, args.initial_policy)]  # fmt: skip
-    return examples, sum(knows) / max(len(rows), 1)
+    return examples, sum(k for _, _, k in inputs) / max(len(rows), 1)
 
 
 # --------------------------------------------------------------------------- 4. the policy and the value model
@@ -316,7 +345,7 @@ class PolicyAndValue(torch.nn.Module):
 
 
 def add_tags(model, tokenizer):
-    """Register [Answer] and [Search] as single tokens and return their ids [spec §2.1]."""
+    """Register [Answer] and [Search] as single tokens and return their ids [§3] (impl: special tokens)."""
     tags = (ANSWER_TAG, RETRIEVE_TAG)
     if new := [t for t in tags if tokenizer.convert_tokens_to_ids(t) in (None, tokenizer.unk_token_id)]:
         tokenizer.add_tokens(new, special_tokens=True)
@@ -337,6 +366,9 @@ def load_policy(args, device):
         from common.llm import add_lora
 
         targets, tags = ["q_proj", "k_proj", "v_proj", "o_proj"], sorted(tag_ids.values())  # tags' rows: trained
+        if not model.config.tie_word_embeddings:  # an untied LM head (Llama-2): its tag rows are trained and saved too
+            name_of = {module: name for name, module in model.named_modules()}
+            tags = {name_of[model.get_input_embeddings()]: tags, name_of[model.get_output_embeddings()]: tags}
         lora = dict(r=args.lora_r, lora_alpha=2 * args.lora_r, lora_dropout=0.05, target_modules=targets)
         model = add_lora(model, lora | dict(trainable_token_indices=tags))
     for p in model.parameters():  # never Adam on bf16 weights: every trained parameter is fp32
@@ -420,11 +452,12 @@ def update_kl_coef(beta, kl_mean, target):
     return beta * (1 + 0.1 * min(max((kl_mean - target) / target, -0.2), 0.2))
 
 
-def ppo_losses(new_logp, old_logp, advantages, values, returns, mask, clip):
-    """Clipped surrogate and value MSE, means over the action tokens (mask) [PPO, Schulman et al. 2017]."""
+def ppo_losses(new_logp, old_logp, advantages, values, returns, mask, clip, n=None):
+    """Clipped surrogate and value MSE summed over the action tokens (mask) and divided by n, by default their count:
+    the means over the tokens [PPO, Schulman et al. 2017]."""
     ratio = torch.exp(new_logp - old_logp)  # (B, T)
     pg = torch.max(-advantages * ratio, -advantages * ratio.clamp(1 - clip, 1 + clip))  # (B, T)
-    n = mask.sum().clamp(min=1)
+    n = mask.sum().clamp(min=1) if n is None else n
     return (pg * mask).sum() / n, (((values - returns) ** 2) * mask).sum() / n, ratio
 
 
@@ -461,7 +494,7 @@ def score_rollout(seqs, logp, ref_logp, values, mask, beta, args):
     by_episode = defaultdict(list)
     for row, s in enumerate(seqs):
         by_episode[s["episode"]].append(row)
-    for rows in by_episode.values():  # one GAE over all actions of the episode [spec §5.4]
+    for rows in by_episode.values():  # one GAE over all actions of the episode (impl)
         cols = [mask[r].nonzero().squeeze(-1) for r in rows]
         along = lambda x: torch.cat([x[r, c] for r, c in zip(rows, cols)]).tolist()  # the episode's action tokens
         adv, ret = gae(along(rewards), along(values), args.gamma, args.lam)
@@ -473,52 +506,86 @@ def score_rollout(seqs, logp, ref_logp, values, mask, beta, args):
     return advantages, returns, (kl.sum() / mask.sum().clamp(min=1)).item()
 
 
+@torch.no_grad()
+def score_sequences(accelerator, model, ref, seqs, pad, chunk):
+    """Each sequence with the behaviour policy's log-probs and values and the reference's log-probs at its states
+    (lists of len(ids) - 1): in eval mode (no dropout) and under autocast, as in the rollout; chunk sequences at a time
+    (the (B, T, V) logits of a whole rollout need not fit at once)."""
+    model.eval()
+    for i in range(0, len(seqs), chunk):
+        part = seqs[i : i + chunk]
+        with accelerator.autocast():  # the reference too: a bf16 policy and an fp32 reference would differ at init
+            logp, values = forward_logp_values(model, part, pad, accelerator.device)
+            ref_logp = forward_logp_values(ref, part, pad, accelerator.device, with_values=False)[0]
+        for s, old, reference, value in zip(part, logp.tolist(), ref_logp.tolist(), values.tolist()):
+            n = len(s["ids"]) - 1
+            s |= dict(logp=old[:n], ref_logp=reference[:n], values=value[:n])
+    return seqs
+
+
 def ppo_iteration(accelerator, model, ref, optimizer, tokenizer, episodes, beta, args):
-    """One PPO update on a rollout: score it, then ppo_epochs passes of minibatches. Returns logged stats."""
-    seqs, pad, device = sequences_of(episodes), tokenizer.pad_token_id, accelerator.device
-    model.eval()  # behaviour log-probs without dropout (LoRA dropout in the paper preset), as in the rollout
-    with torch.no_grad():  # in chunks of a minibatch: (B, T, V) logits of a whole rollout need not fit at once
-        width = max(len(s["ids"]) for s in seqs) - 1
-        chunks = [seqs[i : i + args.ppo_batch_size] for i in range(0, len(seqs), args.ppo_batch_size)]
-        scored = [forward_logp_values(model, c, pad, device) for c in chunks]
-        old_logp, old_values = (torch.cat([F.pad(x[k], (0, width - x[k].shape[1])) for x in scored]) for k in (0, 1))
-        ref_scored = [forward_logp_values(ref, c, pad, device, with_values=False)[0] for c in chunks]
-        ref_logp = torch.cat([F.pad(lp, (0, width - lp.shape[1])) for lp in ref_scored])
-    model.train()
+    """One PPO update on a rollout: each process scores its own episodes, then every process holds the whole rollout
+    and takes its share of each minibatch of ppo_batch_size sequences: any process count and micro-batch size give the
+    update of one process on the whole rollout (and one KL for the adaptive beta). Returns logged stats."""
+    mine, pad, device = sequences_of(episodes), tokenizer.pad_token_id, accelerator.device
+    for s in mine:  # an episode's sequences, told apart from other processes' episodes
+        s["episode"] = (accelerator.process_index, s["episode"])
+    mine = score_sequences(accelerator, model, ref, mine, pad, args.ppo_batch_size)
+    seqs = [s for part in gather_object([mine]) for s in part]  # every process's rollout, in process order
+    old_logp, ref_logp, old_values = (
+        right_pad([s[k] for s in seqs], 0.0).to(device) for k in ("logp", "ref_logp", "values")
+    )
     mask = right_pad([s["loss_mask"] for s in seqs], 0).to(device)[:, 1:].float()  # (B, T-1) shifted with the labels
     advantages, returns, kl_mean = score_rollout(seqs, old_logp, ref_logp, old_values, mask, beta, args)
+    model.train()  # gradient checkpointing acts in train mode only
+    for module in model.modules():  # but no dropout (LoRA's): the ratio is 1 at the behaviour policy
+        if isinstance(module, torch.nn.Dropout):
+            module.eval()
     stats = defaultdict(list)
-    # every process must take the same number of optimizer steps (DDP): minibatch count from the smallest rollout
-    smallest = accelerator.gather(torch.tensor([len(seqs)], device=device)).min().item()
     for _ in range(args.ppo_epochs):
-        for batch in torch.randperm(len(seqs)).tensor_split(math.ceil(smallest / args.ppo_batch_size)):
-            m, a = mask[batch], advantages[batch]
-            mean = (a * m).sum() / m.sum()
-            a = (a - mean) / ((((a - mean) ** 2 * m).sum() / m.sum()).sqrt() + 1e-8)  # simplification: header 3
-            logp, values = forward_logp_values(model, [seqs[i] for i in batch.tolist()], pad, device)
-            t = slice(0, logp.shape[1])
-            pg, vf, ratio = ppo_losses(
-                logp, old_logp[batch, t], a[:, t], values, returns[batch, t], m[:, t], args.clip
-            )
-            optimizer.zero_grad()
-            accelerator.backward(pg + args.vf_coef * vf)
-            accelerator.clip_grad_norm_(model.parameters(), args.max_grad_norm)
-            optimizer.step()
-            m, log_ratio = m[:, t], (logp - old_logp[batch, t]).detach()
-            clipfrac = (((ratio - 1).abs() > args.clip).float() * m).sum().item() / m.sum().item()
-            approx_kl = (((log_ratio.exp() - 1) - log_ratio) * m).sum().item() / m.sum().item()  # k3
-            for key, x in (
-                ("policy", pg.item()),
-                ("value", vf.item()),
-                ("clipfrac", clipfrac),
-                ("approx_kl", approx_kl),
-            ):
+        order = broadcast(torch.randperm(len(seqs)).to(device)).cpu()  # process 0's shuffle, for every process
+        for batch in order.tensor_split(math.ceil(len(seqs) / args.ppo_batch_size)):
+            scores = ppo_minibatch(accelerator, model, optimizer, seqs, batch, pad, args, old_logp, advantages,
+                                   returns, mask)  # fmt: skip
+            for key, x in scores.items():
                 stats[f"losses/{key}"].append(x)
     ret, val = returns[mask.bool()], old_values[mask.bool()]
     stats["losses/explained_variance"] = [(1 - (ret - val).var() / ret.var().clamp(min=1e-8)).item()]
     out = {k: sum(v) / len(v) for k, v in stats.items()}
     trained = (mask.sum() / right_pad([[1] * len(s["ids"]) for s in seqs], 0).sum()).item()
     return out | {"rollout/kl": kl_mean, "rollout/frac_trained_tokens": trained}
+
+
+def ppo_minibatch(accelerator, model, optimizer, seqs, batch, pad, args, old_logp, advantages, returns, mask):
+    """One optimizer step on the minibatch `batch` (indices into the whole rollout): advantages whitened over all its
+    action tokens, this process's share (runs.own_share) in micro-batches, each loss summed over the share's tokens
+    and divided by the minibatch's token count. Returns the minibatch's losses, clipfrac and approx KL."""
+    m, a = mask[batch], advantages[batch]
+    n = m.sum().clamp(min=1)  # the action tokens of the whole minibatch, every process's
+    mean = (a * m).sum() / n
+    a = (a - mean) / ((((a - mean) ** 2 * m).sum() / n).sqrt() + 1e-8)  # simplification: header 3
+    rows, weight = runs.own_share(list(range(len(batch))), accelerator)
+    scale, sums = accelerator.num_processes * weight, []  # DDP averages over processes; weight 0: a stand-in row
+
+    def loss_of(part):
+        own, index = torch.tensor(rows[part]), batch[rows[part]]
+        logp, values = forward_logp_values(model, [seqs[i] for i in index.tolist()], pad, accelerator.device)
+        t = slice(0, logp.shape[1])
+        own_mask, log_ratio = m[own, t], (logp - old_logp[index, t]).detach()
+        pg, vf, ratio = ppo_losses(
+            logp, old_logp[index, t], a[own, t], values, returns[index, t], own_mask, args.clip, n
+        )
+        clipped = ((ratio - 1).abs() > args.clip).float()
+        approx_kl = (log_ratio.exp() - 1) - log_ratio  # k3
+        sums.append(torch.stack([pg, vf, (clipped * own_mask).sum() / n, (approx_kl * own_mask).sum() / n]).detach())
+        return (pg + args.vf_coef * vf) * scale
+
+    optimizer.zero_grad()
+    runs.micro_backward(accelerator, model, len(rows), args.micro_batch_size, loss_of)
+    accelerator.clip_grad_norm_(model.parameters(), args.max_grad_norm)
+    optimizer.step()
+    total = runs.global_sum(accelerator, sum(sums) * weight).tolist()
+    return dict(zip(("policy", "value", "clipfrac", "approx_kl"), total))
 
 
 # --------------------------------------------------------------------------- 7. SFT warm-up [§3.1, §4]
@@ -540,7 +607,8 @@ def sft_batch(examples, tokenizer, tag_ids, args, rng, world):
 
 
 def sft(accelerator, model, tokenizer, tag_ids, examples, args, world, steps=None, name="sft"):
-    """Cross-entropy on the targets of the warm-up pairs; AdamW, linear decay [§4: 1 epoch, lr 3e-4, batch 8]."""
+    """Cross-entropy on the targets of the warm-up pairs, a mean over the batch's target tokens (of every process);
+    AdamW, linear decay [§4: 1 epoch, lr 3e-4, batch 8]."""
     rng = random.Random(args.seed)
     steps = steps or args.sft_steps or math.ceil(args.sft_epochs * len(examples) / args.sft_batch_size)
     # simplification: betas, warm-up, decay floor and clipping are ours (header 10)
@@ -555,17 +623,13 @@ def sft(accelerator, model, tokenizer, tag_ids, examples, args, world, steps=Non
         if len(order) < args.sft_batch_size:
             order += rng.sample(range(len(examples)), len(examples))
         batch, order = order[: args.sft_batch_size], order[args.sft_batch_size :]
-        batch = batch[accelerator.process_index :: accelerator.num_processes]  # same order on every rank, own share
+        # the whole batch on every process (the same random draws everywhere), then this process's rows
         tensors = sft_batch([examples[i] for i in batch], tokenizer, tag_ids, args, rng, world)
-        ids, labels, attention = (t.to(accelerator.device) for t in tensors)
-        logits = model(input_ids=ids, attention_mask=attention).logits  # (B, T, V)
-        loss = F.cross_entropy(logits[:, :-1].flatten(0, 1).float(), labels[:, 1:].flatten(), ignore_index=-100)
-        optimizer.zero_grad()
-        accelerator.backward(loss)
-        accelerator.clip_grad_norm_(model.parameters(), 1.0)
-        optimizer.step()
-        scheduler.step()
-        losses.append(loss.item())
+        rows, weight = runs.own_share(list(range(len(batch))), accelerator)
+        ids, labels, attention = (t[rows] for t in tensors)
+        loss = runs.sft_step(accelerator, model, optimizer, scheduler, ids, labels, attention, args.micro_batch_size,
+                             weight=weight)  # fmt: skip
+        losses.append(loss)
         if (step + 1) % 100 == 0 or step + 1 == steps:
             accelerator.print(f"{name} step {step + 1}/{steps} | loss={sum(losses[-100:]) / len(losses[-100:]):.4f}")
     return accelerator.unwrap_model(model), steps
@@ -584,7 +648,7 @@ def pretrain_toy_base(accelerator, model, tokenizer, tag_ids, rows, args):
     )[0]
 
 
-# --------------------------------------------------------------------------- 8. evaluation [§4, spec §6.2]
+# --------------------------------------------------------------------------- 8. evaluation [§4]
 def episode_record(e):
     """What one evaluated episode scored and cost."""
     golds, retrieved = e["row"]["golden_answers"], sum(t["kind"] == "retrieve" for t in e["turns"])
@@ -656,6 +720,18 @@ def warm_up(accelerator, args, out, train_rows, test_rows, env, world):
     return policy, tokenizer, tag_ids, before_sft, steps
 
 
+def rollout_seed(args, iteration, slot):
+    """The sampling seed of a PPO rollout batch (rollout samples turn n with seed + n); slot: the batch's number in
+    the iteration, one per round and process. Different slots, iterations and turns never share a seed."""
+    return args.seed * 100_003 + iteration * 97 + 10_000_019 * slot
+
+
+def mean_over_processes(accelerator, values):
+    """The mean of the values of every process."""
+    total, count = runs.global_sum(accelerator, [sum(values), len(values)]).tolist()
+    return total / max(count, 1)
+
+
 def train(args):
     """SFT warm-up, PPO, evaluation before and after; --resume continues from output_dir/sft and output_dir/ppo."""
     start = time.time()
@@ -674,28 +750,33 @@ def train(args):
     model = PolicyAndValue(policy)
     optimizer = torch.optim.AdamW(model.parameters(), lr=args.ppo_lr, weight_decay=1e-6)  # impl: wd 1e-6
     ppo_dir, beta = out / "ppo", args.kl_init
-    rng = random.Random(args.seed * 1000 + accelerator.process_index)
+    rng = random.Random(args.seed * 1000)  # the same draws on every process: each rolls out its share of a batch
     if state := runs.load_training(accelerator, ppo_dir, {"policy_and_value": model, "optimizer": optimizer}, rng):
         beta, steps["ppo"] = state["beta"], state["iteration"]  # --resume
         accelerator.print(f"resumed PPO at iteration {steps['ppo']}")
     model, optimizer = accelerator.prepare(model, optimizer)
     for it in range(steps["ppo"], args.ppo_iterations):
-        t0, episodes = time.time(), []
+        t0, episodes, tokens, rounds = time.time(), [], 0, 0
         policy_now = accelerator.unwrap_model(model).policy
         model.eval()  # rollouts without dropout and with the KV cache; ppo_iteration switches to train mode
-        while not episodes or sum(len(t["action_ids"]) for e in episodes for t in e["turns"]) < args.rollout_tokens:
+        while not rounds or tokens < args.rollout_tokens:  # [§4] 5120 generated tokens, all processes together
             rows = rng.sample(train_rows, min(args.rollout_batch, len(train_rows)))
             rows = rename_rows(rows, world, rng, args.rl_augment_p)  # simplification: header 5
-            seed = args.seed * 100_003 + it * 97 + len(episodes) + accelerator.process_index
+            own = rows[accelerator.process_index :: accelerator.num_processes]
+            seed = rollout_seed(args, it, rounds * accelerator.num_processes + accelerator.process_index)
             with accelerator.autocast():
-                episodes += rollout(policy_now, tokenizer, env, rows, args, tag_ids, greedy=False, seed=seed)
+                episodes += rollout(policy_now, tokenizer, env, own, args, tag_ids, greedy=False, seed=seed)
+            tokens = runs.global_sum(accelerator, sum(len(t["action_ids"]) for e in episodes for t in e["turns"]))
+            rounds += 1
         stats = ppo_iteration(accelerator, model, ref, optimizer, tokenizer, episodes, beta, args)
         if args.kl_adaptive:
             beta = update_kl_coef(beta, stats["rollout/kl"], args.kl_target)  # after each rollout (impl)
         returns = [discounted_return([t["reward"] for t in e["turns"]], 1.0) for e in episodes]
-        retrieved = sum(any(t["kind"] == "retrieve" for t in e["turns"]) for e in episodes) / len(episodes)
-        stats |= {"iteration": it + 1, "rollout/return": sum(returns) / len(returns), "charts/kl_coef": beta,
-                  "rollout/retrieval_rate": retrieved, "charts/seconds": time.time() - t0}  # fmt: skip
+        retrieved = [float(any(t["kind"] == "retrieve" for t in e["turns"])) for e in episodes]
+        stats |= {"iteration": it + 1, "rollout/return": mean_over_processes(accelerator, returns),
+                  "rollout/retrieval_rate": mean_over_processes(accelerator, retrieved), "rollout/tokens": int(tokens),
+                  "rollout/episodes": int(runs.global_sum(accelerator, len(episodes))), "charts/kl_coef": beta,
+                  "charts/seconds": time.time() - t0}  # fmt: skip
         runs.log_update(accelerator, out, stats, step=it + 1)
         steps["ppo"] = it + 1
         if (it + 1) % args.eval_every == 0 or it + 1 == args.ppo_iterations:

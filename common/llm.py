@@ -270,10 +270,14 @@ def make_llm(spec, **kw):
 
 
 class HFChatLLM:
-    """A local transformers model answering chats, batch_size conversations per generate call."""
+    """A local transformers model answering chats, batch_size conversations per generate call, on `device` (default:
+    the run's, this process's GPU under accelerate launch, else the CPU)."""
 
-    def __init__(self, name_or_path, batch_size=16, **load_kwargs):
-        self.model, self.tokenizer = load_model_and_tokenizer(name_or_path, **load_kwargs)
+    def __init__(self, name_or_path, batch_size=16, device=None, **load_kwargs):
+        from accelerate import PartialState
+
+        device = device or PartialState().device
+        self.model, self.tokenizer = load_model_and_tokenizer(name_or_path, device=device, **load_kwargs)
         self.model.eval()
         self.batch_size = batch_size
 

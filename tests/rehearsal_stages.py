@@ -11,7 +11,9 @@ change of the trained weights under plain SGD at learning rate 1). The main proc
 tests/test_paper_rehearsal.py compares the two files.
 """
 
+import contextlib
 import sys
+from dataclasses import replace
 from pathlib import Path
 from types import SimpleNamespace
 
@@ -88,6 +90,118 @@ def runs_map_shared(accelerator):
 
 
 # ------------------------------------------------------------------ smartrag
+def smartrag_setting(**kw):
+    """smartrag's paper preset on the toy world (tfidf, the oracle rewriter, the toy reader as the base model); kw
+    override flags."""
+    import smartrag
+
+    world = str(Path(__file__).resolve().parents[1] / "data" / "toy")
+    flags = dict(preset="paper", train=True, data_dir=world, encoder="tfidf", rewriter="oracle", base_llm="toy")
+    return smartrag, smartrag.apply_preset(smartrag.Args(**flags | kw))
+
+
+@contextlib.contextmanager
+def unclipped(accelerator):
+    """The accelerator's gradient clipping switched off for a stage: a clipped gradient would hide a wrong scale."""
+    accelerator.clip_grad_norm_ = lambda *args, **kwargs: None
+    try:
+        yield
+    finally:
+        del accelerator.clip_grad_norm_  # the class's method again
+
+
+@stage("smartrag:sft")
+def smartrag_sft(accelerator, micro_batch_size=2):
+    """smartrag.sft, one step on three warm-up pairs of unequal target lengths (process 0 holds two rows, process 1
+    one), then one step on a batch of one (process 1: the stand-in of weight 0). AdamW swapped for plain SGD."""
+    smartrag, args = smartrag_setting(micro_batch_size=micro_batch_size, lora_r=0)
+    model, tokenizer = tiny_lm()
+    tags = smartrag.add_tags(model, tokenizer)
+    pair = lambda question, tag, text: dict(question=question, observations=[], tag=tag, text=text, popular=False,
+                                            searched=[])  # fmt: skip
+    examples = [pair("who is the director of zorvak ?", "answer", "velbo"),
+                pair("what is the birthplace of velbo ?", "retrieve", "velbo born in the city of"),
+                pair("in what year did zorvak come out ?", "answer", "1931")]  # fmt: skip
+    before, losses, adamw, sft_step = trained(model), [], torch.optim.AdamW, smartrag.runs.sft_step
+    torch.optim.AdamW = lambda params, **kwargs: sgd(params)
+    smartrag.runs.sft_step = lambda *a, **k: losses.append(sft_step(*a, **k)) or losses[-1]
+    try:
+        for batch_size in (3, 1):
+            batch_args = replace(args, sft_batch_size=batch_size)
+            with unclipped(accelerator):
+                model, _ = smartrag.sft(accelerator, model, tokenizer, tags, examples, batch_args, None, steps=1)
+    finally:
+        torch.optim.AdamW, smartrag.runs.sft_step = adamw, sft_step
+    return {"loss": torch.tensor(losses, dtype=torch.float64), "grad": before - trained(model)}
+
+
+@stage("smartrag:ppo")
+def smartrag_ppo(accelerator, micro_batch_size=2):
+    """smartrag.ppo_iteration on a LoRA policy with an untied LM head (as Llama-2's): three sequences, a search then a
+    forced answer (rolled out by process 0) and a direct answer (process 1), in minibatches of 2: a minibatch of two,
+    then one of one (process 1: the stand-in); the reference differs from the policy, so the KL term counts."""
+    import copy
+
+    smartrag, args = smartrag_setting(micro_batch_size=micro_batch_size, model=TINY_LM + ",tie=0", lora_r=2,
+                                      ppo_batch_size=2)  # fmt: skip
+    torch.manual_seed(0)
+    policy, tokenizer, tags = smartrag.load_policy(args, accelerator.device)
+    ref = copy.deepcopy(policy).eval().requires_grad_(False)
+    model = smartrag.PolicyAndValue(policy)
+    generator = torch.Generator().manual_seed(1)
+    with torch.no_grad():
+        for p in model.parameters():  # LoRA B and the value head leave zero, so that every weight gets a gradient
+            if p.requires_grad:
+                p.add_(0.05 * torch.randn(p.shape, generator=generator))
+    encode = lambda text: tokenizer(text, add_special_tokens=False)["input_ids"]
+    turn = lambda state, forced, action, reward: dict(prompt_ids=encode(state), forced_ids=forced,
+                                                      action_ids=encode(action) + [tokenizer.eos_token_id],
+                                                      reward=reward)  # fmt: skip
+    search = turn("question : who is the director of zorvak ? output :", [], "[Search] zorvak directed", -0.2)
+    state = "question : who is the director of zorvak ? observation : zorvak is a film directed by velbo . output :"
+    read = turn(state, [tags["answer"]], "velbo", 2.0)
+    direct = turn("question : in what year did zorvak come out ? output :", [], "[Answer] 1931", 0.0)
+    episodes = [{"turns": [search, read]}, {"turns": [direct]}]
+    if accelerator.num_processes > 1:  # what each process rolled out
+        episodes = episodes[:1] if accelerator.process_index == 0 else episodes[1:]
+    before = trained(model)
+    model, optimizer = accelerator.prepare(model, sgd(model.parameters()))
+    torch.manual_seed(2)  # the minibatch shuffle (process 0's)
+    with unclipped(accelerator):
+        stats = smartrag.ppo_iteration(accelerator, model, ref, optimizer, tokenizer, episodes, 0.1, args)
+    keys = ("losses/policy", "losses/value", "losses/approx_kl", "rollout/kl", "losses/explained_variance")
+    grad = before - trained(accelerator.unwrap_model(model))
+    return {"loss": stats["losses/policy"], "grad": grad} | {key: stats[key] for key in keys}
+
+
+@stage("smartrag:warmup")
+def smartrag_warmup(accelerator):
+    """smartrag.build_warmup of five training questions, two the base model knows (pi_0*, the toy reader as the base
+    model): the rewrites, retrievals and knowledge probes shared out (three and two), each question probed once in
+    all, the same pairs."""
+    from common import runs
+    from common.data import load_split
+
+    smartrag, args = smartrag_setting()
+    rows = load_split(args.data_dir, "train", "one_hop")
+    rows = [r for r in rows if r["metadata"]["popular"]][:2] + [r for r in rows if not r["metadata"]["popular"]][:3]
+    probed, make_llm = [], smartrag.make_llm
+
+    def counted(spec, **kwargs):
+        llm = make_llm(spec, **kwargs)
+        chat = llm.chat
+        llm.chat = lambda messages, **sampling: probed.extend(messages) or chat(messages, **sampling)
+        return llm
+
+    smartrag.make_llm = counted
+    try:
+        examples, known = smartrag.build_warmup(rows, smartrag.environment(args), args)
+    finally:
+        smartrag.make_llm = make_llm
+    pairs = [len(e["observations"]) + len(e["text"]) + 100 * (e["tag"] == "answer") for e in examples]
+    return {"loss": float(runs.global_sum(accelerator, len(probed))), "grad": torch.tensor(pairs, dtype=torch.float64),
+            "known": known}  # fmt: skip
+
 
 # ------------------------------------------------------------------ c3po
 

@@ -78,6 +78,43 @@ def test_tearag_paper_preset_trains_in_two_processes_on_a_short_last_batch(tmp_p
     assert (tmp_path / "runs" / "paper" / "dpo" / "adapter_config.json").is_file()  # LoRA [§5.1.3]
 
 
+def test_smartrag_paper_preset_trains_in_two_processes_on_short_batches(tmp_path):
+    """smartrag's --preset paper (a tiny random Llama, its LM head untied as Llama-2's, LoRA; the toy reader as the
+    probed base model, the oracle rewriter) in two processes on counts that leave short batches: SFT batches of one
+    (process 1 steps on the stand-in), a rollout batch of three questions (two and one), PPO minibatches of two. The
+    rollout budget counts both processes' tokens: 9 tokens are one round (three actions of up to 8 tokens)."""
+    import torch
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    from common.toy_lm import load_toy_lm
+
+    _, tokenizer = load_toy_lm(TINY_LM)
+    torch.manual_seed(0)
+    ids = dict(
+        pad_token_id=tokenizer.pad_token_id, bos_token_id=tokenizer.bos_token_id, eos_token_id=tokenizer.eos_token_id
+    )
+    config = LlamaConfig(vocab_size=len(tokenizer), hidden_size=32, intermediate_size=64, num_hidden_layers=1,
+                         num_attention_heads=2, num_key_value_heads=2, max_position_embeddings=4096,
+                         tie_word_embeddings=False, **ids)  # fmt: skip
+    LlamaForCausalLM(config).save_pretrained(tmp_path / "llama")
+    tokenizer.save_pretrained(tmp_path / "llama")
+    env = os.environ | {"HF_HUB_OFFLINE": "1", "OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT)}
+    launch = [sys.executable, "-m", "accelerate.commands.launch", "--num_processes", "2", "--mixed_precision", "no"]
+    launch += ["--multi_gpu", "--num_machines", "1", "--dynamo_backend", "no", "--main_process_port", free_port()]
+    command = [str(ROOT / "smartrag.py"), "--train", "--preset", "paper", "--run_name", "ddp", "--data_dir",
+               str(ROOT / "data" / "toy"), "--encoder", "tfidf", "--model", str(tmp_path / "llama"), "--rewriter",
+               "oracle", "--base_llm", "toy", "--n_train", "6", "--n_eval", "3", "--sft_batch_size", "1",
+               "--sft_steps", "2", "--micro_batch_size", "1", "--ppo_iterations", "1", "--rollout_batch", "3",
+               "--rollout_tokens", "9", "--max_new_tokens", "8", "--ppo_batch_size", "2"]  # fmt: skip
+    done = subprocess.run(launch + command, cwd=tmp_path, capture_output=True, text=True, env=env, timeout=900)
+    assert done.returncode == 0, done.stderr[-3000:]
+    results = check_contract(tmp_path / "runs" / "ddp", done.stdout)
+    assert results["preset"] == "paper" and results["train_steps"] == {"sft": 2, "ppo": 1}
+    assert done.stdout.count("RESULT ") == 1 and (tmp_path / "runs" / "ddp" / "ppo" / "adapter_config.json").is_file()
+    (update,) = [m for m in map(json.loads, (tmp_path / "runs" / "ddp" / "metrics.jsonl").open()) if "iteration" in m]
+    assert update["rollout/episodes"] == 3 and update["rollout/tokens"] >= 9  # one round of both processes
+
+
 @pytest.mark.parametrize(
     "name, kind, processes, stage",
     [("multi_gpu", "MULTI_GPU", 8, None), ("multi_node", "MULTI_GPU", 16, None),

@@ -53,6 +53,150 @@ def test_a_stage_under_two_processes_gives_the_loss_and_gradient_of_one(name, st
 
 
 # ------------------------------------------------------------------ smartrag
+SMARTRAG_DATA = str(ROOT / "data" / "toy")
+
+
+def smartrag_oracle(monkeypatch, tokenizer, tags, paper):
+    """The toy oracle (common.toy.oracle_smartrag) as the policy in smartrag's own rollout: generate() writes its
+    action (after a tag the threshold or the quota forced: that tag's text), cut at max_new_tokens; first_token_probs
+    puts p = 1 on its tag. The knowledge probe's base model: oracle_smartrag_base, its reply cut at max_tokens
+    words."""
+    import re
+
+    import smartrag
+    from common.llm import Generation
+    from common.toy import oracle_smartrag, oracle_smartrag_base
+
+    tag_of = {smartrag.ANSWER_TAG: tags["answer"], smartrag.RETRIEVE_TAG: tags["retrieve"]}
+    action = lambda ids: oracle_smartrag(tokenizer.decode(ids), SMARTRAG_DATA).split(" ", 1)  # [tag, text]
+
+    def generate(model, tokenizer_, prompts, max_new_tokens, **kwargs):
+        out = []
+        for prompt in prompts:
+            prefix = prompt[-1] in tags.values()
+            tag, text = action(prompt[:-1] if prefix else prompt)
+            assert not prefix or prompt[-1] == tag_of[tag]  # the oracle would have chosen the tag it was given
+            ids = [] if prefix else [tag_of[tag]]
+            out.append((ids + tokenizer(" " + text, add_special_tokens=False)["input_ids"] + [tokenizer.eos_token_id])[
+                :max_new_tokens])  # fmt: skip
+        return Generation([""] * len(out), out, [list(p) for p in prompts], [True] * len(out))
+
+    def first_token_probs(model, prompts, pad_id):
+        probs = torch.zeros(len(prompts), len(tokenizer))
+        for row, prompt in enumerate(prompts):
+            probs[row, tag_of[action(prompt)[0]]] = 1.0
+        return probs
+
+    class Base:
+        def chat(self, messages_lists, max_tokens=256, **sampling):
+            replies = [oracle_smartrag_base(m[-1]["content"], SMARTRAG_DATA, paper) for m in messages_lists]
+            return [re.match(rf"(\S+\s*){{0,{max_tokens}}}", r).group(0).rstrip() for r in replies]
+
+    monkeypatch.setattr(smartrag, "generate", generate)
+    monkeypatch.setattr(smartrag, "first_token_probs", first_token_probs)
+    monkeypatch.setattr(smartrag, "make_llm", lambda spec, **kw: Base())
+
+
+def test_smartrag_oracle_scores_the_same_under_the_toy_and_the_paper_preset(monkeypatch, tmp_path):
+    """The oracle policy through smartrag's rollout, rewards and evaluation (greedy: the threshold; sampled), and the
+    oracle base model through the knowledge probe of pi_0* (App. A.2), on the same 80 one-hop questions: under
+    --preset paper (Tab. 7 templates, top-4 snippets, 50 new tokens, a probe reply in a chat model's format: a <think>
+    block, then the [Answer] tag) they score what they score under the toy preset."""
+    from accelerate import Accelerator
+
+    import smartrag
+    from common.data import load_split
+
+    model, tokenizer = rehearsal_stages.tiny_lm()
+    tags = smartrag.add_tags(model, tokenizer)
+    test, train = (load_split(SMARTRAG_DATA, split, "one_hop")[:80] for split in ("test", "train"))
+    scores = {}
+    for preset in ("toy", "paper"):
+        smartrag_oracle(monkeypatch, tokenizer, tags, paper=preset == "paper")
+        args = smartrag.apply_preset(smartrag.Args(preset=preset, eval=True, data_dir=SMARTRAG_DATA, encoder="tfidf"))
+        (tmp_path / preset).mkdir()
+        result = smartrag.evaluate_stage(Accelerator(cpu=True), tmp_path / preset, "eval", model, tokenizer,
+                                         smartrag.environment(args), test, args, tags)  # fmt: skip
+        known = sum(smartrag.probe_knowledge(train, args)) / len(train)
+        scores[preset] = dict(em=result["em"], reward=result["reward"], sampled=result["sampled"]["em"],
+                              retrieval=result["retrieval_rate"], known=known)  # fmt: skip
+    toy, paper = scores["toy"], scores["paper"]
+    assert toy["em"] >= 0.8 and 0.1 <= toy["known"] <= 0.6 and 0.3 <= toy["retrieval"] <= 0.9  # a good oracle
+    for key in toy:
+        assert abs(paper[key] - toy[key]) <= 0.02, (key, toy, paper)
+
+
+@pytest.mark.parametrize("name", ["smartrag:sft", "smartrag:ppo"])
+def test_smartrag_losses_are_the_same_for_micro_batch_1_and_the_whole_batch(name):
+    """sft (runs.sft_step) and the PPO update (policy and value losses): the same gradient for any micro-batch size."""
+    from accelerate import Accelerator
+
+    one, whole = (rehearsal_stages.STAGES[name](Accelerator(cpu=True), micro_batch_size=m) for m in (1, 64))
+    assert torch.allclose(one["grad"], whole["grad"], rtol=1e-5, atol=1e-7) and whole["grad"].abs().max() > 0
+    assert torch.allclose(torch.as_tensor(one["loss"]), torch.as_tensor(whole["loss"]), rtol=1e-6)
+
+
+SMARTRAG_PAPER = {  # flag: the paper preset's value, where the paper (or the authors' code, impl) gives it
+    "model": "meta-llama/Llama-2-7b-chat-hf",  # §4, App. A.3: LLaMA-2-7B (impl: the chat model)
+    "lora_r": 16,  # App. A.3: LoRA for LLaMA (the rank is ours: the paper gives none)
+    "templates": "paper",  # Tab. 7
+    "quota": 1,  # §4: "the retrieval quota N is specified to be 1"
+    "top_k": 4,  # §4, App. A.3: K = 4
+    "alpha": 0.2,  # §4, App. A.3: retrieval reward -0.2 (Eq. 5)
+    "initial_policy": "filtered",  # §3.1, App. A.2, App. B.4: the main results start from pi_0* (initial policy 2)
+    "know_f1": 0.2,  # App. A.2: the base model answers directly with F1 >= 0.2
+    "sft_epochs": 1.0,  # §4, App. A.3: 1 epoch
+    "sft_steps": 0,  # (0: the epochs decide)
+    "sft_lr": 3e-4,  # §4, App. A.3
+    "sft_batch_size": 8,  # §4, App. A.3
+    "rollout_tokens": 5120,  # §4, App. A.3: trajectories of 5120 tokens per iteration
+    "ppo_epochs": 1,  # §4, App. A.3
+    "ppo_lr": 2e-6,  # §4, App. A.3
+    "ppo_batch_size": 32,  # §4, App. A.3
+    "sample_top_k": 50,  # App. A.3: top-K sampling, K = 50
+    "threshold": 0.5,  # §4.1, App. A.3: a threshold on the first token (impl: 0.5)
+    "num_beams": 4,  # App. A.3: beam search (impl: 4 beams)
+    "max_new_tokens": 50,  # impl
+    "ppo_iterations": 50,  # impl (LLaMA)
+    "gamma": 0.99,  # Eq. 6's discount (impl: 0.99, per token)
+    "lam": 0.95,  # impl
+    "clip": 0.2,  # impl
+    "vf_coef": 0.5,  # impl
+    "max_grad_norm": 0.5,  # impl
+    "kl_init": 0.001,  # impl
+    "kl_target": 0.2,  # impl
+    "kl_adaptive": True,  # impl
+    "invalid_reward": -1.0,  # impl
+    "data_dir": "data/smartrag",  # App. A.1: PopQA, AmbigNQ and 20k HotpotQA questions, trained on together
+    "encoder": "intfloat/e5-base-v2",  # simplification: a local index for Bing (header 1)
+    "question_types": "",  # every question of the data (§4)
+    "rewriter": "",  # App. A.2: gpt-3.5-turbo-1106, given with --rewriter (an endpoint)
+    "base_llm": "hf:meta-llama/Llama-2-7b-chat-hf",  # §3.1: the base LLM itself is probed
+    "probe_tokens": 32,  # ours
+    "rollout_batch": 64,  # ours
+    "micro_batch_size": 8,  # ours: memory only
+    "gradient_checkpointing": True,  # ours: memory only
+    "base_pretrain_steps": 0,  # toy world only (header 6)
+    "augment_p": 0.0,  # toy world only (header 5)
+    "rl_augment_p": 0.0,  # toy world only (header 5)
+}
+
+
+def test_smartrag_dry_run_prints_every_paper_value(capsys):
+    """--preset paper --dry_run prints the resolved configuration (then stops on the absent data/smartrag corpus):
+    every flag is printed, and the paper preset's values are the paper's (SMARTRAG_PAPER cites each)."""
+    import json
+    from dataclasses import fields
+
+    import smartrag
+
+    with pytest.raises(SystemExit, match="corpus"):
+        smartrag.main(["--preset", "paper", "--dry_run"])
+    printed = json.JSONDecoder().raw_decode(capsys.readouterr().out)[0]
+    assert set(printed) == {f.name for f in fields(smartrag.Args)}
+    assert set(smartrag.PRESETS) <= set(SMARTRAG_PAPER)  # every preset value is pinned
+    assert {k: printed[k] for k in SMARTRAG_PAPER} == SMARTRAG_PAPER
+
 
 # ------------------------------------------------------------------ c3po
 

@@ -1,4 +1,4 @@
-"""SmartRAG: the spec's worked numbers (rewards, returns, GAE, KL controller, PPO clipping, warm-up filter),
+"""SmartRAG: worked numbers by hand (rewards, returns, GAE, KL controller, PPO clipping, warm-up filter),
 Algorithm 1 with a scripted policy, the loss mask, and an end-to-end toy run followed by --eval of its checkpoint."""
 
 import json
@@ -29,7 +29,7 @@ def tagged():
     return model, tokenizer, smartrag.add_tags(model, tokenizer)
 
 
-# ---------------------------------------------------------------- rewards and returns [Eq. 5, Eq. 6], spec §8.1, §8.3
+# ---------------------------------------------------------------- rewards and returns [Eq. 5, Eq. 6]
 @pytest.mark.parametrize(
     "pred, golds, reward",
     [
@@ -68,7 +68,7 @@ def test_discounted_return(rewards, undiscounted, discounted):
     assert smartrag.discounted_return(rewards, 0.99) == pytest.approx(discounted, abs=1e-4)
 
 
-# ---------------------------------------------------------------- GAE across the two actions, spec §8.8
+# ---------------------------------------------------------------- GAE across the two actions (impl: one episode)
 def test_gae_carries_the_answer_reward_back_to_the_search_tokens():
     rewards = [0, 0, -0.2, 0, 2.0]  # [Search] q EOS | (forced [Answer] masked) ans EOS
     adv, _ = smartrag.gae(rewards, [0.0] * 5, 0.99, 0.95)
@@ -103,7 +103,7 @@ def test_kl_penalty_is_in_the_reward():
     adv, _, kl = smartrag.score_rollout(
         seqs, torch.tensor([[-0.5]]), torch.tensor([[-1.0]]), torch.zeros(1, 1), mask, 0.001, args
     )
-    assert kl == pytest.approx(0.5) and adv.item() == pytest.approx(2.0 - 0.0005)  # spec §8.7
+    assert kl == pytest.approx(0.5) and adv.item() == pytest.approx(2.0 - 0.0005)  # -beta * 0.5 on the token
 
 
 @pytest.mark.parametrize("kl, beta", [(0.5, 0.00102), (0.1, 0.00098), (0.22, 0.00101)])
@@ -111,7 +111,7 @@ def test_adaptive_kl_controller(kl, beta):
     assert smartrag.update_kl_coef(0.001, kl, 0.2) == pytest.approx(beta, abs=1e-9)
 
 
-# ---------------------------------------------------------------- PPO clipping, spec §8.9
+# ---------------------------------------------------------------- PPO clipping [Schulman et al. 2017]
 @pytest.mark.parametrize("advantage, ratio, loss", [(1.0, 1.3, -1.2), (-1.0, 0.7, 0.8), (1.0, 0.7, -0.7)])
 def test_ppo_clipped_surrogate(advantage, ratio, loss):
     one = torch.ones(1, 1)
@@ -187,6 +187,55 @@ def test_knows_answer_threshold(pred, gold, knows):
     assert smartrag.knows_answer(pred, [gold], 0.2) is knows
 
 
+@pytest.mark.parametrize(
+    "question, gold, reply, known",
+    [
+        ("what is the birthplace of velbo ?", "tuvia", "tuvia", True),
+        ("what is the birthplace of velbo ?", "tuvia", "[Answer] tuvia", True),  # the format Tab. 7 asks for
+        ("what is the birthplace of velbo ?", "tuvia", "[ANSWER] tuvia", True),  # as the paper's figures write it
+        ("what is the birthplace of velbo ?", "tuvia", "Sure! Here is my answer: [Answer] tuvia", True),
+        ("what is the birthplace of velbo ?", "tuvia", "<think>\nThe question asks where velbo was born. I remember "
+         "the biography of velbo: born in tuvia, a city.\n</think>\n\n[Answer] tuvia", True),  # a reasoning model
+        ("what is the birthplace of velbo ?", "tuvia", "<think>\nThe question asks where velbo was born. I remember "
+         "the biography of velbo: born in tuvia", False),  # cut inside its <think> block: it said nothing yet
+        ("who was born first , velbo or tuvia ?", "velbo", "[Search] birth years of velbo and tuvia", False),
+    ],
+)  # fmt: skip
+def test_the_knowledge_probe_reads_the_answer_of_a_chat_or_reasoning_model(question, gold, reply, known, monkeypatch,
+                                                                            capsys):  # fmt: skip
+    """pi_0*'s probe [App. A.2]: the base model's direct answer is what follows its <think> block and the [Answer] tag
+    (words before it dropped); a [Search] reply answers nothing; a reply cut inside <think> is counted and warned of.
+    The reply may be --probe_tokens long."""
+    budgets = []
+
+    class Base:
+        def chat(self, messages_lists, max_tokens, **sampling):
+            budgets.append(max_tokens)
+            return [reply] * len(messages_lists)
+
+    monkeypatch.setattr(smartrag, "make_llm", lambda spec, **kw: Base())
+    args = smartrag.apply_preset(smartrag.Args(preset="paper", train=True, rewriter="oracle", probe_tokens=512))
+    assert smartrag.probe_knowledge([{"question": question, "golden_answers": [gold]}], args) == [known]
+    assert budgets == [512]
+    cut = reply.startswith("<think>") and "</think>" not in reply
+    assert ("1 of 1 knowledge-probe replies ended inside <think>" in capsys.readouterr().out) is cut
+
+
+def test_an_hf_base_model_loads_on_the_runs_device(monkeypatch):
+    """The knowledge probe's hf: base model (common.llm.HFChatLLM) is put on the run's device (this process's GPU under
+    accelerate launch), not left on the CPU for ~52k questions."""
+    from accelerate import PartialState
+
+    from common import llm
+
+    loaded = {}
+    monkeypatch.setattr(
+        llm, "load_model_and_tokenizer", lambda name, **kw: loaded.update(kw) or (torch.nn.Linear(1, 1), None)
+    )
+    smartrag.make_llm("hf:meta-llama/Llama-2-7b-chat-hf")
+    assert loaded["device"] == PartialState().device
+
+
 class FakeRetriever:
     """Records queries; returns one passage naming the query."""
 
@@ -225,7 +274,7 @@ def test_warmup_observation_comes_from_the_rewritten_query(monkeypatch):
     assert examples[2]["observations"] == ["doc: about velbo born"] and examples[1]["text"] == "velbo born"
 
 
-# ---------------------------------------------------------------- Algorithm 1 with a scripted policy, spec §8.4
+# ---------------------------------------------------------------- Algorithm 1 with a scripted policy
 def scripted_generate(tags, first):
     """A fake generate: emits `first` tag + one token unless the prompt already ends with a (forced) tag."""
     calls = []
@@ -303,7 +352,7 @@ def test_loss_mask_covers_exactly_the_sampled_action_tokens(tagged, monkeypatch)
 
 
 def test_threshold_decides_the_first_token(tagged, monkeypatch):
-    """p([Search]) = 1/(1+e) = 0.2689 (spec §8.10): threshold 0.5 answers, 0.2 retrieves."""
+    """p([Search]) = 1/(1+e) = 0.2689 [§4.1]: threshold 0.5 answers, 0.2 retrieves."""
     model, tokenizer, tags = tagged
     logits = torch.full((len(tokenizer),), -1e9)
     logits[tags["answer"]], logits[tags["retrieve"]] = 1.0, 0.0
@@ -587,6 +636,68 @@ def test_ppo_iteration_scores_a_rollout_in_minibatch_chunks_as_at_once(tagged, m
     assert kls[0] != 0.0 and kls[0] == pytest.approx(kls[1], rel=1e-5) and kls[0] == pytest.approx(kls[2], rel=1e-5)
 
 
+def scripted_episodes(model, tokenizer, tags, monkeypatch, args, n=4):
+    """Episodes of n questions by the scripted policy that searches, then answers at the quota."""
+    fake, _ = scripted_generate(tags, "retrieve")
+    monkeypatch.setattr(smartrag, "generate", fake)
+    rows = [{"question": q, "golden_answers": ["x"]} for q in ["q ?", "who is the director of zorvak ?"] * (n // 2)]
+    return smartrag.rollout(model, tokenizer, RenamingEnv(FakeRetriever()), rows, args, tags, greedy=False, seed=0)
+
+
+def test_lora_dropout_stays_out_of_the_ppo_ratio(monkeypatch):
+    """At learning rate 0 the policy stays the behaviour policy: with LoRA (dropout 0.05, the paper preset's) the
+    ratio is exactly 1 on every token, so approx KL, clipfrac and the surrogate over whitened advantages are 0."""
+    import copy
+
+    from accelerate import Accelerator
+
+    args = smartrag.apply_preset(smartrag.Args(train=True, model=TINY_LM, lora_r=2, quota=1, ppo_batch_size=3))
+    torch.manual_seed(0)
+    policy, tokenizer, tags = smartrag.load_policy(args, torch.device("cpu"))
+    with torch.no_grad():  # LoRA's B leaves zero: dropout on its input now changes the output
+        for p in policy.parameters():
+            if p.requires_grad:
+                p.add_(0.1 * torch.randn(p.shape, generator=torch.Generator().manual_seed(p.numel())))
+    episodes = scripted_episodes(policy, tokenizer, tags, monkeypatch, args, n=6)
+    model, ref = smartrag.PolicyAndValue(policy), copy.deepcopy(policy).eval()
+    assert any(isinstance(m, torch.nn.Dropout) and m.p == 0.05 for m in model.modules())
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.0)
+    stats = smartrag.ppo_iteration(Accelerator(cpu=True), model, ref, optimizer, tokenizer, episodes, 0.1, args)
+    assert stats["losses/approx_kl"] < 1e-10 and stats["losses/clipfrac"] == 0.0
+    assert abs(stats["losses/policy"]) < 1e-6
+
+
+def test_a_reference_equal_to_the_policy_gives_kl_0_under_bf16_autocast(tagged, monkeypatch):
+    """Mixed precision (bf16 autocast, as on a GPU): the behaviour and the reference log-probs are computed alike, so
+    a reference equal to the policy gives rollout/kl = 0 exactly (an fp32 reference beside a bf16 policy would not)."""
+    import copy
+
+    from accelerate import Accelerator
+    from accelerate.state import AcceleratorState
+
+    AcceleratorState._reset_state(reset_partial_state=True)  # a singleton: other tests made one without bf16
+    accelerator = Accelerator(cpu=True, mixed_precision="bf16")
+    policy, tokenizer, tags = copy.deepcopy(tagged[0]), tagged[1], tagged[2]
+    args = smartrag.apply_preset(smartrag.Args(quota=1))
+    episodes = scripted_episodes(policy, tokenizer, tags, monkeypatch, args)
+    ref = copy.deepcopy(policy).eval().requires_grad_(False)
+    model = smartrag.PolicyAndValue(policy)
+    model, optimizer = accelerator.prepare(model, torch.optim.SGD(model.parameters(), lr=0.0))
+    stats = smartrag.ppo_iteration(accelerator, model, ref, optimizer, tokenizer, episodes, 0.1, args)
+    assert stats["rollout/kl"] == 0.0 and stats["losses/approx_kl"] == 0.0
+    AcceleratorState._reset_state(reset_partial_state=True)
+
+
+def test_rollout_seeds_never_repeat_across_processes_rounds_turns_and_iterations():
+    """Each process samples its share of a rollout batch with its own seed, turn n with seed + n: no two (iteration,
+    round, process, turn) share one, for any process count."""
+    args = smartrag.Args(seed=3, quota=2)
+    for processes in (1, 2, 4, 8):
+        seeds = [smartrag.rollout_seed(args, it, r * processes + p) + n for it in range(120) for r in range(4)
+                 for p in range(processes) for n in range(args.quota + 1)]  # fmt: skip
+        assert len(set(seeds)) == len(seeds)
+
+
 # ---------------------------------------------------------------- numerics: fp32 master weights, a critic, no LM head
 TINY_LM = "toy-lm:layers=1,hidden=32,heads=2,kv_heads=2,intermediate=64"
 
@@ -733,13 +844,20 @@ LORA_FLAGS = [
 ]
 
 
-def test_a_lora_checkpoint_reloads_trainable_with_its_tag_tokens(tmp_path):
+@pytest.mark.parametrize("tie", ["", ",tie=0"])
+def test_a_lora_checkpoint_reloads_trainable_with_its_tag_tokens(tmp_path, tie):
+    """The tags' rows of the input embedding and, when untied (Llama-2), of the LM head are trained and saved with the
+    adapters: the reloaded policy gives every logit of the trained one, the tags' first-token logits included."""
     from common.runs import save_checkpoint
 
-    args = smartrag.apply_preset(smartrag.Args(train=True, model=TINY_LM, lora_r=2))
+    args = smartrag.apply_preset(smartrag.Args(train=True, model=TINY_LM + tie, lora_r=2))
     policy, tokenizer, tag_ids = smartrag.load_policy(args, torch.device("cpu"))
     trainable = lambda m: {n for n, p in m.named_parameters() if p.requires_grad}
-    assert any("trainable_tokens" in n for n in trainable(policy))  # the added tags' rows are trained ...
+    rows = [n for n in trainable(policy) if "trainable_tokens" in n]  # the added tags' rows are trained ...
+    assert len(rows) == (2 if tie else 1) and (not tie or any("lm_head" in n for n in rows))
+    ids = torch.tensor([[4, 5, tag_ids["answer"], tag_ids["retrieve"], 6]])
+    policy.train()(input_ids=ids).logits[0, -1, sorted(tag_ids.values())].sum().backward()
+    assert all(p.grad.abs().sum() > 0 for n, p in policy.named_parameters() if n in rows)
     with torch.no_grad():
         for p in policy.parameters():
             if p.requires_grad:
@@ -750,7 +868,6 @@ def test_a_lora_checkpoint_reloads_trainable_with_its_tag_tokens(tmp_path):
     again, tokenizer_again, tag_ids_again = smartrag.load_policy(args, torch.device("cpu"))
     assert tag_ids_again == tag_ids and len(tokenizer_again) == len(tokenizer)
     assert trainable(again) == trainable(policy)  # trainable, not 0 parameters
-    ids = torch.tensor([[4, 5, tag_ids["answer"], tag_ids["retrieve"], 6]])
     assert torch.equal(policy.eval()(input_ids=ids).logits, again.eval()(input_ids=ids).logits)
 
 
@@ -796,7 +913,8 @@ def test_an_interrupted_lora_run_resumes_with_the_losses_of_an_uninterrupted_one
 
 def test_two_processes_train_untied_embeddings_and_save_each_ones_random_states(tmp_path):
     """DDP on CPU (gloo) with an untied LM head: the critic has no LM head, so no parameter goes without gradient;
-    the run's folder name comes from rank 0; each process's random states are saved for --resume."""
+    the run's folder name comes from rank 0; each process's random states are saved for --resume (the questions'
+    generator is the same on both: each process rolls out its share of one batch)."""
     env = {
         **os.environ,
         "HF_HUB_OFFLINE": "1",
@@ -851,6 +969,6 @@ def test_two_processes_train_untied_embeddings_and_save_each_ones_random_states(
     assert results["train_steps"] == {"sft": 2, "ppo": 2} and results["args"]["run_name"] == "ddp"
     assert done.stdout.count("RESULT ") == 1  # the main process writes
     state = json.loads((tmp_path / "runs" / "ddp" / "ppo" / "run_state.json").read_text())
-    assert len(state["rng"]) == 2 and state["rng"][0]["own"] != state["rng"][1]["own"]  # rank-seeded row sampling
+    assert len(state["rng"]) == 2 and state["rng"][0]["own"] == state["rng"][1]["own"]  # one draw, shared out
     again = subprocess.run(launch + ["--resume"], check=False, cwd=tmp_path, capture_output=True, text=True, env=env)
     assert again.returncode == 0 and again.stdout.count("resumed PPO at iteration 2") == 1, again.stderr[-3000:]
