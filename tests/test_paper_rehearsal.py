@@ -126,14 +126,16 @@ def test_sparcrag_dpo_gives_the_same_step_at_micro_batch_1_and_the_whole_batch(r
 
 
 def test_sparcrag_paper_preset_prints_every_value_pinned_to_the_paper(capsys):
-    """`--preset paper --dry_run` prints the resolved configuration (then finds no paper data here); each value as
+    """`--preset paper --dry_run` prints the resolved configuration (then checks its paths); each value as
     the paper states it, or as the header's departures say."""
     import json
 
     import sparcrag
 
-    with pytest.raises(SystemExit):  # data/sparcrag (the paper's corpora) is not in the repository
+    try:
         sparcrag.main(["--preset", "paper", "--dry_run"])
+    except SystemExit:  # the paper's corpora (data/sparcrag) are not in the repository, its models not cached
+        pass
     printed = capsys.readouterr().out
     config = json.loads(printed[: printed.index("\n}\n") + 2])
     paper = {
