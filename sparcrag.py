@@ -26,8 +26,9 @@ Deviations from the paper (each marked `# simplification:` where it lives):
 3. Toy world: warm-up SFT examples and DPO pairs are entity-renamed (a tiny model learns to copy names only then).
 4. Toy preset: greedy rewrites (paper: T 0.5), top-3 passages (paper: 6), depth 4 untuned and tuned (paper: 6 fixed,
    cap 8; Tab. 3's caption: 6), compact templates with single-token tags.
-5. The Answer Evaluator's prompt is the spec's proposal (§4.6): the paper prints none.
-6. DPO's reference is the adapter-disabled model (TRL's sigmoid DPO); the paper's printed loss: --reference_free.
+5. The Answer Evaluator's prompt is ours: the paper describes the agent (§3.2) but prints no prompt (App. D).
+6. DPO against the adapter-disabled model, though the printed loss (§3.4) has no reference (--reference_free): the
+   paper trains "DPO" with TRL 0.23.1 and LoRA (App. A.4), whose DPO takes that model as the reference.
 7. Paper preset: BM25 and E5 over wiki-18 (the paper: Elasticsearch BM25, BGE-large-en-v1.5, IRCoT and DPR corpora).
 8. Cost: every role's tokens (toy reader included) in the trained model's tokenizer; latency is batched wall time;
    the rewrite-group overlap (App. B.2) uses the branches' own retrieved sets.
@@ -38,6 +39,8 @@ Deviations from the paper (each marked `# simplification:` where it lives):
     on its own role's pairs and serving it (the untrained roles: the rewriter's), the rewriter's 1 epoch (--dpo_epochs;
     paper 3), the evaluator's 5 (--evaluator_epochs): F1 held on 3 seeds where one adapter lost some (docs).
 12. --rpo_alpha (0 in both presets): DPO + alpha x the chosen's per-token NLL (RPO, Pang et al. 2024; TRL's name).
+13. W = 1 calls no Select or Merge (Alg. 1 calls both every round): the one branch's note is m^(t), its answer a_k*.
+14. One seed per batched generate call: a sample depends on its batch-mates (per-question seeds: a call each).
 """
 
 import random
@@ -61,7 +64,7 @@ from common.llm import add_lora, chat_prompts, generate, right_pad, unknown_word
 from common.metrics import answer_scores, exact_match, f1_score, normalize_answer, sub_exact_match
 from common.models import load_model_and_tokenizer, make_llm
 from common.retrieval import open_retriever
-from common.toy import rename_entities, world_or_none  # toy renaming (header item 3)
+from common.toy import oracle_sparcrag, rename_entities, world_or_none  # toy renaming, teacher (header items 2-3)
 
 
 @dataclass
@@ -74,9 +77,7 @@ class Args:
     output_dir: str | None = field(default=None, metadata={"help": "default: runs/<run_name>; --eval: <model>/eval"})
     run_name: str | None = field(default=None, metadata={"help": "a training run's name: sparcrag__<seed>__<time>"})
     resume: bool = field(default=False, metadata={"help": "continue the run --run_name / --output_dir"})
-    dry_run: bool = field(
-        default=False, metadata={"help": "print the resolved configuration, check its paths, load nothing"}
-    )
+    dry_run: bool = field(default=False, metadata={"help": "print the configuration, check its paths, load nothing"})
     report_to: str = field(default="none", metadata={"help": "tracker", "choices": ["none", "tensorboard", "wandb"]})
     seed: int = field(default=42, metadata={"help": "seed of models, sampling and data order [App. A.4: 42]"})
     # data, retrievers, models
@@ -103,14 +104,14 @@ class Args:
     evaluator_max_tokens: int | None = field(default=None, metadata={"help": "tokens per evaluator call [A.4: 600]"})
     dense_only: bool = field(default=False, metadata={"help": "every query dense (the Tab. 6 ablation)"})
     format_tokens: bool | None = field(default=None, metadata={"help": "the output formats' tags as single tokens"})
-    bootstrap_with_q0: bool = field(default=False, metadata={"help": "round 1: one dense path on q0 (spec §9.3)"})
+    bootstrap_with_q0: bool = field(default=False, metadata={"help": "round 1: a dense path on q0 (reading §5.2)"})
     gen_batch_size: int = field(default=512, metadata={"help": "prompts per generate call (memory only)"})
     # preference pairs [§3.4]
-    n_samples: int = field(default=4, metadata={"help": "samples per state (spec §5.3-5.4 [R]: 4)"})
-    rewrite_pair_temperature: float | None = field(default=None, metadata={"help": "rewrite samples (spec §5.3: 1)"})
+    n_samples: int = field(default=4, metadata={"help": "samples per state [§3.4; ours: 4]"})
+    rewrite_pair_temperature: float | None = field(default=None, metadata={"help": "rewrite samples [§3.4; ours: 1]"})
     lam: float | None = field(default=None, metadata={"help": "weight of continue over a wrong stop [§5.2: 2]"})
     correct_by: str | None = field(default=None, metadata={"help": "answer correctness: acc, em or f1 (>= 0.5)"})
-    synthesize_missing: bool = field(default=False, metadata={"help": "missing side -> canonical decision (spec)"})
+    synthesize_missing: bool = field(default=False, metadata={"help": "missing side -> canonical decision (ours)"})
     # DPO with LoRA [App. A.4]
     beta: float = field(default=0.1, metadata={"help": "DPO beta [App. A.4: 0.1]"})
     reference_free: bool = field(default=False, metadata={"help": "the paper's equation as printed: no reference"})
@@ -161,7 +162,7 @@ PRESETS = {  # field: (toy, paper), for the fields left at None; any flag overri
     "role_adapters": (True, False),  # simplification: per-role adapters in the toy (header item 11)
     "dpo_epochs": (1, 3),  # [App. A.4: 3]; simplification: the toy rewriter's adapter, 1 epoch (header item 11)
     "evaluator_epochs": (5, 3),  # [App. A.4: 3] with --role_adapters (header item 11)
-    "rewrite_pair_temperature": (1.0, 1.0),  # spec §5.3 [R]
+    "rewrite_pair_temperature": (1.0, 1.0),  # ours: the paper gives none
     "micro_batch_size": (16, 1),
     "warmup": ("teacher", "none"),  # simplification: the toy's warm-up (header item 2)
     "sft_steps": (800, 0),
@@ -191,7 +192,7 @@ def apply_preset(args):
     return args
 
 
-# --------------------------------------------------------------------------- 1. prompts [App. D; spec §4]
+# --------------------------------------------------------------------------- 1. prompts [App. D]
 CONTEXT_MANAGER_PROMPT = """\
 Act as the context manager for a Retrieval-Augmented Generation (RAG) system. Your job is to maintain a single, \
 up-to-date note that contains all the information relevant to answering the original query. Please ensure that the \
@@ -274,8 +275,8 @@ Please ensure that the note includes all original text information useful for an
 response with the literal tag [END].
 Your response:"""
 
-# simplification: ours (spec §4.6, header item 5): the paper describes the Answer Evaluator (inputs q0, q_t, a_t,
-# m_t; STOP or CONTINUE on correctness and grounding) but prints no prompt
+# simplification: ours (header item 5): the paper describes the Answer Evaluator [§3.2] (inputs q0, q_t, a_t, m_t;
+# STOP or CONTINUE on correctness and grounding, abstract) but prints no prompt
 EVALUATOR_PROMPT = """\
 You are the answer evaluator in a Retrieval-Augmented Generation (RAG) system. Decide whether the candidate answer \
 can be accepted as the final answer (STOP) or whether more retrieval and reasoning are needed (CONTINUE).
@@ -291,7 +292,7 @@ Give a one-sentence justification, then output your decision as <decision>STOP</
 <decision>CONTINUE</decision>. End your response with the literal tag [END].
 Evaluation:"""
 
-# ours (spec §9.34): the self-evaluation of the Sequential (Naive) baseline [App. A.5], which the paper does not print
+# ours: the self-evaluation of the Sequential (Naive) baseline [App. A.5], which the paper does not print
 CONFIDENCE_PROMPT = """\
 The following are given documents:
 {note}
@@ -328,21 +329,22 @@ SFT_SHARES = {"rewrite": 0.75, "evaluate": 0.25}
 FORMAT_TOKENS = ["<queries>", "</queries>", "</item>", "<strategy>", "</strategy>", "<query>", "</query>", "[END]"]
 FORMAT_TOKENS += ["<decision>", "</decision>", "<think>", "</think>"] + [f'<item rank="{i}">' for i in range(1, 9)]
 TRAINED = ("rewrite", "evaluate")  # [§3.4] the roles the preference pairs tune
+TEXTS = ("prompt", "chosen", "rejected")  # a preference pair's texts
 
 
 def format_passages(hits):
-    """{new_context}: `Title: t` / `Text: x` per passage, blank lines between (spec §4.7, DeepNote's format)."""
+    """{new_context}: `Title: t` / `Text: x` per passage, blank lines between (ours: DeepNote's format)."""
     return "\n\n".join(f"Title: {h['title']}\nText: {h['text']}" for h in hits)
 
 
 def format_answer_blocks(branches):
-    """{answer_blocks}: the answer, evaluation and note of each branch, 1-based (spec §4.7; Alg. 1 L12 passes e_k)."""
+    """{answer_blocks}: the answer, evaluation and note of each branch, 1-based (ours; [Alg. 1] L12 passes e_k)."""
     block = "Answer {0}: {1[answer]}\nEvaluation {0}: {1[decision]}\nReasoning {0}: {1[note]}"
     return "\n\n".join(block.format(k, b) for k, b in enumerate(branches, 1))
 
 
 def format_notes(notes):
-    """{reasoning_list}: `Note i: ...`, the winner's note first (spec §4.7: ContextMerge(m'_k*, others))."""
+    """{reasoning_list}: `Note i: ...`, the winner's note first (ours; [§3.2] ContextMerge(m'_k*, others))."""
     return "\n".join(f"Note {i}: {note}" for i, note in enumerate(notes, 1))
 
 
@@ -353,25 +355,25 @@ def format_rewrites(items):
     return f"<queries>\n{body}</queries> [END]"
 
 
-# --------------------------------------------------------------------------- 2. parsing (spec §2.0, §3.4, §8.2-8.3)
+# --------------------------------------------------------------------------- 2. parsing (ours; formats: App. D)
 END = re.compile(r"\[\s*end\s*\]", re.IGNORECASE)
 TAG = r"<\s*{0}\b[^>]*>(.*?)<\s*/\s*{0}\s*>"  # spacing tolerated: the toy tokenizer decodes `< query >`
 FLAGS = re.DOTALL | re.IGNORECASE
 
 
 def strip_end(text):
-    """The text before the first [END], without <think> blocks (an unclosed one runs to the end) [R]."""
+    """The text before the first [END], without <think> blocks (an unclosed one runs to the end; ours)."""
     return re.sub(r"<\s*think\s*>.*?(<\s*/\s*think\s*>|$)", " ", END.split(text, maxsplit=1)[0], flags=FLAGS).strip()
 
 
 def clean_answer(text):
-    """The Answer Generator's answer: the first non-empty line before [END] (spec §2.2)."""
+    """The Answer Generator's answer: the first non-empty line before [END] (ours)."""
     return next((line.strip() for line in strip_end(text).splitlines() if line.strip()), "")
 
 
 def parse_rewrites(text, width, fallback=None):
-    """[(strategy, query)] of a rewrite (spec §8.2): items by rank, strategy bm25 or else dense, empty and repeated
-    items dropped, the first `width` padded with (dense, fallback); no fallback, no padding (spec §5.3)."""
+    """[(strategy, query)] of a rewrite (ours): items by rank, strategy bm25 or else dense, empty and repeated items
+    dropped, the first `width` padded with (dense, fallback); no fallback, no padding (an unparsed sample)."""
     found = []
     for i, m in enumerate(re.finditer(TAG.format("item"), strip_end(text), flags=FLAGS)):
         rank = re.search(r'rank\s*=\s*"?\s*(\d+)', m.group(0))
@@ -388,19 +390,22 @@ def parse_rewrites(text, width, fallback=None):
 
 
 def parse_decision(text):
-    """STOP or CONTINUE: the last <decision> tag, else the last bare word, else CONTINUE (never stop by default)."""
+    """STOP or CONTINUE of the text before [END] without <think> blocks: the last <decision> tag, else the last bare
+    word, else CONTINUE (never stop by default: an output cut inside its <think> block continues)."""
+    text = strip_end(text)
     tags = re.findall(r"<\s*decision\s*>\s*(stop|continue)\s*<\s*/\s*decision\s*>", text, flags=re.IGNORECASE)
     words = tags or re.findall(r"\b(stop|continue)\b", text, flags=re.IGNORECASE)
     return words[-1].upper() if words else CONTINUE
 
 
 def select_branch(text, answers, decisions):
-    """k* from the Answer Selection output (spec §3.4): the branch whose answer equals the last <answer> text
-    (normalised), else the best token-F1 one, else the first STOP branch, else 0; the lowest k on ties."""
-    text = END.split(text, maxsplit=1)[0]  # what a stop at [END] leaves
+    """k* from the Answer Selection output before [END], <think> blocks dropped (ours, [§3.2]): the branch whose answer
+    equals the last <answer> text (normalised, not empty), else the best token-F1 one, else the first STOP branch,
+    else 0; the lowest k on ties."""
+    text = strip_end(text)
     tags = re.findall(TAG.format("answer"), text, flags=FLAGS)
-    chosen = normalize_answer(tags[-1] if tags else strip_end(text))
-    if chosen in (same := [normalize_answer(a) for a in answers]):
+    chosen = normalize_answer(tags[-1] if tags else text)
+    if chosen and chosen in (same := [normalize_answer(a) for a in answers]):  # an empty text names no branch
         return same.index(chosen)
     scores = [f1_score(a, chosen) if chosen else 0.0 for a in answers]
     return scores.index(max(scores)) if max(scores) > 0 else next((k for k, d in enumerate(decisions) if d == STOP), 0)
@@ -420,20 +425,21 @@ PARSE = {  # what the rollout reads from each agent's output; `info` is what the
     "select": lambda text, info: select_branch(text, info["answers"], info["decisions"]),
     "merge": lambda text, info: strip_end(text),
     "naive": lambda text, info: clean_answer(text),
+    "parallel": lambda text, info: clean_answer(text),
     "confidence": lambda text, info: parse_confidence(text),
 }
 
 
-# --------------------------------------------------------------------------- 3. metrics [§4.1; spec §6.4]
+# --------------------------------------------------------------------------- 3. metrics [§4.1]
 def is_correct(answer, golds, by):
-    """The correctness label of an answer: acc (a gold inside the answer), em, or f1 >= 0.5 (spec §9.12)."""
+    """An answer's correctness label (ours: the paper names none): acc (a gold in the answer), em, or f1 >= 0.5."""
     if by == "f1":
         return f1_score(answer, golds) >= 0.5
     return bool((exact_match if by == "em" else sub_exact_match)(answer, golds))
 
 
 def paragraph_recall(retrieved_ids, gold_ids):
-    """|retrieved ∩ gold| / |gold| (spec §6.4); None without gold paragraphs."""
+    """|retrieved ∩ gold| / |gold| [§4.1, §5.1]; None without gold paragraphs."""
     gold = set(map(str, gold_ids or []))
     return len(gold & set(map(str, retrieved_ids))) / len(gold) if gold else None
 
@@ -456,7 +462,7 @@ def policy_role(model, tokenizer, args, temperature, max_tokens=None, adapter="d
         model.eval()
         sampling = {"do_sample": temperature > 0, "temperature": temperature or 1.0, "stop": ["[END]"]}
         texts, n, size = [], max_tokens or args.max_new_tokens, args.gen_batch_size
-        for s in range(0, len(prompts), size):
+        for s in range(0, len(prompts), size):  # simplification: one seed per generate call (header item 14)
             texts += generate(model, tokenizer, prompts[s : s + size], n, seed=seed + s, **sampling).texts
         return texts
 
@@ -480,7 +486,8 @@ def make_ctx(policy, tokenizer, retrievers, llm, args, trained=None):
     roles |= {"evaluate": policy_role(policy, tokenizer, args, 0.0, args.evaluator_max_tokens, "evaluate")}
     roles |= trained or {}
     roles |= {role: other(args.temperature) for role in ("update", "answer", "select", "merge")}
-    roles |= {"naive": other(0.7), "confidence": other(0.0)}
+    # the naive baselines [App. A.5]: Parallel's answers at T 0.7, Vanilla's and Sequential's at A.4's; confidence ours
+    roles |= {"parallel": other(0.7), "naive": other(args.temperature), "confidence": other(0.0)}
 
     def count(prompts, outputs):  # simplification: every role in the backbone's tokenizer (header item 8)
         chats = chat_prompts(tokenizer, [[{"role": "user", "content": p}] for p in prompts])
@@ -490,7 +497,7 @@ def make_ctx(policy, tokenizer, retrievers, llm, args, trained=None):
     return {"roles": roles, "count": count, "retrievers": retrievers, "args": args, "tpl": TEMPLATES[args.templates]}
 
 
-WH_WORDS = {"what", "where", "when", "who", "whom", "whose", "which", "why", "how"}  # [App. A.3], spec §9.21
+WH_WORDS = {"what", "where", "when", "who", "whom", "whose", "which", "why", "how"}  # [App. A.3]: "e.g." ours
 
 
 def retrieve(retrievers, items, top_k, dense_only=False):
@@ -551,8 +558,8 @@ def sparc_rag(rows, ctx, width, depth, early_exit=True, seed=0):
 
 def distribute(ctx, live, width, t, seed):
     """Phase 1: the Query Rewriter writes W (strategy, sub-query) items per question in one call [L4, §3.2]; each
-    item opens a branch. q_t is the question in round 1, then the last winner's sub-query (spec §9.10)."""
-    if ctx["args"].bootstrap_with_q0 and t == 1:  # spec §9.3 variant: round 1 is one dense path on q0
+    item opens a branch. q_t is the question in round 1, then the last winner's sub-query (ours)."""
+    if ctx["args"].bootstrap_with_q0 and t == 1:  # a reading of §5.2, App. C.3: round 1 on q0
         items = [[("dense", run["row"]["question"])] for run in live]
     else:
         fill = lambda run: {"N": width, "query": run["row"]["question"], "current_query": run["query"]}
@@ -586,10 +593,8 @@ def explore(ctx, branches, t, seed):
 def aggregate(ctx, live, branches, t, seed):
     """Phase 3: the Context Manager selects the best branch k* [L12] and merges the branch notes, the winner's first,
     into the new global note m^(t) [L13]: the only write to the shared context. One branch: its note, no calls."""
-    of = defaultdict(list)
-    for b in branches:
-        of[id(b["run"])].append(b)
-    many = [run for run in live if len(of[id(run)]) > 1]
+    of = {id(run): [b for b in branches if b["run"] is run] for run in live}
+    many = [run for run in live if len(of[id(run)]) > 1]  # simplification: one branch, no call (header item 13)
     requests = []
     for run in many:
         bs, q0 = of[id(run)], run["row"]["question"]
@@ -603,7 +608,7 @@ def aggregate(ctx, live, branches, t, seed):
         prompt = ctx["tpl"]["merge"].format(question=run["row"]["question"], reasoning_list=format_notes(notes))
         requests.append(req(run, prompt))
     merged = dict(zip(map(id, many), call_role(ctx, "merge", t, requests, seed)))
-    for run in live:  # copy on write: m^(t) replaces m^(t-1); q_t+1 is the winner's sub-query (spec §9.10)
+    for run in live:  # copy on write: m^(t) replaces m^(t-1); q_t+1 is the winner's sub-query (ours)
         w = winner[id(run)]
         run.update(note=merged.get(id(run), w["note"]), query=w["query"], answer=w["answer"], rounds=t)
         run["stopped"] = w["decision"] == STOP
@@ -612,8 +617,8 @@ def aggregate(ctx, live, branches, t, seed):
 
 # --------------------------------------------------------------------------- 6. the naive baselines [App. A.5]
 def naive(rows, ctx, system, n, seed=0):
-    """Vanilla RAG, Parallel (n answers at T 0.7, majority vote) and Sequential (retry below confidence 0.7)
-    (naive) baselines [App. A.5, spec §6.5]; the answer prompt is the Answer Generator's, passages as notes."""
+    """The naive baselines [App. A.5]: Vanilla RAG, Parallel (n answers at T 0.7, majority vote), Sequential (retried
+    below confidence 0.7); the answer prompt the Answer Generator's, passages as notes (ours)."""
     tpl, runs = ctx["tpl"], [new_run(r) | {"rounds": 1} for r in rows]
     found = retrieve(ctx["retrievers"], [("dense", r["question"]) for r in rows], ctx["args"].top_k)
     for run, hits in zip(runs, found):
@@ -622,8 +627,8 @@ def naive(rows, ctx, system, n, seed=0):
         run["passages"] = format_passages(hits)
         run["prompt"] = tpl["answer"].format(note=run["passages"], query=run["row"]["question"])
     if system != "sequential":
-        copies = n if system == "parallel" else 1
-        answers = call_role(ctx, "naive", 1, [req(run, run["prompt"]) for run in runs for _ in range(copies)], seed)
+        copies, role = (n, "parallel") if system == "parallel" else (1, "naive")
+        answers = call_role(ctx, role, 1, [req(run, run["prompt"]) for run in runs for _ in range(copies)], seed)
         for i, run in enumerate(runs):
             votes = Counter(normalize_answer(a) for a in answers[i * copies : (i + 1) * copies])
             run["answer"] = next(a for a in answers[i * copies :] if normalize_answer(a) == votes.most_common(1)[0][0])
@@ -641,7 +646,7 @@ def naive(rows, ctx, system, n, seed=0):
     return runs
 
 
-# --------------------------------------------------------------------------- 7. preference pairs [§3.4; spec §5.3-5.4]
+# --------------------------------------------------------------------------- 7. preference pairs [§3.4]
 def rewrite_pair(recalls):
     """(chosen, rejected): the first highest- over the first lowest-recall sample if higher [§3.4], else None."""
     hi = max(range(len(recalls)), key=lambda i: (recalls[i], -i))
@@ -668,7 +673,7 @@ def build_pairs(runs, ctx, sample, args):
     the combined recall of their W retrievals; per logged Evaluator input, n decisions by the answer's correctness."""
     rewrites = [(e, r) for e, r in states_of(runs, "rewrite") if r["row"]["metadata"].get("supporting_doc_ids")]
     evaluations = states_of(runs, "evaluate")
-    temperatures = [args.rewrite_pair_temperature] * len(rewrites) + [1.0] * len(evaluations)  # spec §5.3-5.4
+    temperatures = [args.rewrite_pair_temperature] * len(rewrites) + [1.0] * len(evaluations)  # ours
     texts = sample([e["prompt"] for e, _ in rewrites + evaluations], args.n_samples, temperatures)
     groups = [[parse_rewrites(t, e["width"]) for t in ts] for (e, _), ts in zip(rewrites, texts)]  # unparsed: []
     flat = [item for group in groups for items in group for item in items]
@@ -682,14 +687,13 @@ def build_pairs(runs, ctx, sample, args):
     for (entry, run), ts in zip(evaluations, texts[len(rewrites) :]):
         correct = is_correct(entry["answer"], run["row"]["golden_answers"], args.correct_by)
         if got := evaluator_pair([parse_decision(t) for t in ts], correct, args.lam, args.synthesize_missing):
-            canonical = ts + [f"<decision>{STOP if correct else CONTINUE}</decision>"]  # index -1
+            canonical = ts + [f"<decision>{STOP if correct else CONTINUE}</decision> [END]"]  # index -1
             pairs.append({"role": "evaluate", "prompt": entry["prompt"], "weight": got[2]} | pick(canonical, *got[:2]))
     return pairs
 
 
 def sampler(model, tokenizer, args):
-    """sample(prompts, n, temperatures): n texts per prompt from the backbone at its temperature (spec §5.3-5.4 [R]:
-    1), one generate call per distinct temperature (all at 1: one call, as before the flag)."""
+    """sample(prompts, n, temperatures): n texts per prompt from the backbone, one generate call per temperature."""
 
     def sample(prompts, n, temperatures, seed=0):
         texts = [None] * len(prompts)
@@ -713,11 +717,11 @@ def sequence_logps(model, ids, loss_mask, attention):
 
 
 def dpo_loss(pi_chosen, pi_rejected, ref_chosen, ref_rejected, weights, beta, reference_free=False):
-    """Weighted DPO: the batch mean (not over the sum of w, spec §9.14) of w * -log sigmoid(beta * margin), margin =
+    """Weighted DPO: the batch mean (ours: not over the sum of w) of w * -log sigmoid(beta * margin), margin =
     log pi(y+) - log pi(y-) as printed, minus the reference's by default; and beta * margin (the reward margins)."""
     margin = pi_chosen - pi_rejected  # [§3.4, Eq. L_AE]
     if not reference_free:
-        margin = margin - (ref_chosen - ref_rejected)  # simplification: a reference (spec §5.5, header item 6)
+        margin = margin - (ref_chosen - ref_rejected)  # simplification: a reference (header item 6)
     return (weights * F.softplus(-beta * margin)).mean(), beta * margin  # softplus(-x) = -log sigmoid(x)
 
 
@@ -732,12 +736,13 @@ def pair_loss(model, ids, mask, attention, weights, args, reference):
 
 
 def encode(tokenizer, prompt, response):
-    """(ids, loss_mask) as assembled: chat prompt (0), response cut at [END], then [END] and EOS (1) (spec §5.5)."""
+    """(ids, loss_mask) as assembled: chat prompt (0), the response as stored through its first [END] (<think> kept),
+    EOS (1); one without [END] (cut by the token cap; or ended by EOS: the text cannot tell) as written, no EOS."""
     prompt = chat_prompts(tokenizer, [[{"role": "user", "content": prompt}]])[0]
     prompt_ids = tokenizer(prompt, add_special_tokens=False)["input_ids"]
-    target = tokenizer(strip_end(response) + " [END]", add_special_tokens=False)["input_ids"] + [
-        tokenizer.eos_token_id
-    ]
+    end = END.search(response)
+    text = response[: end.start()] + "[END]" if end else response
+    target = tokenizer(text, add_special_tokens=False)["input_ids"] + [tokenizer.eos_token_id] * bool(end)
     return prompt_ids + target, [0] * len(prompt_ids) + [1] * len(target)
 
 
@@ -749,32 +754,24 @@ def batch_tensors(seqs, pad_id, device):
 
 
 # --------------------------------------------------------------------------- 9. the toy warm-up (header item 2)
-def teacher_rewrite(request, rng, args):
-    """The toy teacher's rewrites: the sub-queries (metadata) of the facts not in the note whose subject is named,
-    then a named subject alone, the question; with p teacher_duplicate item 2 repeats item 1 by dense."""
-    run, width = request["run"], request["info"]["width"]
-    meta, q0 = run["row"]["metadata"], run["row"]["question"]
-    seen, noted = set(re.findall(r"\w+", f"{q0} {run['note']}".lower())), set(re.findall(r"\w+", run["note"].lower()))
-    heads = meta["entities"][:2] if meta["type"] in ("comparison", "yes_no") else meta["entities"][:-1]
-    facts = zip(heads, meta["sub_answers"], meta["sub_queries"])
-    todo = [("bm25", q) for h, a, q in facts if h in seen and not {h, a} <= noted]
-    if todo and rng.random() < args.teacher_duplicate:
-        todo = [todo[0], ("dense", todo[0][1])]
-    fillers = [("dense", h) for h in heads if h in seen] + [("dense", q0)]  # another granularity, the question
-    return format_rewrites(list(dict.fromkeys(todo + fillers))[:width])
-
-
 def teacher_role(role, args, seed):
-    """The warm-up teacher as a trained role's backbone: teacher_rewrite, or STOP at the rates of header item 2."""
-    rng = random.Random(seed)
+    """The warm-up teacher as a trained role's backbone in its templates' format (the paper's: <think> before rewrites,
+    a reason before a decision): the toy oracle's rewrites, or STOP at header item 2's rates on EM (the toy truth)."""
+    rng, paper = random.Random(seed), args.templates == "paper"
+
+    def rewrite(r):
+        items = oracle_sparcrag(r["run"]["row"], r["run"]["note"], r["info"]["width"], rng, args.teacher_duplicate)
+        strategies = " , ".join(f"{k} {s}" for k, (s, _) in enumerate(items, 1))
+        think = f"<think> i need to know : {' ; '.join(q for _, q in items)} . strategy : {strategies} . </think>\n"
+        return think * paper + format_rewrites(items)
 
     def decide(r):
-        right = is_correct(r["info"]["answer"], r["run"]["row"]["golden_answers"], args.correct_by)
+        right = exact_match(r["info"]["answer"], r["run"]["row"]["golden_answers"])
         stop = rng.random() < (args.teacher_accept_correct if right else args.teacher_accept_wrong)
-        return f"<decision>{STOP if stop else CONTINUE}</decision> [END]"
+        why = ("the note states the answer . " if stop else "i need more information . ") * paper
+        return f"{why}<decision>{STOP if stop else CONTINUE}</decision> [END]"
 
-    act = (lambda r: teacher_rewrite(r, rng, args)) if role == "rewrite" else decide
-    return lambda requests, seed=0: [act(r) for r in requests]
+    return lambda requests, seed=0: [(rewrite if role == "rewrite" else decide)(r) for r in requests]
 
 
 def warmup_examples(rows, policy, tokenizer, llm, retrievers, args):
@@ -788,6 +785,11 @@ def warmup_examples(rows, policy, tokenizer, llm, retrievers, args):
     return examples
 
 
+def renamed(texts, world, rng, p):
+    """The texts entity-renamed as one with probability p in the toy world (header item 3), else as they are."""
+    return rename_entities(texts, world, rng, popular="keep") if world and rng.random() < p else texts
+
+
 def sft(accelerator, model, tokenizer, examples, args, world):
     """Cross-entropy on the output, [END] and EOS (runs.sft_step); AdamW, warm-up, linear decay; toy renaming."""
     rng, warm = random.Random(args.seed), max(1, args.sft_steps // 20)
@@ -798,30 +800,25 @@ def sft(accelerator, model, tokenizer, examples, args, world):
     model.train()
     pools = [[e for e in examples if e["role"] == role] for role in TRAINED]  # each batch: both roles, in shares
     shares = [round(args.sft_batch_size * SFT_SHARES[role]) for role in TRAINED]
-    rename = lambda x: rename_entities(x, world, rng, popular="keep")  # simplification: header item 3
     for step in range(args.sft_steps):
         batch = [e for pool, n in zip(pools, shares) for e in rng.sample(pool, min(n, len(pool)))]
-        texts = [[e["prompt"], e["output"]] for e in batch[accelerator.process_index :: accelerator.num_processes]]
-        texts = [rename(x) if world and rng.random() < args.augment_p else x for x in texts]
-        seqs = [encode(tokenizer, *x) for x in texts]
+        texts = [[e["prompt"], e["output"]] for e in batch]  # renamed whole on every process: the same draws
+        texts = [renamed(x, world, rng, args.augment_p) for x in texts]
+        own, weight = runs.own_share(texts, accelerator)  # the batch split over the processes
+        seqs = [encode(tokenizer, *x) for x in own]
         ids, mask, attention = batch_tensors(seqs, tokenizer.pad_token_id, accelerator.device)
         labels = ids.masked_fill(mask == 0, -100)  # (B, T): the loss on the output, [END] and EOS only
-        loss = runs.sft_step(accelerator, model, optimizer, scheduler, ids, labels, attention, len(ids))
+        loss = runs.sft_step(accelerator, model, optimizer, scheduler, ids, labels, attention, len(ids), weight=weight)
         if step % 100 == 0 or step + 1 == args.sft_steps:
             accelerator.print(f"sft step {step + 1}/{args.sft_steps} | loss={loss:.4f}")
     return accelerator.unwrap_model(model)
 
 
 # ------------------------------------------------------------------------- 10. weighted DPO with LoRA [§3.4, App. A.4]
-def pair_tensors(micro, tokenizer, rng, world, args, device):
+def pair_tensors(micro, tokenizer, device):
     """(ids, loss_mask, attention) of the chosen then the rejected sequences, and the weights (B,)."""
-    seqs = []
-    for p in micro:
-        texts = [p["prompt"], p["chosen"], p["rejected"]]
-        if world and rng.random() < args.dpo_augment_p:
-            texts = rename_entities(texts, world, rng, popular="keep")
-        seqs.append((encode(tokenizer, texts[0], texts[1]), encode(tokenizer, texts[0], texts[2])))
-    tensors = batch_tensors([c for c, _ in seqs] + [r for _, r in seqs], tokenizer.pad_token_id, device)
+    seqs = [encode(tokenizer, p["prompt"], p[y]) for y in ("chosen", "rejected") for p in micro]
+    tensors = batch_tensors(seqs, tokenizer.pad_token_id, device)
     return *tensors, torch.tensor([p["weight"] for p in micro], device=device)
 
 
@@ -838,7 +835,8 @@ def tune(accelerator, model, tokenizer, pairs, args, world, out):
 
 def dpo_train(accelerator, model, tokenizer, pairs, args, world, out, adapter="default", logged=0, epochs=None):
     """Weighted DPO of one LoRA adapter (q/k/v/o) on `pairs`, the combined ones by default [§4.5]; the reference the
-    same model with its adapter(s) disabled, AdamW, linear decay, gradient clipping 1.0 (spec §9.16)."""
+    same model with its adapter(s) disabled, AdamW, linear decay, clipping 1.0 (ours: HF defaults). Each batch split
+    over the processes in micro-batches: the same step for any process count and --micro_batch_size."""
     rng = random.Random(args.seed)
     longest = lambda p: max(len(encode(tokenizer, p["prompt"], p[y])[0]) for y in ("chosen", "rejected"))
     pairs = [p for p in pairs if longest(p) <= args.max_length]
@@ -856,28 +854,33 @@ def dpo_train(accelerator, model, tokenizer, pairs, args, world, out, adapter="d
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: 1 - s / max(steps, 1))
     model, optimizer = accelerator.prepare(model, optimizer)
     order = [pairs[i] for _ in range(epochs) for i in rng.sample(range(len(pairs)), len(pairs))]
-    for step in range(steps):  # batches in order through the shuffled epochs
+    reference = accelerator.unwrap_model(model).disable_adapter  # pi_ref: the adapter(s) disabled
+    for step in range(steps):  # batches in order through the shuffled epochs, renamed whole on every process
         batch = order[step * args.dpo_batch_size : (step + 1) * args.dpo_batch_size]
-        mine = batch[accelerator.process_index :: accelerator.num_processes]
+        batch = [p | dict(zip(TEXTS, renamed([p[k] for k in TEXTS], world, rng, args.dpo_augment_p))) for p in batch]
+        mine, weight = runs.own_share(batch, accelerator)
         model.train()
         optimizer.zero_grad()
-        stats = Counter()
-        for m in range(0, len(mine), args.micro_batch_size):
-            micro = mine[m : m + args.micro_batch_size]
-            batch = pair_tensors(micro, tokenizer, rng, world, args, accelerator.device)  # ids, mask, attention, w
-            loss, rewards = pair_loss(model, *batch, args, accelerator.unwrap_model(model).disable_adapter)
-            accelerator.backward(loss * len(micro) / len(mine))
-            stats.update({"losses/dpo": loss.item() * len(micro), "rewards/margin": rewards.sum().item()})
-            stats.update({"rewards/accuracy": (rewards > 0).sum().item(), "n": len(micro)})
+        stats = []
+
+        def loss_of(rows):  # the micro-batch's share of the batch mean (DDP averages over the processes)
+            ids, mask, attention, w = pair_tensors(mine[rows], tokenizer, accelerator.device)
+            loss, rewards = pair_loss(model, ids, mask, attention, w, args, reference)
+            stats.append((loss.item() * len(w), rewards.sum().item(), (rewards > 0).sum().item(), len(w)))
+            return loss * len(w) * accelerator.num_processes * weight / len(batch)
+
+        runs.micro_backward(accelerator, model, len(mine), args.micro_batch_size, loss_of)
         accelerator.clip_grad_norm_(model.parameters(), 1.0)
         optimizer.step()
         scheduler.step()
-        record = {k: v / max(stats["n"], 1) for k, v in stats.items() if k != "n"} | {"step": logged + step + 1}
-        runs.log_update(accelerator, out, record, logged + step + 1)
+        sums = torch.tensor([sum(c) * weight for c in zip(*stats)], dtype=torch.float64, device=accelerator.device)
+        loss, margin, accuracy, n = accelerator.reduce(sums, "sum").tolist()  # over every process's pairs
+        record = {"losses/dpo": loss / n, "rewards/margin": margin / n, "rewards/accuracy": accuracy / n}
+        runs.log_update(accelerator, out, record | {"step": logged + step + 1}, logged + step + 1)
     return accelerator.unwrap_model(model), logged + steps
 
 
-# --------------------------------------------------------------------------- 11. evaluation [§4.1, §5; spec §6.4]
+# --------------------------------------------------------------------------- 11. evaluation [§4.1, §5]
 def run_record(run, args, upto=None):
     """A question's scores and cost at its end, or after round `upto` of a fixed-depth run."""
     snap = run["snapshots"][upto - 1] if upto else {**run["cost"], "answer": run["answer"]}
@@ -896,7 +899,7 @@ def run_record(run, args, upto=None):
 
 
 def summarize(records, rows):
-    """Means (recall, overlap: where defined), incorrect acceptance (spec §9.32), avg [§4.1], by question type."""
+    """Means (recall, overlap: where defined), incorrect acceptance (Fig. 7), avg [§4.1], by question type."""
 
     def mean(recs):
         out = {k: (sum(vs) / len(vs) if (vs := [r[k] for r in recs if r[k] is not None]) else None) for k in recs[0]}
@@ -912,15 +915,15 @@ def summarize(records, rows):
 
 
 def evaluate(ctx, rows, width, depth, early_exit, system="sparcrag", predictions=None):
-    """A system on the rows, all advancing together; `predictions`: one json line per question."""
+    """A system on the rows (split over the processes, gathered in order); `predictions`: a json line per question."""
     start, args = time.time(), ctx["args"]
     if system == "sparcrag":
-        runs = sparc_rag(rows, ctx, width, depth, early_exit, args.seed)
+        played = runs.map_shared(lambda part: sparc_rag(part, ctx, width, depth, early_exit, args.seed), rows)
     else:
-        runs = naive(rows, ctx, system, args.naive_n, args.seed)
-    records = [run_record(run, args) for run in runs]
+        played = runs.map_shared(lambda part: naive(part, ctx, system, args.naive_n, args.seed), rows)
+    records = [run_record(run, args) for run in played]
     if predictions is not None and PartialState().is_main_process:
-        write_jsonl(predictions, [prediction_of(run, rec) for run, rec in zip(runs, records)])
+        write_jsonl(predictions, [prediction_of(run, rec) for run, rec in zip(played, records)])
     setting = {"system": system, "width": width, "depth": depth, "early_exit": early_exit}
     return summarize(records, rows) | {"setting": setting, "latency_s": (time.time() - start) / max(len(rows), 1)}
 
@@ -1014,7 +1017,7 @@ def train(args):
     if (state := runs.load_state(out / "dpo")) is not None:  # resume: tuned
         policy, tokenizer = load_policy(args, accelerator.device, str(out / "dpo"))
     else:
-        with accelerator.autocast():  # the base model's own runs on training questions [§3.4, spec §5.2]
+        with accelerator.autocast():  # the base model's own runs on training questions [§3.4]
             mine = train_rows[accelerator.process_index :: accelerator.num_processes]
             own = sparc_rag(mine, ctx, args.width, args.untuned_depth, early_exit=False, seed=args.seed)
             pairs = build_pairs(own, ctx, sampler(policy, tokenizer, args), args)

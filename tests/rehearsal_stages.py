@@ -288,6 +288,81 @@ def tearag_dpo(accelerator, micro_batch_size=2):
 
 
 # ------------------------------------------------------------------ sparcrag
+SPARCRAG_PAIRS = [  # (prompt, chosen, rejected, weight): the paper's formats, a <think> block, a lambda-weighted pair
+    ("write 2 queries . original query : who is the director of zorvak ?",
+     "<think> i need to know the director . </think> <queries> <query> zorvak directed </query> </queries> [END]",
+     "<think> i need to know", 1.0),
+    ("decide . answer : unknown", "the note lacks it . <decision> continue </decision> [END]",
+     "<decision> stop </decision> [END]", 2.0),
+    ("decide . answer : velbo", "<decision> stop </decision> [END]", "<decision> continue </decision> [END]", 1.0),
+    ("write 1 queries . original query : velbo ?", "<queries> <query> velbo born </query> </queries> [END]",
+     "<queries> </queries> [END]", 1.0),
+]  # fmt: skip
+
+
+def sparcrag_args(**flags):
+    """The paper preset's arguments on the toy world, a tiny model, LoRA dropout 0 (the same forward everywhere)."""
+    import sparcrag
+
+    world = str(Path(__file__).resolve().parents[1] / "data" / "toy")
+    flags = dict(preset="paper", model=TINY_LM, data_dir=world, encoder="tfidf", llm="toy", lora_dropout=0.0) | flags
+    return sparcrag.apply_preset(sparcrag.Args(**flags))
+
+
+def sparcrag_dpo(accelerator, **flags):
+    """sparcrag.dpo_train on SPARCRAG_PAIRS (1 epoch) with SGD at lr 1 for its AdamW: {"loss": each step's logged
+    loss, "margin": each step's logged reward margin, "grad": the LoRA weights' change}."""
+    import tempfile
+
+    import sparcrag
+
+    model, tokenizer = tiny_lm()
+    pairs = [dict(zip(("prompt", "chosen", "rejected", "weight"), p)) for p in SPARCRAG_PAIRS]
+    made, logged = [], []  # the LoRA weights as created; the logged steps
+    add_lora, adamw, log_update = sparcrag.add_lora, torch.optim.AdamW, sparcrag.runs.log_update
+    sparcrag.add_lora = lambda *a: (lora := add_lora(*a), made.append(trained(lora)))[0]
+    torch.optim.AdamW = lambda params, **kw: sgd(params)
+    sparcrag.runs.log_update = lambda accelerator, out, stats, step: logged.append(stats)
+    try:
+        args = sparcrag_args(dpo_epochs=1, **flags)
+        with tempfile.TemporaryDirectory() as out:
+            torch.manual_seed(1)  # the LoRA A matrices
+            tuned, _ = sparcrag.dpo_train(accelerator, model, tokenizer, pairs, args, None, Path(out))
+    finally:
+        sparcrag.add_lora, torch.optim.AdamW, sparcrag.runs.log_update = add_lora, adamw, log_update
+    series = lambda key: torch.tensor([r[key] for r in logged], dtype=torch.float64)
+    return {"loss": series("losses/dpo"), "margin": series("rewards/margin"), "grad": made[0] - trained(tuned)}
+
+
+@stage("sparcrag:dpo")
+def sparcrag_dpo_stage(accelerator):
+    """The paper preset's weighted DPO (micro-batch 1) on 4 pairs in batches of 3: shares of 2 and 1 over two
+    processes, then a last batch of 1 (the second process a stand-in at weight 0)."""
+    return sparcrag_dpo(accelerator, dpo_batch_size=3)
+
+
+@stage("sparcrag:sft")
+def sparcrag_sft(accelerator):
+    """The toy warm-up's SFT (sparcrag.sft) with SGD at lr 1: a batch of 3 examples (shares of 2 and 1), then one of 1
+    (the second process a stand-in at weight 0)."""
+    from dataclasses import replace
+
+    import sparcrag
+
+    model, tokenizer = tiny_lm()
+    role = lambda prompt: "rewrite" if prompt.startswith("write") else "evaluate"
+    examples = [{"role": role(p), "prompt": p, "output": y} for p, y, _, _ in SPARCRAG_PAIRS[:2] + SPARCRAG_PAIRS[3:]]
+    before, losses = trained(model), []
+    adamw, sft_step = torch.optim.AdamW, sparcrag.runs.sft_step
+    torch.optim.AdamW = lambda params, **kw: sgd(params)
+    sparcrag.runs.sft_step = lambda *a, **kw: losses.append(sft_step(*a, **kw)) or losses[-1]
+    try:
+        args = sparcrag_args(preset="toy", sft_steps=1, sft_batch_size=4)  # the toy's warm-up, its shares 3 and 1
+        model = sparcrag.sft(accelerator, model, tokenizer, examples, args, None)
+        model = sparcrag.sft(accelerator, model, tokenizer, examples, replace(args, sft_batch_size=1), None)
+    finally:
+        torch.optim.AdamW, sparcrag.runs.sft_step = adamw, sft_step
+    return {"loss": torch.tensor(losses, dtype=torch.float64), "grad": before - trained(model)}
 
 
 if __name__ == "__main__":

@@ -22,13 +22,19 @@ FLAGS = {  # method: (flags, the train_steps the run must report)
                 "1", "--dpo_epochs", "1", "--rollout_batch", "6", "--max_new_tokens", "32"], {"sft": 4, "dpo": 0}),
     "sparcrag": (["--n_train", "12", "--n_eval", "6", "--sft_steps", "6", "--sft_batch_size", "8", "--dpo_epochs", "1",
                   "--untuned_depth", "2", "--depth", "2", "--max_new_tokens", "96", "--seed", "0"],
-                 {"sft": 6, "dpo": 2}),  # the toy preset's two adapters
+                 {"sft": 6, "dpo": 1}),  # two adapters: the evaluator's 1 step (6 warm-up steps: no rewrite pair)
+    # the paper preset (no warm-up, one adapter, micro-batch 1), the toy reader as the frozen roles; DPO batches of 1
+    # pair: every step leaves the second process a stand-in (weight 0) that must still run DDP's backward
+    "sparcrag:paper": (["--preset", "paper", "--llm", "toy", "--encoder", "tfidf", "--synthesize_missing", "--n_train",
+                        "4", "--n_eval", "4", "--max_new_tokens", "16", "--evaluator_max_tokens", "8", "--depth", "2",
+                        "--untuned_depth", "2", "--dpo_epochs", "1", "--dpo_batch_size", "1", "--seed", "0"],
+                       {"sft": 0, "dpo": None}),
 }  # fmt: skip
 
 
 @pytest.mark.parametrize("method", list(FLAGS))
 def test_train_runs_in_two_processes_with_one_result(method, tmp_path):
-    flags, steps = FLAGS[method]
+    (flags, steps), method = FLAGS[method], method.split(":")[0]  # "method:case": another case of the method
     env = os.environ | {"HF_HUB_OFFLINE": "1", "OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT)}
     launch = [sys.executable, "-m", "accelerate.commands.launch", "--num_processes", "2", "--mixed_precision", "no"]
     if method == "c3po":  # the multi-GPU config file users launch with, on CPU (gloo)
@@ -42,6 +48,8 @@ def test_train_runs_in_two_processes_with_one_result(method, tmp_path):
     assert done.returncode == 0, done.stderr[-3000:]
     assert [p.name for p in (tmp_path / "runs").iterdir()] == ["ddp"] and done.stdout.count("RESULT ") == 1
     results = check_contract(tmp_path / "runs" / "ddp", done.stdout)
+    if steps.get("dpo", 0) is None:  # one step per pair (batches of 1, one epoch), at least one
+        steps = steps | {"dpo": sum(n for k, n in results["pairs"].items() if not k.startswith("weight_")) or None}
     assert results["method"] == method and results["train_steps"] == steps
     state = json.loads(
         (tmp_path / "runs" / "ddp" / ("ppo" if "ppo" in steps else "dpo") / "run_state.json").read_text()

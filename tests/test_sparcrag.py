@@ -1,7 +1,7 @@
-"""SPARC-RAG: the spec's worked numbers (§8: parsers, SelectBest mapping, recall and Jaccard, preference pairs with
-the lambda weighting, the weighted DPO loss and its gradient, the masked sequence log-prob), Algorithm 1 with a
-scripted backbone on the spec's Anticimex example (branch isolation, the merge as the only write, STOP / depth cap /
-fixed depth, calls and tokens per round), the naive baselines, the toy teacher, and end-to-end toy runs."""
+"""SPARC-RAG: hand-worked numbers (parsers, SelectBest mapping, recall and Jaccard, preference pairs with the lambda
+weighting, the weighted DPO loss and its gradient, the masked sequence log-prob), Algorithm 1 with a scripted backbone
+on the paper's Anticimex case (App. C.5: branch isolation, the merge as the only write, STOP / depth cap / fixed depth,
+calls and tokens per round), the naive baselines, the toy teacher, and end-to-end toy runs."""
 
 import itertools
 import json
@@ -20,8 +20,8 @@ from sparcrag import CONTINUE, STOP
 ROOT = Path(__file__).resolve().parents[1]
 
 
-# ---------------------------------------------------------------- parsing (spec §8.2, §8.3, §3.4)
-def test_parse_rewrites_spec_example_and_padding():
+# ---------------------------------------------------------------- parsing (App. D's output formats)
+def test_parse_rewrites_of_a_think_block_and_items_and_padding():
     text = (
         '<think>EQT is the parent.</think><queries><item rank="1"><strategy>bm25</strategy>\n'
         '<query>Anticimex parent company</query>\n</item><item rank="2"><strategy>Dense</strategy>\n'
@@ -63,6 +63,9 @@ def test_parse_rewrites_placeholder_strategy_rank_order_duplicates_and_toy_spaci
         ("<decision>STOP</decision> on reflection <decision>CONTINUE</decision>", CONTINUE),
         ("< decision > stop < / decision > [ end ]", STOP),
         ("stopping is premature", CONTINUE),  # no bare word: never a stop by default
+        ("CONTINUE [END] <decision>STOP</decision>", CONTINUE),  # what follows [END] is not the decision
+        ("<think> the note states it , so STOP", CONTINUE),  # cut inside its <think> block by the token cap
+        ("<think> STOP or not ? </think> the note lacks it . <decision>CONTINUE</decision> [END]", CONTINUE),
     ],
 )
 def test_parse_decision(text, decision):
@@ -79,6 +82,8 @@ def test_parse_decision(text, decision):
         (["EQT", "EQT"], [STOP, STOP], "<answer>EQT</answer>", 0),  # the lowest index
         (["EQT", "Stockholm"], [STOP, STOP], "<answer>EQT</answer> no: <answer>Stockholm</answer> [END]", 1),
         (["EQT", "Stockholm"], [STOP, STOP], "stockholm [END] <answer>EQT</answer>", 1),  # no tag before [END]
+        (["", "Stockholm"], [CONTINUE, STOP], "", 1),  # an empty selection names no branch: the first STOP
+        (["EQT", "Stockholm"], [CONTINUE, STOP], "<think> <answer>EQT</answer> ? the note", 1),  # cut in <think>
     ],
 )
 def test_select_branch(answers, decisions, text, k):
@@ -99,7 +104,7 @@ def test_strip_end_clean_answer_and_confidence():
     ]
 
 
-# ---------------------------------------------------------------- metrics (spec §8.1, §9.12)
+# ---------------------------------------------------------------- metrics (§4.1, App. B.2)
 def test_recall_jaccard_and_correctness():
     assert sparcrag.paragraph_recall(["p1", "p3", "p4"], ["p1", "p2"]) == 0.5
     assert sparcrag.paragraph_recall(["p1"], []) is None  # no gold: skipped, never divided by zero
@@ -114,7 +119,7 @@ def test_recall_jaccard_and_correctness():
     assert sparcrag.is_correct("unknown", ["no"], "acc") and not sparcrag.is_correct("unknown", ["no"], "em")
 
 
-# ---------------------------------------------------------------- Algorithm 1 with a scripted backbone (spec §8.4)
+# ---------------------------------------------------------------- Algorithm 1 with a scripted backbone (App. C.5)
 Q0 = "Where is Anticimex's parent company headquartered?"
 DOCS = {
     "d1": "Anticimex is a Swedish pest control company owned by EQT.",
@@ -136,7 +141,7 @@ class SpyRetriever:
 
 
 def scripted_roles(calls, evaluate=None, rewrite=None):
-    """The spec's scripted backbone, one function per role; every call recorded as (role, prompt)."""
+    """A scripted backbone, one function per role; every call recorded as (role, prompt)."""
 
     def role(name, reply):
         def chat(requests, seed=0):
@@ -254,6 +259,22 @@ def test_the_stop_of_a_losing_branch_does_not_end_the_loop():
     assert run["rounds"] == 3  # branch 1 (EQT) said STOP, but the selector chose branch 2 (CONTINUE)
 
 
+def test_every_departure_the_code_marks_is_an_item_of_the_header():
+    """`header item N` in the code names an item of the header's list of departures; the shortcut of W = 1 past Select
+    and Merge (Alg. 1 calls both every round), the one seed per batched generate call, and the reference the printed
+    DPO loss lacks (§3.4) are each marked where they live and say why in the header."""
+    import inspect
+    import re
+
+    items = dict(re.findall(r"\n(\d+)\. (.*(?:\n {3,4}\S.*)*)", sparcrag.__doc__))
+    cited = {n for n in re.findall(r"header items? (\d+)", Path(sparcrag.__file__).read_text())}
+    assert cited and cited <= set(items) and list(items) == [str(i) for i in range(1, len(items) + 1)]
+    marked = lambda fn, n: re.search(rf"simplification: .*header item {n}\)", inspect.getsource(fn))
+    assert marked(sparcrag.aggregate, 13) and "W = 1" in items["13"] and "Select" in items["13"]
+    assert marked(sparcrag.policy_role, 14) and "seed" in items["14"]
+    assert marked(sparcrag.dpo_loss, 6) and "TRL 0.23.1" in items["6"] and "App. A.4" in items["6"]
+
+
 @pytest.mark.parametrize("width, per_round", [(1, 4), (2, 9), (3, 12)])
 def test_calls_per_round_are_1_plus_3w_plus_2_when_w_exceeds_1(width, per_round):
     calls = []
@@ -299,7 +320,7 @@ def test_questions_of_a_batch_share_one_call_per_role_per_round():
     assert [r["rounds"] for r in runs] == [2, 2]
 
 
-# ---------------------------------------------------------------- preference pairs (spec §8.6)
+# ---------------------------------------------------------------- preference pairs (§3.4)
 def test_rewriter_pair_is_max_over_min_recall():
     gold = ["p1", "p2"]
     samples = {"A": [{"p1", "p3"}, {"p1", "p4"}], "B": [{"p1", "p3"}, {"p2", "p5"}], "C": [{"p3", "p4"}, {"p3", "p5"}]}
@@ -400,7 +421,7 @@ def test_the_sampler_makes_one_call_per_temperature_and_keeps_the_prompt_order(m
     assert calls == [(1.0, ["a", "b"])]  # one temperature: one call, the behaviour before the flag
 
 
-# ---------------------------------------------------------------- the weighted DPO loss (spec §8.7)
+# ---------------------------------------------------------------- the weighted DPO loss (§3.4)
 def loss_of(pi, ref, w=1.0, free=False):
     t = lambda x: torch.tensor([float(x)])
     loss, _ = sparcrag.dpo_loss(t(pi[0]), t(pi[1]), t(ref[0]), t(ref[1]), t(w), 0.1, reference_free=free)
@@ -434,7 +455,7 @@ def test_dpo_batch_mean_is_not_normalised_by_the_weights_and_the_gradient():
     assert single.grad.item() == pytest.approx(-0.0450166, abs=1e-6)
 
 
-# ---------------------------------------------------------------- sequence log-probs and masks (spec §8.8)
+# ---------------------------------------------------------------- sequence log-probs and masks
 class FixedLogits(torch.nn.Module):
     """A model whose logits at every position are given (B, T, V) or a function of the input ids."""
 
@@ -523,6 +544,33 @@ def test_encode_masks_exactly_the_response_end_tag_and_eos():
     n = len(prompt["input_ids"])
     assert ids[:n] == prompt["input_ids"] and mask == [0] * n + [1] * (len(ids) - n)
     assert tokenizer.decode(ids[n:]) == "< decision > stop [ end ] <eos>"  # cut at [END], then [END] and EOS
+
+
+def test_dpo_and_sft_train_on_the_response_as_stored_with_its_think_block():
+    """The Rewrite prompt asks for a <think> block before the queries (App. D): the trained response is the stored
+    completion through its [END], the block included, then EOS; one the token cap cut before [END] (inside its
+    <think> block) trains as written, without an [END] or EOS it never wrote."""
+    from common.toy_lm import load_toy_lm
+
+    _, tokenizer = load_toy_lm("toy-lm:layers=1,hidden=16,heads=2,kv_heads=2,intermediate=32")
+    prompt, tokens = "write 1 queries , output :", lambda text: tokenizer(text, add_special_tokens=False)["input_ids"]
+    n = len(tokens(sparcrag.chat_prompts(tokenizer, [[{"role": "user", "content": prompt}]])[0]))  # the prompt
+    written = "<think> i need to know the director . </think>\n" + sparcrag.format_rewrites([("bm25", "director")])
+    ids, mask = sparcrag.encode(tokenizer, prompt, written)
+    assert ids[n:] == tokens(written) + [tokenizer.eos_token_id] and mask == [0] * n + [1] * (len(ids) - n)
+    assert tokenizer.decode(ids[n:]).startswith("< think > i need to know the director . < / think > < queries >")
+    cut = "<think> i need to know the"
+    ids, mask = sparcrag.encode(tokenizer, prompt, cut)
+    assert ids[n:] == tokens(cut) and mask == [0] * n + [1] * len(tokens(cut))  # no [END], no EOS
+    pair = {"prompt": prompt, "chosen": written, "rejected": cut, "weight": 2.0}
+    ids, mask, attention, weights = sparcrag.pair_tensors([pair], tokenizer, "cpu")  # chosen, then rejected
+    for row, response in enumerate((written, cut)):
+        expected, expected_mask = sparcrag.encode(tokenizer, prompt, response)
+        width = int(attention[row].sum())
+        assert ids[row, :width].tolist() == expected and mask[row].tolist() == expected_mask + [0] * (
+            ids.shape[1] - width
+        )
+    assert weights.tolist() == [2.0]
 
 
 def test_the_adapter_disabled_reference_equals_a_fresh_lora_model_so_the_first_loss_is_ln2():
@@ -622,17 +670,37 @@ def naive_ctx(answers, confidences=None):
         return lambda requests, seed=0: (calls.extend(name for _ in requests), [next(it) for _ in requests])[1]
 
     ctx = scripted_ctx([])
-    ctx["roles"] = {"naive": role("naive", answers), "confidence": role("confidence", confidences or [])}
+    ctx["roles"] = {name: role(name, answers) for name in ("naive", "parallel")}
+    ctx["roles"]["confidence"] = role("confidence", confidences or [])
     return ctx, calls
 
 
 def test_naive_parallel_majority_vote_and_vanilla():
     ctx, calls = naive_ctx(["EQT", "stockholm", "Stockholm.", "x", "y", "x"])
     runs = sparcrag.naive([ROW, dict(ROW, id="r")], ctx, "parallel", 3)
-    assert [r["answer"] for r in runs] == ["stockholm", "x"] and calls == ["naive"] * 6
+    assert [r["answer"] for r in runs] == ["stockholm", "x"] and calls == ["parallel"] * 6
     assert ctx["retrievers"]["dense"].queries == [Q0, Q0]  # one dense retrieval on q0 per question
     ctx, calls = naive_ctx(["a", "b"])
     assert [r["answer"] for r in sparcrag.naive([ROW, ROW], ctx, "vanilla", 3)] == ["a", "b"]
+
+
+def test_the_naive_baselines_sample_at_the_papers_temperatures():
+    """Parallel (Naive) samples its answers at T 0.7 (App. A.5); Vanilla RAG and Sequential (Naive) answer at the
+    generation modules' T (App. A.4: 0.5 in the paper preset); the self-evaluated confidence is greedy (ours)."""
+    asked = []
+
+    class Recording:
+        def chat(self, messages, temperature, **_):
+            asked.append((len(messages), temperature))
+            return ["0.9 [END]" if "Confidence" in m[0]["content"] else "Stockholm [END]" for m in messages]
+
+    args = sparcrag.apply_preset(sparcrag.Args(preset="paper", top_k=1))
+    ctx = sparcrag.make_ctx(None, None, scripted_ctx([])["retrievers"], Recording(), args)
+    ctx["count"] = scripted_ctx([])["count"]
+    for system, calls in (("vanilla", [(1, 0.5)]), ("parallel", [(3, 0.7)]), ("sequential", [(1, 0.5), (1, 0.0)])):
+        asked.clear()
+        sparcrag.naive([ROW], ctx, system, 3)
+        assert asked == calls, system  # (answers asked, temperature) per call
 
 
 def test_naive_sequential_retries_below_0_7_and_keeps_the_most_confident():
@@ -651,11 +719,15 @@ def test_the_teacher_asks_the_open_facts_and_can_repeat_one():
     }
     run = sparcrag.new_run({"question": "what is the birthplace of the director of zorvak ?", "metadata": meta})
     request = {"run": run, "info": {"width": 2}}
-    parse = lambda args: sparcrag.parse_rewrites(
-        sparcrag.teacher_rewrite(request, __import__("random").Random(0), args), request["info"]["width"]
-    )
-    clean, noisy = sparcrag.Args(teacher_duplicate=0.0), sparcrag.Args(teacher_duplicate=1.0)
+    write = lambda args: sparcrag.teacher_role("rewrite", args, seed=0)([request])[0]
+    parse = lambda args: sparcrag.parse_rewrites(write(args), request["info"]["width"])
+    clean, noisy = sparcrag.Args(teacher_duplicate=0.0, templates="compact"), sparcrag.Args(teacher_duplicate=1.0)
     assert parse(clean) == [("bm25", "zorvak directed"), ("dense", "zorvak")]  # the fact, the subject alone
+    assert write(clean).startswith("<queries>")  # the compact templates ask for no <think> block
+    paper = replace(clean, templates="paper")  # the paper's Rewrite prompt: a <think> block, then the items
+    assert write(paper) == (
+        "<think> i need to know : zorvak directed ; zorvak . strategy : 1 bm25 , 2 dense . </think>\n" + write(clean)
+    )
     assert parse(noisy) == [("bm25", "zorvak directed"), ("dense", "zorvak directed")]  # a near-duplicate
     run["note"] = "zorvak is a film directed by velbo ."
     assert parse(clean) == [("bm25", "velbo born"), ("dense", "zorvak")]  # the bridge is named now
@@ -680,6 +752,11 @@ def test_the_teacher_over_accepts_wrong_answers_at_its_rates():
     right = decide([{"run": run, "info": {"answer": "tuvia"}}] * 2000)
     rate = lambda replies: sum(sparcrag.parse_decision(r) == STOP for r in replies) / len(replies)
     assert rate(wrong) == pytest.approx(0.6, abs=0.04) and rate(right) == pytest.approx(0.9, abs=0.03)
+    assert set(right) == {"<decision>STOP</decision> [END]", "<decision>CONTINUE</decision> [END]"}
+    paper = sparcrag.teacher_role("evaluate", replace(args, templates="paper", teacher_accept_correct=1.0), seed=0)
+    assert paper([{"run": run, "info": {"answer": "tuvia"}}]) == [
+        "the note states the answer . <decision>STOP</decision> [END]"  # a reason, then the decision
+    ]
 
 
 # ---------------------------------------------------------------- CLI and end to end on the toy world
