@@ -3,32 +3,31 @@
 """SPARKLE: a small proxy LM plays three agents around a frozen LLM's step-wise reasoning; binary-tree rollout, PPO.
 
 After each `<think>` step of the frozen LLM, one proxy plays Retrieval Decision (Yes/No), Query Formulation (a KG
-chain of `<head; relation; tail>` triples with `[unknown]` gaps, then a query) and Knowledge Integration (one triple
-of the retrieved documents; its source document joins the LLM's context) [§2.2, Alg. 1]. Training [§3, App. C]: SFT on
-a teacher's successful trajectories, then PPO on a binary tree rollout (both RD answers for the first L steps, Eq. 1;
-branches that leave the context unchanged pruned), each agent operation credited with the mean reward of the leaves
-it reaches (Eq. 2), R = α·Recall(c_T) + (1−α)·F1(y). A diff against c3po.py shows what SPARKLE changes.
+chain of `<head; relation; tail>` triples with `[unknown]` gaps, then a query) and Knowledge Integration (one triple;
+its source document joins the LLM's context) [§2.2, Alg. 1]. Training [§3, App. C]: SFT on a teacher's successful
+trajectories, then PPO on a binary tree rollout (both RD answers for the first L steps, Eq. 1, pruned), each operation
+credited with the mean reward of its leaves (Eq. 2), R = α·Recall(c_T) + (1−α)·F1(y). Compare c3po.py.
 
     python sparkle.py --train --run_name sparkle                # toy world, tiny proxy, CPU: warm-up, SFT, PPO, eval
-    python sparkle.py --eval --model runs/sparkle/ppo           # evaluate a checkpoint on the toy test split
     python sparkle.py --ask "what is the birthplace of the director of zekil ?" --model runs/sparkle/ppo
-    python sparkle.py --extract_triples --data_dir DATA --llm http://HOST/v1 --llm_model M   # the KG corpus, once
     accelerate launch sparkle.py --train --preset paper --data_dir DATA --index DIR --llm http://HOST/v1 --llm_model M
 
 Deviations from the paper (each marked `# simplification: ... (header N)` where it lives):
 1. Toy world: the warm-up teacher is an oracle reading the thoughts and the question's metadata (--teacher_noise).
-2. Toy preset: the warm-up keeps only the cheapest successful paths (fewest retrievals, then steps; --warmup_select).
+2. Toy preset: the warm-up keeps only the cheapest successful paths (fewest QF, KI calls, then steps; --warmup_select).
 3. Toy world: SFT examples are entity-renamed for the proxy (--augment_p; not-popular PPO trees with --rl_augment_p).
 4. Toy preset: compact templates, top-3 documents, 5 triples, L = 2, 128 trees per update, smaller PPO minibatches.
-5. --teacher llm plays the proxy roles zero-shot with the agents' prompts (the paper: Qwen2.5-72B, prompts unstated).
+5. --teacher llm: --teacher_model plays the proxy zero-shot with the agents' prompts (the paper's are unstated).
 6. The thoughts so far go to the LLM as an assistant message (impl: the assistant turn continued raw).
-7. PPO trains QF's and KI's sampled tokens, not the authors' canonical re-renders (RD's: the exact Yes/No; spec §9.11).
+7. PPO trains QF's and KI's sampled tokens, not the authors' canonical re-renders (RD's: the exact Yes/No, impl).
 8. The critic starts from --critic_init (impl: the base proxy; the toy preset: the SFT proxy), head zero-initialised.
 9. Advantages are whitened over the rollout, one PPO epoch, value clipping 0.2 (the authors' OpenRLHF settings).
 10. The ablations' prompts are ours (the paper describes them; App. D.2); w/o QF keeps the QF output format.
 11. The LLM's steps are capped at --llm_max_tokens; latency is batched wall time per question.
-12. Toy preset: forced RD answers' loss x --forced_weight 0.1; the code's credit shaping (--code_shaping, spec §5.7).
+12. Toy preset: forced RD answers' loss x --forced_weight 0.1; the code's credit shaping (--code_shaping, impl).
 13. Toy preset: warm-up data from one- and two-hop questions only (--warmup_types), a teacher weaker than RL can reach.
+14. The context keeps at most --max_context documents (impl: 5; the paper: no cap), the best new ones, oldest out.
+15. A proxy prompt over --max_length minus --max_new_tokens tokens is cut in the middle (Tab. 5-6: 2048, no rule).
 """
 
 import copy
@@ -42,6 +41,7 @@ from pathlib import Path
 
 import torch
 from accelerate import PartialState
+from accelerate.utils import gather_object
 from tqdm import tqdm
 
 from common import runs
@@ -51,7 +51,8 @@ from common.metrics import answer_scores, doc_recall, f1_score, summarize
 from common.models import load_model_and_tokenizer, make_llm
 from common.retrieval import TfidfEncoder, load_corpus, open_retriever
 from common.runs import arg, cosine
-from common.toy import RenamingEnv, oracle_sparkle, rename_entities, rename_rows, world_or_none
+from common.toy import RenamingEnv, rename_entities, rename_rows, world_or_none
+from common.toy import sparkle_oracle_text as oracle_text
 
 ABLATIONS = ["none", "no_rd", "no_qf", "direct_qf", "no_ki", "direct_ki"]
 
@@ -79,6 +80,7 @@ class Args:
     model: str | None = arg(None, "proxy: hub id, folder or toy-lm spec [§4.1: Qwen2.5-3B-Instruct]")
     llm: str | None = arg(None, "frozen LLM: toy, hf:<name>, http(s)://.../v1 [§4.1: Qwen2.5-7B-Instruct]")
     llm_model: str = arg("", "served model name when --llm is an endpoint URL")
+    reasoning_llm: bool = arg(False, "a reasoning LLM: Fig. 7's prompt, steps split at blank lines, \\boxed{} answers")
     templates: str | None = arg(None, "the App. A figures, or compact", choices=["paper", "compact"])
     n_train: int | None = arg(None, "training questions (None: all) [§D.3: 7,500]")
     n_eval: int | None = arg(None, "test questions evaluated (None: all) [§4.1: 1,000]")
@@ -86,7 +88,7 @@ class Args:
     # agents, loop, tree rollout [§2.2, §3.1, Alg. 1]
     top_k: int | None = arg(None, "documents per retrieval [§D.3: 10]")
     n_triples: int | None = arg(None, "candidate triples for KI [§D.3: 20] (impl: 25)")
-    max_context: int = arg(5, "documents in the context, oldest evicted (impl: 5)")
+    max_context: int = arg(5, "documents in the context: the best new ones, the oldest evicted (impl: 5; header 14)")
     max_steps: int = arg(12, "LLM reasoning steps in training (impl: 12)")
     max_steps_eval: int = arg(20, "LLM reasoning steps at test (impl: 20)")
     max_retrievals: int = arg(5, "retrievals per trajectory (impl: 5)")
@@ -98,13 +100,16 @@ class Args:
     ablation: str = arg("none", "w/o RD, QF; w/ Direct QF; w/o KI; w/ Direct KI [Tab. 4]", choices=ABLATIONS)
     alpha: float = arg(0.3, "R = alpha Recall(c_T) + (1 - alpha) F1(y) [§3.2, §D.3: 0.3] (impl: 0.7)")
     max_new_tokens: int | None = arg(None, "proxy tokens per action (impl: 160 in training)")
+    max_length: int = arg(2048, "proxy prompt + action tokens, a longer prompt cut (header 15) [Tab. 5, 6: 2048]")
     llm_max_tokens: int = arg(256, "LLM tokens per step (impl: 256)")
     gen_batch_size: int = arg(512, "prompts per proxy generate call (memory only)")
     # warm-up [§D.3, Tab. 5]
-    teacher: str | None = arg(None, "the toy oracle, or the frozen LLM in the proxy roles", choices=["oracle", "llm"])
+    teacher: str | None = arg(None, "the toy oracle, or --teacher_model in the proxy roles", choices=["oracle", "llm"])
+    teacher_model: str | None = arg(None, "the llm teacher, as --llm (empty: --llm) [§D.3: Qwen2.5-72B-Instruct]")
+    teacher_llm_model: str = arg("", "served model name when --teacher_model is an endpoint URL")
     teacher_noise: float = arg(0.2, "the toy oracle teacher's probability of a wrong decision")
     teacher_temperature: float = arg(0.6, "llm teacher sampling temperature")
-    warmup_keep: int = arg(4, "successful trajectories kept per question")
+    warmup_keep: int = arg(4, "teacher trajectories per question, the successful ones kept [§D.3]")
     warmup_select: str | None = arg(None, "all successes, or the cheapest ones", choices=["uniform", "cheapest"])
     warmup_types: str | None = arg(None, "types of the warm-up data, comma-separated (empty: all; header 13)")
     sft_epochs: float | None = arg(None, "SFT epochs [Tab. 5: 1] (when --sft_steps is 0)")
@@ -113,11 +118,11 @@ class Args:
     sft_batch_size: int | None = arg(None, "SFT batch size [Tab. 5: 64]")
     micro_batch_size: int | None = arg(None, "sequences per forward pass (gradient accumulation)")
     augment_p: float | None = arg(None, "toy: entity-renaming probability of an SFT example")
-    rl_augment_p: float | None = arg(None, "toy: renaming probability of a not-popular PPO tree")
+    rl_augment_p: float = arg(0.0, "toy: renaming probability of a not-popular PPO tree (both presets: 0)")
     # PPO [§3, App. C, Tab. 6]
     ppo_iterations: int | None = arg(None, "PPO updates [App. E.1: rewards converge after about 60]")
-    rollout_batch: int | None = arg(None, "questions (trees) per PPO update (impl: 64)")
-    ppo_batch_size: int | None = arg(None, "operation samples per minibatch [Tab. 6: 1024]")
+    rollout_batch: int | None = arg(None, "questions (trees) per PPO update, over all processes (impl: 64)")
+    ppo_batch_size: int | None = arg(None, "operation samples per minibatch, over all processes [Tab. 6: 1024]")
     ppo_epochs: int = arg(1, "epochs over each rollout (impl: 1)")
     policy_lr: float | None = arg(None, "policy learning rate [Tab. 6: 5e-7]")
     value_lr: float | None = arg(None, "value model learning rate [Tab. 6: 5e-6]")
@@ -125,9 +130,9 @@ class Args:
     gamma: float = arg(1.0, "GAE gamma within an operation (impl: 1)")
     lam: float = arg(0.95, "GAE lambda (impl: 0.95)")
     clip: float = arg(0.2, "PPO clip epsilon (impl: 0.2)")
-    code_shaping: bool | None = arg(None, "the authors' code's credit shaping of Eq. 2 (spec §5.7; header 12)")
+    code_shaping: bool | None = arg(None, "the authors' code's credit shaping of Eq. 2 (impl; header 12)")
     rd_subsample: bool = arg(False, "the authors' code's RD subsampling: per tree, RD samples down to #QF + #KI")
-    forced_weight: float | None = arg(None, "policy-loss weight of the forced RD answers of Eq. 1 (spec §9.10: 1)")
+    forced_weight: float | None = arg(None, "policy-loss weight of the forced RD answers of Eq. 1 (App. E.4: 1)")
     vf_coef: float = arg(0.5, "value loss coefficient (impl: 0.5)")
     value_clip: float = arg(0.2, "value clip around the old values (impl: 0.2); 0: plain MSE")
     max_grad_norm: float = arg(1.0, "gradient clipping (impl: 1.0)")
@@ -146,6 +151,7 @@ PRESETS = {  # field: (toy, paper), for the fields left at None; any flag overri
     "tree_depth": (2, 4),  # [§D.3]
     "max_new_tokens": (48, 160),  # impl
     "teacher": ("oracle", "llm"),  # simplification: the toy oracle teacher (header 1)
+    "teacher_model": ("", "hf:Qwen/Qwen2.5-72B-Instruct"),  # [§D.3]
     "warmup_select": ("cheapest", "uniform"),  # simplification: header 2
     "warmup_types": ("one_hop,two_hop", ""),  # simplification: header 13
     "sft_epochs": (0.0, 1.0),  # [Tab. 5]
@@ -154,7 +160,6 @@ PRESETS = {  # field: (toy, paper), for the fields left at None; any flag overri
     "sft_batch_size": (32, 64),  # [Tab. 5]
     "micro_batch_size": (8, 4),  # impl
     "augment_p": (1.0, 0.0),  # simplification: toy renaming (header 3)
-    "rl_augment_p": (0.0, 0.0),
     "ppo_iterations": (10, 120),  # impl: one episode of 7,500 questions, 64 per rollout
     "rollout_batch": (128, 64),  # impl: 64 (header 4)
     "ppo_batch_size": (32, 1024),  # [Tab. 6]
@@ -281,6 +286,17 @@ Question: {question}
 Reasoning Chain: {chain}
 
 Query: {query}""",
+    # [App. A.4, Fig. 7] a reasoning LLM (--reasoning_llm): its steps split at blank lines (impl), a \boxed{} answer
+    "llm_boxed": """\
+Instruction:
+Please answer the following question. You should think step-by-step to solve it. Provide your final answer in the \
+format \\boxed{{YOUR_ANSWER}}.
+
+Inputs:
+
+Context: {context}
+
+Question: {question}""",
     # the ablations' prompts [App. D.2]; simplification: ours, after the paper's description (header 10)
     "llm_search": "{llm}\n\nWhen a thought needs external information, write <search> inside it.",
     "rd_qf_system": "{rd_system}\n\nIf retrieval is required, continue after it with the three steps:\n\n{qf_system}",
@@ -290,19 +306,18 @@ Query: {query}""",
     "ki_direct_system": "Select the document that is most useful for continuing the reasoning toward answering the "
     "question. Only output the index of the selected document.",
     "ki_direct": "Documents:\n{candidates}\n\nQuestion: {question}\n\nQuery:\n{query}\n\nSelected Document:",
-    # output formats and renderings (impl)
+    # output formats [Fig. 4; Tab. 8: the QF output as the trained proxy writes it] and renderings (impl)
     "rd_yes": "Yes (retrieval is required)",
     "rd_no": "No (retrieval is not required)",
-    "qf_output": "Step 1: Reasoning Chain:\n{chain}\n\nStep 2: Knowledge Gaps:\nTo continue answering the question, "
-    "we need to know: {gap}\n\nStep 3: Retrieval Query:\n{query}",
+    "qf_output": "Step 1: Reasoning Chain: {chain}\nStep 2: Knowledge Gaps: To continue answering the question, we "
+    "need to know: {gap}\nStep 3: Retrieval Query: **{query}**",
     "document": "Title: {title}\nText: {text}",
     "documents": "\n\n",
     "candidate": "{i}. Source Title: {title}\nText: {text}",
     "candidates": "\n",
 }
 PAPER_TEMPLATES = {k: v.format(**PAPER_TEMPLATES) if "_system" in k or k == "llm_search" else v
-                   for k, v in PAPER_TEMPLATES.items()}  # fmt: skip
-PAPER_TEMPLATES["rd_qf"] = PAPER_TEMPLATES["rd"]
+                   for k, v in PAPER_TEMPLATES.items()} | {"rd_qf": PAPER_TEMPLATES["rd"]}  # fmt: skip
 # impl (prompts/): the triple extraction prompt of the KG corpus, run once offline [§4.1, §D.3]
 EXTRACTION_PROMPT = """\
 You are a knowledge graph constructor tasked with extracting knowledge triples in the form of <head entity; \
@@ -316,6 +331,7 @@ TEMPLATES = {
     "compact": dict(  # simplification: the toy preset's compact set (header 4)
         llm="think step by step , one thought per <think> </think> , then the answer in <answer> </answer> . "
         "context : {context} question : {question}",
+        llm_boxed="think step by step , then the answer in \\boxed{{ }} . context : {context} question : {question}",
         llm_search="think step by step , one thought per <think> </think> , then the answer in <answer> </answer> "
         ", a thought that needs a fact has <search> . context : {context} question : {question}",
         rd="retrieval ? context : {context} question : {question} previous : {history} current : {current}",
@@ -348,21 +364,15 @@ def format_candidates(tpl, candidates):
     return tpl["candidates"].join(lines)
 
 
-def render_qf(tpl, chain, gap, query):
-    """The QF output in its three steps (impl: retrieval_query_output_format); a missing query is `None`."""
-    triples = ", ".join(f"<{h}; {r}; {t}>" for h, r, t in chain)  # [§2.2] <head; relation; tail>
-    return tpl["qf_output"].format(chain=triples, gap=gap, query=query or "None")
-
-
 def thought_text(thoughts):
     """LLM output -> the agents' view of it: tags dropped, steps joined by blank lines (impl)."""
     text = "\n\n".join(s for s in (x.replace("<think>", "").strip() for x in thoughts.split("</think>")) if s)
     return text + "\n\n" if text else ""
 
 
-def llm_messages(tpl, ablation, question, path):
-    """[Fig. 6] The user message, {context} re-rendered from c_t; the thoughts so far as the assistant's (header 6)."""
-    key = "llm_search" if ablation == "no_rd" else "llm"
+def llm_messages(tpl, args, question, path):
+    """[Fig. 6; Fig. 7] The user message, {context} re-rendered from c_t; the thoughts so far as the assistant's."""
+    key = "llm_search" if args.ablation == "no_rd" else "llm_boxed" if args.reasoning_llm else "llm"
     user = tpl[key].format(context=format_documents(tpl, path["docs"]), question=question)
     # simplification: the thoughts so far as an assistant message, not a raw continuation (header 6)
     thoughts = [{"role": "assistant", "content": path["thoughts"].strip()}] if path["thoughts"] else []
@@ -370,26 +380,38 @@ def llm_messages(tpl, ablation, question, path):
 
 
 # --------------------------------------------------------------------------- 2. parsing [§2.2; impl rules]
+def unthought(text):
+    """An output without its `<think>` blocks (an unclosed one to the end) and markdown emphasis: what parsers read."""
+    return re.sub(r"<think>.*?(</think>|$)", "", text, flags=re.S).replace("**", "")
+
+
 def parse_rd(text):
-    """Retrieval? `"yes" in response.lower()` (impl)."""
-    return "yes" in text.lower()
+    """Retrieval? `"yes" in response.lower()` (impl), the thinking aside."""
+    return "yes" in unthought(text).lower()
+
+
+# a QF step header as the paper shows one: Tab. 8's `Step 1: Reasoning Chain:`, Fig. 5's `[Step 1: Generate Reasoning
+# Chain]`, markdown's `### Step 1: Reasoning Chain`; the compact set's `step 1 : chain :`
+QF_STEP = re.compile(r"\bstep\s*([123])\s*[:.]?(?:[a-z ]*?\b(?:chain|gaps?|query)\b)?\s*[:\]]?", re.I)
 
 
 def parse_qf(text, question, direct=False):
-    """(chain g_t, query q_t) of a QF output (impl regexes; a `None` query is None, no Step 3: question + output)."""
-    text = text.replace("**", "")
+    """(chain g_t, query q_t): Step 1's text, Step 3's first line (impl: `None`; no Step 3: question + output)."""
+    text = unthought(text)
     if direct:  # w/ Direct QF: the whole output is the query
         chain, query = "", text.strip()
-    else:
-        chain = re.search(r"step\s*1\s*:[^:<]*:?\s*(.*?)(?=\bstep\s*2|$)", text, re.S | re.I)
-        chain = chain.group(1).strip() if chain else ""
-        query = re.search(r"step\s*3\s*:.*?query\s*:?\s*(.*)$", text, re.S | re.I)
-        query = query.group(1).strip() if query else f"Question: {question}\n{text}"
+    else:  # the first of each step
+        heads = list(QF_STEP.finditer(text))
+        ends = [h.start() for h in heads[1:]] + [len(text)]
+        steps = dict(reversed([(h[1], text[h.end() : e].strip().strip("[#:]").strip()) for h, e in zip(heads, ends)]))
+        chain = steps.get("1", "")
+        query = steps["3"].split("\n")[0].strip() if "3" in steps else f"Question: {question}\n{text}"
     return chain, None if query.lower().rstrip(" .") in ("none", "") else query
 
 
 def parse_ki(text, candidates, direct=False):
     """The selected candidate: the first `<...>` span's best token-F1 match (impl); w/ Direct KI, a 1-based index."""
+    text = unthought(text)
     if direct:
         number = re.search(r"\d+", text)
         return int(number.group()) - 1 if number and 1 <= int(number.group()) <= len(candidates) else None
@@ -399,12 +421,12 @@ def parse_ki(text, candidates, direct=False):
 
 
 def extract_answer(text):
-    """y: the first non-empty `<answer>` span, the text after `<answer>`, or the output untagged (impl, Alg. 1 L16)."""
+    """y [Alg. 1 L16]: the last `\\boxed{}` (Fig. 7), else the first `<answer>` span, or what follows it (impl)."""
+    if boxed := re.findall(r"\\boxed\{((?:[^{}]|\{[^{}]*\})*)\}", text):
+        return re.sub(r"\\text\{([^{}]*)\}", r"\1", boxed[-1]).strip()
     if spans := [s.strip() for s in re.findall(r"<answer>(.*?)</answer>", text, re.S) if s.strip()]:
         return spans[0]
-    if "<answer>" in text:
-        return text.split("<answer>", 1)[1].replace("</answer>", "").strip()
-    return re.sub(r"</?(think|answer)>", " ", text).strip()
+    return re.sub(r"</?(think|answer)>", " ", text.split("<answer>", 1)[-1]).strip()
 
 
 # --------------------------------------------------------------------------- 3. reward and credit [§3.2, Eq. 2]
@@ -431,7 +453,7 @@ def leaf_credits(nodes):
 
 
 def code_shaping(nodes, credit, pruned=0.1, final=0.05):
-    """The authors' code's shaping of the Eq. 2 credits (spec §5.7; not in the paper), on a copy of `credit`."""
+    """The authors' code's shaping of the Eq. 2 credits (impl; not in the paper), on a copy of `credit`."""
     credit, last = list(credit), []  # last[i]: the nearest RD node at or above node i
     for i, n in enumerate(nodes):  # a parent before its children, a decision's Yes before its No (rd_requests)
         if n.get("pruned") and n["kind"] == "rd":  # a pruned Yes: its No's credit - 0.1, that No + 0.1
@@ -480,10 +502,9 @@ def rank_triples(encoder, questions, queries, found, n):
 
 
 def add_documents(docs, new, cap):
-    """c_{t+1} = c_t + the new documents, no duplicate, the oldest evicted beyond `cap` (spec §9.3)."""
+    """c_{t+1} = c_t + the best `cap` new documents in rank order, none twice, oldest out past `cap` (header 14)."""
     ids = {d["id"] for d in docs}
-    docs = docs + [d for d in new if d["id"] not in ids and not ids.add(d["id"])]
-    return docs[-cap:]
+    return (docs + [d for d in new[:cap] if d["id"] not in ids and not ids.add(d["id"])])[-cap:]
 
 
 def request(tree, parent, agent, step, prompt, path, prefix="", fixed=None, cands=None):
@@ -516,15 +537,16 @@ def rd_requests(tree, node, path, step, tpl, ablation, both):
 
 
 def rollout(rows, act, env, args, mode, seed=0):
-    """Trajectories of a batch of questions, step by step [Alg. 1]: per step one LLM call for every live path, one
-    proxy call per agent (`act`), one retrieval call. mode: tree (Eq. 1 for the first L steps, then sampled: RL and
-    warm-up), standard (RD sampled from the start: the w/ Standard Rollout ablation), greedy / sample (inference)."""
+    """Trajectories of questions, step by step [Alg. 1], a step one LLM, proxy (`act`, per agent) and retriever call.
+    mode: tree (Eq. 1 for the first L steps: RL), standard (RD sampled: warm-up, Tab. 4), greedy / sample (tests)."""
     testing, tpl, ablation = mode in ("greedy", "sample"), TEMPLATES[args.templates], args.ablation
     depth = args.tree_depth if mode == "tree" and ablation != "no_rd" else 0  # [§3.1] the first L steps (w/o RD: 0)
     max_steps, max_rd = (args.max_steps_eval,) * 2 if testing else (args.max_steps, args.max_rd_calls)  # impl
     trees = [dict(row=r, nodes=[dict(kind="root", parent=None, depth=0)], llm_calls=0, proxy_calls=0) for r in rows]
     start = dict(docs=[], thoughts="", previous="", current="", step=0, retrievals=0, rd_calls=0, trace=[], branch=0)
     live, step = [(t, 0, start) for t in trees], 0
+    # a step ends at </think> [App. A.4]; a reasoning LLM's at a blank line (impl), the steps kept apart by one
+    end, sep = ("\n\n", "\n\n") if args.reasoning_llm else ("</think>", "\n")
 
     def ask(requests, salt):
         """One proxy call for the pending states of an agent; each output becomes a node."""
@@ -544,30 +566,31 @@ def rollout(rows, act, env, args, mode, seed=0):
 
     while live:
         # [Alg. 1 L4] r_t = LLM(q, c_t): one thought per live path (stop at </think>), {context} re-rendered
-        messages = [llm_messages(tpl, ablation, t["row"]["question"], p) for t, _, p in live]
+        messages = [llm_messages(tpl, args, t["row"]["question"], p) for t, _, p in live]
         replies = env.chat(messages, [t["row"] for t, _, _ in live], temperature=0.0, max_tokens=args.llm_max_tokens,
-                           stop=["</think>"])  # fmt: skip  # simplification: capped steps (header 11)
+                           stop=[end])  # fmt: skip  # simplification: capped steps (header 11)
         deciding, going, ended = [], [], []
         for (tree, parent, path), reply in zip(live, replies):
             tree["llm_calls"] += 1
-            reply = reply.strip() + (" </think>" if "<think>" in reply and "</think>" not in reply else "")
-            path = dict(path, thoughts=path["thoughts"] + reply + "\n", previous=path["thoughts"], current=reply)
+            cut = "<think>" in reply and "</think>" not in reply and not args.reasoning_llm  # its stop string dropped
+            reply = reply.strip() + " </think>" * cut
+            path = dict(path, thoughts=path["thoughts"] + reply + sep, previous=path["thoughts"], current=reply)
             path["step"] += 1
             node = add_node(tree, parent, "llm", step, text=reply)
-            if "<answer>" in reply:  # [Alg. 1 L5-6] the answer ends the trajectory
+            if ("\\boxed{" if args.reasoning_llm else "<answer>") in reply:  # [Alg. 1 L5-6] the answer ends it
                 add_leaf(tree, node, path, reply, "answer", args.alpha)
             elif path["step"] >= max_steps:
                 ended.append((tree, node, path))
             else:  # impl caps on retrievals and RD calls: the path reasons on without a decision
                 capped = path["retrievals"] >= args.max_retrievals or path["rd_calls"] >= max_rd
                 (going if capped else deciding).append((tree, node, path))
-        if ended:  # impl: no answer within the step cap: one non-stepwise generation with the final context
-            messages = [llm_messages(tpl, ablation, t["row"]["question"], dict(p, thoughts="")) for t, _, p in ended]
-            replies = env.chat(messages, [t["row"] for t, _, _ in ended], temperature=0.0, stop=[],
-                               max_tokens=args.llm_max_tokens * max_steps)  # fmt: skip
-            for (tree, node, path), reply in zip(ended, replies):
-                tree["llm_calls"] += 1
-                add_leaf(tree, node, path, reply, "max_steps", args.alpha)
+        # impl: no answer within the step cap: one non-stepwise generation with the final context
+        messages = [llm_messages(tpl, args, t["row"]["question"], dict(p, thoughts="")) for t, _, p in ended]
+        replies = env.chat(messages, [t["row"] for t, _, _ in ended], temperature=0.0, stop=[],
+                           max_tokens=args.llm_max_tokens * max_steps)  # fmt: skip
+        for (tree, node, path), reply in zip(ended, replies):
+            tree["llm_calls"] += 1
+            add_leaf(tree, node, path, reply, "max_steps", args.alpha)
         # [Alg. 1 L7] the Retrieval Decision agent; [Eq. 1] both answers, forced, for the first L steps
         if ablation == "no_rd":  # [App. D.2] the LLM itself asks for retrieval with <search>
             yes = [(t, n, dict(p, branch=n)) for t, n, p in deciding if "<search>" in p["current"]]
@@ -597,8 +620,8 @@ def rollout(rows, act, env, args, mode, seed=0):
                 settle(tree, node, path, add_documents(path["docs"], hits, args.max_context))
         else:  # [Alg. 1 L12] the Knowledge Integration agent selects one triple (w/ Direct KI: one document)
             direct, ki, reqs = ablation == "direct_ki", "ki_direct" if ablation == "direct_ki" else "ki", []
-            system = tpl.get(ki + "_system", "")
             questions, queries = [s[0]["row"]["question"] for s in searching], [s[4] for s in searching]
+            system = tpl.get(ki + "_system", "")
             ranked = ([[(h, h["text"]) for h in hits] for hits in found] if direct else
                       rank_triples(env.retriever.encoder, questions, queries, found, args.n_triples))  # fmt: skip
             for (tree, node, path, chain, query), cands in zip(searching, ranked):
@@ -619,26 +642,24 @@ def rollout(rows, act, env, args, mode, seed=0):
 
 
 # --------------------------------------------------------------------------- 5. the proxy and the teacher as actors
-def encode_prompts(tokenizer, prompts):
-    """Token ids of agent prompts as single-turn chats: system = the instruction, user = the inputs (impl)."""
+def encode_prompts(tokenizer, prompts, room=None):
+    """Agent prompts as single-turn chats (impl: system = instruction), over `room` tokens cut mid-way (header 15)."""
     chats = [([{"role": "system", "content": s}] if s else []) + [{"role": "user", "content": u}] for s, u in prompts]
-    return tokenizer(chat_prompts(tokenizer, chats), add_special_tokens=False)["input_ids"]
+    ids = tokenizer(chat_prompts(tokenizer, chats), add_special_tokens=False)["input_ids"]
+    return [p if not room or len(p) <= room else p[: room // 2] + p[len(p) - room + room // 2 :] for p in ids]
 
 
 def proxy_actor(model, tokenizer, args, greedy):
     """act(requests, seed) -> per request (text, prompt_ids, action_ids): one generate call (per gen_batch_size)."""
 
     def act(requests, seed):
-        prompts = encode_prompts(tokenizer, [r["prompt"] for r in requests])
-        out, batch, owners = [None] * len(requests), [], []
-        for i, (r, p) in enumerate(zip(requests, prompts)):
-            if r["fixed"] is not None:  # a forced RD answer [Eq. 1]: tokenised, and trained like a sampled one
-                fixed = tokenizer(r["fixed"], add_special_tokens=False)["input_ids"] + [tokenizer.eos_token_id]
-                out[i] = (r["fixed"], p, fixed)
-                continue
-            prefix = tokenizer(r["prefix"], add_special_tokens=False)["input_ids"] if r["prefix"] else []
-            batch.append(p + prefix)
-            owners.append((i, prefix))
+        prompts = encode_prompts(tokenizer, [r["prompt"] for r in requests], args.max_length - args.max_new_tokens)
+        encode = lambda text: tokenizer(text, add_special_tokens=False)["input_ids"] if text else []
+        # a forced RD answer [Eq. 1]: tokenised with its EOS, and trained like a sampled one
+        out = [(r["fixed"], p, encode(r["fixed"]) + [tokenizer.eos_token_id]) if r["fixed"] is not None else None
+               for r, p in zip(requests, prompts)]  # fmt: skip
+        owners = [(i, encode(r["prefix"])) for i, r in enumerate(requests) if r["fixed"] is None]  # w/o QF: a prefix
+        batch = [prompts[i] + prefix for i, prefix in owners]
         model.eval()
         for s in range(0, len(batch), args.gen_batch_size):
             chunk = batch[s : s + args.gen_batch_size]  # T = 1 in training (impl), greedy at test [App. C]
@@ -651,85 +672,66 @@ def proxy_actor(model, tokenizer, args, greedy):
     return act
 
 
-def teacher_text(tpl, args, r, rng):
-    """The toy oracle's decision for a request, written in the agent's output format (simplification: header 1)."""
-    state = dict(thoughts=r["path"]["thoughts"], current=r["path"]["current"],
-                 candidates=[(hit["title"], text) for hit, text in r["cands"] or []])  # fmt: skip
-    decide = lambda agent: oracle_sparkle(r["tree"]["row"], agent, state, rng, args.teacher_noise)
-    if r["agent"] == "rd" and args.ablation == "no_qf":  # w/o QF: Yes, then the chain and the query
-        return tpl["rd_yes"] + " " + render_qf(tpl, *decide("qf")) if r["prefix"] or decide("rd") else tpl["rd_no"]
-    if r["agent"] == "rd":
-        return tpl["rd_yes"] if decide("rd") else tpl["rd_no"]
-    if r["agent"] == "qf":
-        chain, gap, query = decide("qf")
-        return str(query) if args.ablation == "direct_qf" else render_qf(tpl, chain, gap, query)
-    i = decide("ki")
-    return str(i + 1) if args.ablation == "direct_ki" else r["cands"][i][1]
-
-
 def teacher_actor(args, llm, seed):
-    """The warm-up teacher as an actor [§D.3]: the toy world's oracle, or an LLM playing the proxy roles."""
-    rng, tpl = random.Random(seed), TEMPLATES[args.templates]
+    """The warm-up teacher playing the proxy in standard rollouts [§D.3]: the toy oracle, or an LLM (zero-shot)."""
+    tpl = TEMPLATES[args.templates]
 
-    def act(requests, _seed):
-        free = [r for r in requests if r["fixed"] is None]
-        if args.teacher == "oracle":
-            texts = iter([teacher_text(tpl, args, r, rng) for r in free])
-        else:  # simplification: zero-shot with the agents' prompts (header 5)
-            system = lambda r: [{"role": "system", "content": r["prompt"][0]}] if r["prompt"][0] else []
-            messages = [system(r) + [{"role": "user", "content": r["prompt"][1]}] for r in free]
-            replies = llm.chat(messages, temperature=args.teacher_temperature, max_tokens=args.llm_max_tokens)
-            texts = iter([(r["prefix"] + " " + t.strip()).strip() for r, t in zip(free, replies)])
-        return [(r["fixed"], None, None) if r["fixed"] is not None else (next(texts), None, None) for r in requests]
+    def act(requests, draw):  # draw: the seed of this call's sampling
+        if args.teacher == "oracle":  # simplification: the toy oracle, in the template set's formats (header 1)
+            return [(oracle_text(r, tpl, args.ablation, seed, args.teacher_noise), None, None) for r in requests]
+        system = lambda r: [{"role": "system", "content": r["prompt"][0]}] if r["prompt"][0] else []
+        messages = [system(r) + [{"role": "user", "content": r["prompt"][1]}] for r in requests]  # header 5
+        replies = llm.chat(messages, temperature=args.teacher_temperature, max_tokens=args.llm_max_tokens, seed=draw)
+        return [(text.strip(), None, None) for text in replies]
 
     return act
 
 
 # --------------------------------------------------------------------------- 6. warm-up [§D.3: successful paths]
-def successful_paths(tree, keep, rng, select="uniform"):
-    """The operations of up to `keep` random successful trajectories (F1 = 1); cheapest: fewest retrievals, steps."""
-    nodes = tree["nodes"]
-    wins = [i for i, n in enumerate(nodes) if n["kind"] == "leaf" and n["why"] == "answer" and n["f1"] == 1]
-    cost = {i: (nodes[i]["trace"][-1][1], nodes[i]["depth"]) for i in wins}
-    wins = [i for i in wins if select == "uniform" or cost[i] == min(cost.values())]  # simplification: header 2
-    pairs = {}
-    for i in rng.sample(wins, min(keep, len(wins))):
-        while i is not None:
-            if nodes[i]["kind"] in AGENTS:
-                pairs[(tuple(nodes[i]["prompt"]), nodes[i]["text"])] = nodes[i]["kind"]
-            i = nodes[i]["parent"]
-    return [dict(prompt=p, output=o, agent=a, row=tree["row"]) for (p, o), a in pairs.items()]
+def successful_paths(trees, select="uniform"):
+    """SFT pairs of a question's successful (F1 = 1) teacher trajectories [§D.3], its own outputs, none forced."""
+    path = lambda nodes, i: [nodes[i]] + path(nodes, nodes[i]["parent"]) if i is not None else []  # leaf to root
+    wins = [path(t["nodes"], i) for t in trees for i, n in enumerate(t["nodes"])
+            if n["kind"] == "leaf" and n["why"] == "answer" and n["f1"] == 1]  # fmt: skip
+    cost = lambda p: (sum(n["kind"] in ("qf", "ki") for n in p), p[0]["depth"])  # simplification: header 2
+    kept = [n for p in wins if select == "uniform" or cost(p) == min(map(cost, wins)) for n in p]
+    pairs = {(tuple(n["prompt"]), n["text"]): n["kind"] for n in kept if n["kind"] in AGENTS and n["fixed"] is None}
+    return [dict(prompt=p, output=o, agent=a) for (p, o), a in pairs.items()]
 
 
 def build_warmup(rows, llm, env, args, batch=128):
-    """SFT examples from teacher tree rollouts (Eq. 1 for the first L steps), successful trajectories only."""
-    rng, examples, solved = random.Random(args.seed), [], 0
-    quiet = not PartialState().is_local_main_process
-    for s in tqdm(range(0, len(rows), batch), desc="warm-up trees", leave=False, disable=quiet):
-        trees = rollout(rows[s : s + batch], teacher_actor(args, llm, args.seed + s), env, args, "tree", s)
-        got = [successful_paths(tree, args.warmup_keep, rng, args.warmup_select) for tree in trees]
-        solved, examples = solved + sum(map(bool, got)), examples + [e for g in got for e in g]
-    return examples, solved / max(len(rows), 1)
+    """SFT examples of --warmup_keep teacher trajectories a question [§D.3], split over the processes and gathered."""
+
+    def per_question(part):
+        got, keep, quiet = [], args.warmup_keep, not PartialState().is_local_main_process
+        for s in tqdm(range(0, len(part), batch), desc="warm-up", leave=False, disable=quiet):
+            rows_s = [dict(r, sample=k) for r in part[s : s + batch] for k in range(keep)]
+            trees = rollout(rows_s, teacher_actor(args, llm, args.seed), env, args, "standard", args.seed + s)
+            got += [successful_paths(trees[i : i + keep], args.warmup_select) for i in range(0, len(trees), keep)]
+        return got
+
+    got = runs.map_shared(per_question, rows)
+    return [e for g in got for e in g], sum(map(bool, got)) / max(len(rows), 1)
 
 
-def sft_batch(examples, tokenizer, args, rng, world):
-    """(ids, labels, attention) sorted by length: chat prompt + output + EOS, loss on the output only; toy renaming."""
+def sft_batch(examples, tokenizer, args, world):
+    """(ids, labels, attention) by length: prompt + output + EOS in --max_length, loss on the output; toy renaming."""
     seqs = []
-    for ex in examples:
-        texts = [*ex["prompt"], ex["output"]]
+    for ex, seed in examples:  # (example, the seed of its renaming)
+        texts, rng = [*ex["prompt"], ex["output"]], random.Random(seed)
         if world is not None and rng.random() < args.augment_p:  # simplification: toy renaming (header 3)
             texts = rename_entities(texts, world, rng, popular="keep")
-        prompt = encode_prompts(tokenizer, [texts[:2]])[0]
+        prompt = encode_prompts(tokenizer, [texts[:2]], args.max_length - args.max_new_tokens)[0]
         target = tokenizer(texts[2], add_special_tokens=False)["input_ids"] + [tokenizer.eos_token_id]
-        seqs.append((prompt + target, [-100] * len(prompt) + target))
+        seqs.append(((prompt + target)[: args.max_length], ([-100] * len(prompt) + target)[: args.max_length]))
     seqs.sort(key=lambda s: len(s[0]))  # micro-batches of similar lengths: less padding, the same gradient
     ids, labels = right_pad([s[0] for s in seqs], tokenizer.pad_token_id), right_pad([s[1] for s in seqs], -100)
     return ids, labels, right_pad([[1] * len(s[0]) for s in seqs], 0)
 
 
 def sft(accelerator, model, tokenizer, examples, args, world):
-    """Cross-entropy on the outputs of the warm-up pairs (runs.sft_step); Adam (0.9, 0.95), 3% warm-up, cosine."""
-    rng = random.Random(args.seed)
+    """Cross-entropy on the warm-up pairs' outputs (runs.sft_step, own shares); Adam (0.9, 0.95), warm-up, cosine."""
+    rng = random.Random(args.seed)  # the order, the same on every process
     steps = args.sft_steps or math.ceil(args.sft_epochs * len(examples) / args.sft_batch_size)
     optimizer = torch.optim.Adam(model.parameters(), lr=args.sft_lr, betas=(0.9, 0.95))  # impl: OpenRLHF
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: cosine(s, steps, max(1, int(0.03 * steps))))
@@ -740,9 +742,10 @@ def sft(accelerator, model, tokenizer, examples, args, world):
         if len(order) < args.sft_batch_size:
             order += rng.sample(range(len(examples)), len(examples))
         batch, order = order[: args.sft_batch_size], order[args.sft_batch_size :]
-        batch = batch[accelerator.process_index :: accelerator.num_processes]  # same order on every rank, own share
-        tensors = sft_batch([examples[i] for i in batch], tokenizer, args, rng, world)
-        losses.append(runs.sft_step(accelerator, model, optimizer, scheduler, *tensors, args.micro_batch_size))
+        own, weight = runs.own_share(batch, accelerator)  # an example's renaming: seeded by the step and itself
+        tensors = sft_batch([(examples[i], f"{args.seed} {step} {i}") for i in own], tokenizer, args, world)
+        losses.append(runs.sft_step(accelerator, model, optimizer, scheduler, *tensors, args.micro_batch_size,
+                                    args.max_grad_norm, weight))  # fmt: skip
         if (step + 1) % 100 == 0 or step + 1 == steps:
             accelerator.print(f"sft step {step + 1}/{steps} | loss={sum(losses[-100:]) / len(losses[-100:]):.4f}")
     return accelerator.unwrap_model(model), steps
@@ -773,7 +776,7 @@ def op_samples(trees, canonical=None, shaping=False, rng=None):
                 action = canonical[parse_rd(n["text"])] if canonical and n["kind"] == "rd" else n["action_ids"]
                 mask, ids = [0] * len(n["prompt_ids"]) + [1] * len(action), n["prompt_ids"] + action
                 ops.append(dict(ids=ids, credit=credit, agent=n["kind"], loss_mask=mask, forced=bool(n["fixed"])))
-        # rng: the authors' code's subsampling (spec §5.7, not in the paper): every QF and KI sample, RD ones drawn
+        # rng: the authors' code's subsampling (impl, not in the paper): every QF and KI sample, RD ones drawn
         # without replacement down to #QF + #KI per tree (all kept when fewer, or without QF and KI samples)
         rd = [i for i, s in enumerate(ops) if s["agent"] == "rd"]
         keep = set(rng.sample(rd, len(ops) - len(rd)) if rng and 0 < len(ops) - len(rd) < len(rd) else rd)
@@ -842,52 +845,59 @@ def score_samples(policy, ref, value, samples, pad, device, args):
 
 
 def ppo_update(accelerator, policy, value, ref, optimizers, schedulers, samples, pad, args):
-    """Score the operation samples, whiten the advantages, then minibatches over all agents' operations."""
+    """Score this process's samples, gather all, whiten, then minibatches over all agents' operations (own shares)."""
     device = accelerator.device
     policy.eval()
     score_samples(accelerator.unwrap_model(policy), ref, accelerator.unwrap_model(value), samples, pad, device, args)
+    samples = gather_object(samples)  # every process's, in process order: the same minibatches on every process
+    if not samples:  # no operation was credited: nothing to learn from
+        return {}
     # simplification: advantages whitened over the rollout, population variance (header 9)
-    flat = torch.tensor([a for s in samples for a in s["adv"]])
-    mean, std = flat.mean().item(), flat.std(correction=0).item()
     ids, attention, mask = batch_tensors(samples, pad, device)  # pad once: (N, T), (N, T), (N, T-1)
     on_mask = lambda values: torch.zeros_like(mask).masked_scatter(mask.bool(), torch.tensor(values, device=device))
-    old, old_values, returns = (on_mask([x for s in samples for x in s[k]]) for k in ("old", "val", "ret"))
-    advantages = on_mask([(x - mean) * (1 / (std + 1e-8)) for s in samples for x in s["adv"]])
+    old, old_values, returns, adv = (on_mask([x for s in samples for x in s[k]]) for k in ("old", "val", "ret", "adv"))
+    advantages = (adv - adv[mask.bool()].mean()) / (adv[mask.bool()].std(correction=0) + 1e-8) * mask
     lengths = [len(s["ids"]) for s in samples]
     weights = torch.tensor([[args.forced_weight if s["forced"] else 1.0] for s in samples], device=device)  # (N, 1)
     policy.train()
-    stats, rng = defaultdict(list), random.Random(args.seed + len(samples))
-    # every process takes the same number of minibatches and micro-batches (DDP), set by the smallest rollout
-    smallest = int(accelerator.gather(torch.tensor([len(samples)], device=device)).min().item())
-    n_mb = max(1, math.ceil(smallest / args.ppo_batch_size))
-    n_micro = math.ceil(max(1, smallest // n_mb) / args.micro_batch_size)  # no empty micro-batch on any process
+    sums, rng = defaultdict(float), random.Random(args.seed + len(samples))  # sums: this process's, over the update
+    n_mb = max(1, math.ceil(len(samples) / args.ppo_batch_size))
+
+    def loss_of(rows, scale, weight, critic=False):  # some rows of a minibatch: their clipped surrogate, or value loss
+        r, t = torch.tensor(rows, device=device), slice(0, max(lengths[i] for i in rows) - 1)  # cut to its longest
+        x, att, msk = ids[r, : t.stop + 1], attention[r, : t.stop + 1], mask[r, t]  # (B, T), (B, T), (B, T-1)
+        if critic:  # a separate network: its own backward
+            vf = value_loss(value(x, att)[:, :-1].float(), old_values[r, t], returns[r, t], msk, args.value_clip)
+            sums["value"] += vf.sum().item() * weight
+            return args.vf_coef * vf.sum() * scale
+        logp = token_logp(policy, x, att)  # (B, T-1)
+        pg, ratio = clipped_surrogate(logp, old[r, t], advantages[r, t], msk, args.clip, weights[r])
+        log_ratio = (logp - old[r, t]).detach()
+        clipped, k3 = ((ratio - 1).abs() > args.clip).float(), (log_ratio.exp() - 1) - log_ratio
+        for key, term in dict(policy=pg, clipped=clipped * msk, k3=k3 * msk, tokens=msk).items():
+            sums[key] += term.sum().item() * weight
+        return pg.sum() * scale  # all agents' operations, a mean over them
+
     for _ in range(args.ppo_epochs):
         order = rng.sample(range(len(samples)), len(samples))
         for b in range(n_mb):
             mb = sorted(order[b::n_mb], key=lengths.__getitem__)  # length-sorted micro-batches: less padding
+            own, weight = runs.own_share(mb, accelerator)  # a process without a row: a stand-in of weight 0
+            scale = weight * accelerator.num_processes / len(mb)  # DDP averages over the processes
             for opt in optimizers:
                 opt.zero_grad()
-            for m in range(n_micro):
-                rows = mb[m * len(mb) // n_micro : (m + 1) * len(mb) // n_micro]  # never empty: len(mb) >= n_micro
-                width = max(lengths[i] for i in rows)
-                r, t = torch.tensor(rows, device=device), slice(0, width - 1)
-                x, att, msk = ids[r, :width], attention[r, :width], mask[r, t]
-                logp = token_logp(policy, x, att)  # (B, T-1)
-                pg, ratio = clipped_surrogate(logp, old[r, t], advantages[r, t], msk, args.clip, weights[r])
-                vf = value_loss(value(x, att)[:, :-1].float(), old_values[r, t], returns[r, t], msk, args.value_clip)
-                # all agents' operations in one minibatch, a mean over operations; separate networks
-                accelerator.backward((pg + args.vf_coef * vf).sum() / len(mb))
-                log_ratio = (logp - old[r, t]).detach()
-                clipfrac = (((ratio - 1).abs() > args.clip).float() * msk).sum() / msk.sum()
-                approx_kl = (((log_ratio.exp() - 1) - log_ratio) * msk).sum() / msk.sum()  # k3
-                for key, x in dict(policy=pg.mean(), value=vf.mean(), clipfrac=clipfrac, approx_kl=approx_kl).items():
-                    stats[f"losses/{key}"].append(x.item())
+            for model, critic in ((policy, False), (value, True)):  # one all-reduce each (runs.micro_backward)
+                part = lambda rows: loss_of(own[rows], scale, weight, critic)
+                runs.micro_backward(accelerator, model, len(own), args.micro_batch_size, part)
             for model, opt in zip((policy, value), optimizers):
                 accelerator.clip_grad_norm_(model.parameters(), args.max_grad_norm)
                 opt.step()
     for sched in schedulers:  # one scheduler step per PPO update (per rollout)
         sched.step()
-    out = {k: sum(v) / len(v) for k, v in stats.items()}
+    keys = ("policy", "value", "clipped", "k3", "tokens")  # summed over the processes: each sample once an epoch
+    total = dict(zip(keys, runs.global_sum(accelerator, torch.tensor([sums[k] for k in keys])).tolist()))
+    out = {f"losses/{k}": total[k] / (len(samples) * args.ppo_epochs) for k in ("policy", "value")}
+    out |= {"losses/clipfrac": total["clipped"] / total["tokens"], "losses/approx_kl": total["k3"] / total["tokens"]}
     kl = [o - r for s in samples for o, r in zip(s["old"], s["ref"])]
     ret, val = returns[mask.bool()].cpu(), old_values[mask.bool()].cpu()
     explained = (1 - (ret - val).var() / ret.var().clamp(min=1e-8)).item() if len(ret) > 1 else 0.0
@@ -931,8 +941,7 @@ def evaluate(model, tokenizer, env, rows, args, greedy=True, seed=0, batch=256, 
     """Alg. 1 on the rows (greedy [App. C] or T = 1), batched; a list `predictions` gets each question's path."""
     start, records, trees = time.time(), [], []
     mode, decoding = ("greedy", "greedy") if greedy else ("sample", "sampled")
-    bar = tqdm(range(0, len(rows), batch), desc="eval", leave=False, disable=not PartialState().is_local_main_process)
-    for s in bar:
+    for s in tqdm(range(0, len(rows), batch), desc="eval", leave=False, disable=not PartialState().is_main_process):
         trees += rollout(rows[s : s + batch], proxy_actor(model, tokenizer, args, greedy), env, args, mode, seed + s)
         records += [tree_record(t) for t in trees[s:]]
         if predictions is not None:
@@ -974,8 +983,9 @@ def rollout_stats(trees, samples):
     mean = lambda xs: sum(xs) / max(len(xs), 1)
     leaves = [n for t in trees for n in t["nodes"] if n["kind"] == "leaf"]
     out = {f"rollout/leaf_{k}": mean([n[k] for n in leaves]) for k in ("reward", "f1", "recall")}
-    pruned = sum(n.get("pruned", False) for t in trees for n in t["nodes"])
-    out |= {"rollout/leaves_per_tree": len(leaves) / len(trees), "rollout/pruned_per_tree": pruned / len(trees)}
+    # this process's trees (none: a rollout shorter than the processes)
+    pruned, per_tree = sum(n.get("pruned", False) for t in trees for n in t["nodes"]), max(len(trees), 1)
+    out |= {"rollout/leaves_per_tree": len(leaves) / per_tree, "rollout/pruned_per_tree": pruned / per_tree}
     out |= {"rollout/samples": len(samples)} | {f"ops/{a}": sum(s["agent"] == a for s in samples) for a in AGENTS}
     return out | {f"credit/{a}": mean([s["credit"] for s in samples if s["agent"] == a]) for a in AGENTS}  # [Eq. 2]
 
@@ -990,7 +1000,9 @@ def warm_up(accelerator, args, out, train_rows, test_rows, env, world):
     before_sft = evaluate_stage(accelerator, out, "raw", policy, tokenizer, env, test_rows, args)
     types = {t.strip() for t in args.warmup_types.split(",") if t.strip()}  # simplification: header 13
     rows = [r for r in train_rows if not types or r["metadata"].get("type") in types | {None}]  # untyped rows: kept
-    examples, solved = build_warmup(rows, env.llm, env, args)
+    served = {"model": args.teacher_llm_model} if args.teacher_llm_model else {}  # [§D.3] the teacher apart from --llm
+    teacher = make_llm(args.teacher_model, **served) if args.teacher == "llm" and args.teacher_model else env.llm
+    examples, solved = build_warmup(rows, teacher, env, args)
     accelerator.print(f"warm-up: {dict(Counter(e['agent'] for e in examples))}; {solved:.2f} of the questions solved")
     if not examples:
         raise SystemExit("the teacher solved no training question: no warm-up data (check --llm, --teacher, the data)")
@@ -1020,17 +1032,19 @@ def train(args):
     schedule = lambda s: cosine(s, args.ppo_iterations, max(1, int(0.03 * args.ppo_iterations)))  # [Tab. 6] cosine
     schedulers = [torch.optim.lr_scheduler.LambdaLR(o, schedule) for o in optimizers]
     rng = random.Random(args.seed * 1000 + accelerator.process_index)
-    objects = dict(policy=policy, value=value, optimizers=optimizers, schedulers=schedulers)
-    if state := runs.load_training(accelerator, out / "ppo", objects, rng):  # --resume
+    objects = lambda: dict(policy=accelerator.unwrap_model(policy), value=accelerator.unwrap_model(value),
+                           optimizers=optimizers, schedulers=schedulers)  # fmt: skip
+    if state := runs.load_training(accelerator, out / "ppo", objects(), rng):  # --resume
         steps["ppo"] = state["iteration"]
         accelerator.print(f"resumed PPO at iteration {steps['ppo']}")
     policy, value, *optimizers = accelerator.prepare(policy, value, *optimizers)
     mode = "standard" if args.standard_rollout else "tree"  # w/ Standard Rollout [Tab. 4]; binary tree [§3.1]
     rd = lambda k: tokenizer.encode(TEMPLATES[args.templates][k], add_special_tokens=False) + [tokenizer.eos_token_id]
-    canonical = {True: rd("rd_yes"), False: rd("rd_no")} if args.ablation != "no_qf" else None  # [spec §9.11]
+    canonical = {True: rd("rd_yes"), False: rd("rd_no")} if args.ablation != "no_qf" else None  # impl
     for it in range(steps["ppo"], args.ppo_iterations):
         t0 = time.time()
-        rows = rng.sample(train_rows, min(args.rollout_batch, len(train_rows)))
+        share = len(range(accelerator.process_index, args.rollout_batch, accelerator.num_processes))
+        rows = rng.sample(train_rows, min(share, len(train_rows)))  # this process's share of the rollout
         rows = rename_rows(rows, world, rng, args.rl_augment_p)  # simplification: renamed trees (header 3), if asked
         rows = [r for r in rows for _ in range(args.samples_per_question)]
         actor = proxy_actor(accelerator.unwrap_model(policy), tokenizer, args, greedy=False)
@@ -1043,10 +1057,8 @@ def train(args):
         runs.log_update(accelerator, out, stats, step=it + 1)
         steps["ppo"] = it + 1
         if (it + 1) % args.eval_every == 0 or it + 1 == args.ppo_iterations:
-            objects = dict(policy=accelerator.unwrap_model(policy), value=accelerator.unwrap_model(value),
-                           optimizers=optimizers, schedulers=schedulers)  # fmt: skip
             state = dict(iteration=it + 1, data_dir=args.data_dir, args=asdict(args))
-            runs.save_training(accelerator, out / "ppo", objects["policy"], tokenizer, state, objects, rng)
+            runs.save_training(accelerator, out / "ppo", objects()["policy"], tokenizer, state, objects(), rng)
     policy = accelerator.unwrap_model(policy)
     after = evaluate_stage(accelerator, out, "ppo", policy, tokenizer, env, test_rows, args, step=steps["ppo"])
     accelerator.end_training()

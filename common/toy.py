@@ -1045,6 +1045,47 @@ if __name__ == "__main__":
     main()
 
 
+def sparkle_oracle_text(request, tpl, ablation, seed, noise):
+    """SPARKLE's toy teacher as text: oracle_sparkle's decision for a pending agent state (request: agent, the path's
+    thoughts and current thought, candidates, prefix, the tree's row) in the template set's output formats (tpl:
+    rd_yes, rd_no, qf_output; the paper set's: Fig. 4's answers, Tab. 8's QF output); w/o QF the RD output carries
+    the chain and the query, w/ Direct QF the query alone, w/ Direct KI a candidate's number. A tree's draws are
+    seeded by `seed`, its question and row["sample"], whatever the other trees of its batch."""
+    path, cands, agent, row = request["path"], request["cands"] or [], request["agent"], request["tree"]["row"]
+    rng = request["tree"].setdefault("oracle_rng", random.Random(f"{seed} {row['question']} {row.get('sample')}"))
+    state = dict(thoughts=path["thoughts"], current=path["current"], candidates=[(h["title"], t) for h, t in cands])
+    decide = lambda agent: oracle_sparkle(row, agent, state, rng, noise)
+    qf = lambda chain, gap, query: tpl["qf_output"].format(
+        chain=", ".join(f"<{h}; {r}; {t}>" for h, r, t in chain), gap=gap, query=query or "None"
+    )
+    if agent == "rd" and ablation == "no_qf":
+        return tpl["rd_yes"] + " " + qf(*decide("qf")) if request["prefix"] or decide("rd") else tpl["rd_no"]
+    if agent == "rd":
+        return tpl["rd_yes"] if decide("rd") else tpl["rd_no"]
+    if agent == "qf":
+        chain, gap, query = decide("qf")
+        return str(query) if ablation == "direct_qf" else qf(chain, gap, query)
+    i = decide("ki")
+    return str(i + 1) if ablation == "direct_ki" else cands[i][1]
+
+
+class ReasoningReader:
+    """The toy reader as a reasoning LLM, for SPARKLE's Fig. 7 mode: its steps are paragraphs without tags and its
+    answer is in \\boxed{}; the paragraphs of the thoughts so far are read back as its <think> steps. A `stop` with a
+    blank line (or none) asks for one step, any other for every step at once."""
+
+    def __init__(self, reader):
+        self.reader = reader
+
+    def chat(self, messages_lists, stop=None, **sampling):
+        tag = lambda text: "".join(f"<think> {p.strip()} </think>\n" for p in text.split("\n\n") if p.strip())
+        tagged = [[dict(m, content=m["content"] + "\n<think> </think>" if m["role"] == "user" else tag(m["content"]))
+                   for m in messages] for messages in messages_lists]  # fmt: skip
+        replies = self.reader.chat(tagged, stop=["</think>"] if stop is None or "\n\n" in list(stop) else [])
+        boxed = lambda r: re.sub(r"<answer>(.*?)</answer>", r"\\boxed{\1}", re.sub(r"</?think>", "\n\n", r))
+        return [re.sub(r"\s*\n\s*", "\n\n", boxed(r).strip()) for r in replies]
+
+
 def stated_tail(thoughts, head, rel):
     """The tail the thoughts last state for (head, rel), the reader's way ("velbo was born in 1931 ."), or None."""
     left = RELATIONS[rel][2].split("{t}")[0].format(h=head)

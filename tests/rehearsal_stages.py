@@ -205,7 +205,86 @@ def smartrag_warmup(accelerator):
 
 # ------------------------------------------------------------------ c3po
 
+
 # ------------------------------------------------------------------ sparkle
+def sparkle_setup(**overrides):
+    """The paper preset's arguments on the toy world (its models aside), and three warm-up pairs in the paper's
+    formats: a Retrieval Decision, a Query Formulation (Tab. 8) and a Knowledge Integration (one triple)."""
+    import sparkle
+
+    world = str(Path(__file__).resolve().parents[1] / "data" / "toy")
+    args = sparkle.Args(train=True, preset="paper", data_dir=world, llm="toy", encoder="tfidf", teacher="oracle")
+    args = sparkle.apply_preset(args)
+    for key, value in overrides.items():
+        setattr(args, key, value)
+    tpl, question = sparkle.TEMPLATES["paper"], "what is the birthplace of the director of zorvak ?"
+    rd = tpl["rd"].format(context="", question=question, history="", current="i need to know the director of zorvak .")
+    qf = tpl["qf"].format(question=question, thoughts="i need to know the director of zorvak .")
+    triples = [
+        (dict(title="zorvak"), "<zorvak; directed by; velbo>"),
+        (dict(title="velbo"), "<velbo; born in; tuvia>"),
+    ]
+    ki = tpl["ki"].format(candidates=sparkle.format_candidates(tpl, triples), question=question,
+                          chain="<zorvak; directed by; [unknown]>", query="zorvak directed")  # fmt: skip
+    qf_out = tpl["qf_output"].format(chain="<zorvak; directed by; [unknown]>", gap="the director", query="zorvak")
+    return args, [
+        dict(prompt=(tpl["rd_system"], rd), output=tpl["rd_yes"], agent="rd"),
+        dict(prompt=(tpl["qf_system"], qf), output=qf_out, agent="qf"),
+        dict(prompt=(tpl["ki_system"], ki), output=triples[0][1], agent="ki"),
+    ]
+
+
+@stage("sparkle:sft")
+def sparkle_sft(accelerator, micro=1):
+    """sparkle.sft (its loop over runs.sft_step) on the three pairs: one step of a batch of 3 (2 + 1 over two
+    processes), then one of a batch of 1 (process 1: a stand-in of weight 0); plain SGD at lr 1, no clipping."""
+    import sparkle
+    from common import runs
+
+    model, tokenizer = tiny_lm()
+    before, losses, step, adam = trained(model), [], runs.sft_step, torch.optim.Adam
+    runs.sft_step = lambda *a, **k: losses.append(step(*a, **k)) or losses[-1]
+    torch.optim.Adam = lambda params, **_: sgd(params)
+    try:
+        for size in (3, 1):
+            args, examples = sparkle_setup(sft_batch_size=size, sft_steps=1, micro_batch_size=micro, max_grad_norm=1e9)
+            model, _ = sparkle.sft(accelerator, model, tokenizer, examples, args, None)
+    finally:
+        runs.sft_step, torch.optim.Adam = step, adam
+    return {"loss": torch.tensor(losses, dtype=torch.float64), "grad": before - trained(model)}
+
+
+@stage("sparkle:ppo")
+def sparkle_ppo(accelerator, micro=1):
+    """sparkle.ppo_update on three operation samples (the pairs, RD's forced) in minibatches of 2 and 1 (the last
+    short of the two processes), process 0 holding two samples and process 1 one; the policy and the critic (its own
+    backbone) stepped by plain SGD at lr 1, no clipping."""
+    import copy
+
+    import sparkle
+
+    args, examples = sparkle_setup(ppo_batch_size=2, micro_batch_size=micro, max_grad_norm=1e9)
+    policy, tokenizer = tiny_lm(0)
+    value, ref = sparkle.ValueModel(tiny_lm(1)[0]), copy.deepcopy(policy).eval().requires_grad_(False)
+    torch.nn.init.normal_(value.head.weight, std=0.1)  # a critic that is not zero
+    samples = []
+    for ex, credit in zip(examples, (0.9, 0.2, 0.5)):
+        prompt = sparkle.encode_prompts(tokenizer, [ex["prompt"]])[0]
+        action = tokenizer(ex["output"], add_special_tokens=False)["input_ids"] + [tokenizer.eos_token_id]
+        samples.append(dict(ids=prompt + action, loss_mask=[0] * len(prompt) + [1] * len(action), credit=credit,
+                            agent=ex["agent"], forced=ex["agent"] == "rd"))  # fmt: skip
+    before = trained(policy), trained(value)
+    optimizers = [sgd(policy.parameters()), sgd(value.parameters())]
+    schedulers = [torch.optim.lr_scheduler.LambdaLR(o, lambda s: 1.0) for o in optimizers]
+    policy, value, *optimizers = accelerator.prepare(policy, value, *optimizers)
+    # in process order the one process's list: process 0 takes two samples, process 1 one
+    mine = [samples[:2], samples[2:]][accelerator.process_index] if accelerator.num_processes == 2 else samples
+    out = sparkle.ppo_update(accelerator, policy, value, ref, optimizers, schedulers, copy.deepcopy(mine),
+                             tokenizer.pad_token_id, args)  # fmt: skip
+    after = trained(accelerator.unwrap_model(policy)), trained(accelerator.unwrap_model(value))
+    return {"loss": out["losses/policy"], "value_loss": out["losses/value"], "grad": before[0] - after[0],
+            "value_grad": before[1] - after[1], "kl": out["rollout/kl"]}  # fmt: skip
+
 
 
 # ------------------------------------------------------------------ tearag

@@ -1,6 +1,7 @@
-"""SPARKLE: the spec's worked numbers (the leaf reward in both weightings, Eq. 2 credit on the hand-built tree, GAE,
-the KL reward, whitening, PPO and value clipping), the parsers (malformed triples and chains included), masks, the
-binary tree rollout's shape with and without pruning and its batching, the inference loop with scripted agents, the
+"""SPARKLE: hand-worked numbers (the leaf reward in both weightings, Eq. 2 credit on a hand-built tree, GAE, the KL
+reward, whitening, PPO and value clipping), the parsers (the paper's output formats, malformed triples and chains),
+masks, the binary tree rollout's shape with and without pruning and its batching, the inference loop with scripted
+agents (a reasoning LLM's too), the context cap, the prompt length cap, the warm-up (the teacher's own decisions), the
 toy reader's think mode and the toy oracle teacher, every ablation, and end-to-end toy runs with --eval and --ask."""
 
 import copy
@@ -25,7 +26,7 @@ def args_for(**overrides):
     return sparkle.apply_preset(sparkle.Args(train=True, **overrides))
 
 
-# ---------------------------------------------------------------- reward and credit [§3.2, Eq. 2], spec §8.2, §8.4
+# ---------------------------------------------------------------- reward and credit [§3.2, Eq. 2]
 def test_leaf_reward_in_both_weightings():
     assert sparkle.leaf_reward(0.5, 0.6667, 0.3) == pytest.approx(0.61669)  # the paper: alpha weights Recall
     assert sparkle.leaf_reward(0.5, 0.6667, 0.7) == pytest.approx(0.55001)  # the code: 0.3 F1 + 0.7 Recall
@@ -44,12 +45,12 @@ def build(spec):
 
 
 def chain(parent, tag):
-    """The retrieval chain yes -> query -> triple of one decision (spec §5.4)."""
+    """The retrieval chain yes -> query -> triple of one decision (impl: the tree's node kinds)."""
     return [(f"Y{tag}", "rd", parent, None), (f"Q{tag}", "qf", f"Y{tag}", None), (f"T{tag}", "ki", f"Q{tag}", None)]
 
 
-def spec_tree(with_c=True):
-    """Spec §8.4: L = 2; leaves A (1.0), B (0.5), C (0.15), D (0.0); without C when Y2b's branch was pruned."""
+def hand_tree(with_c=True):
+    """A hand-built tree, L = 2: leaves A (1.0), B (0.5), C (0.15), D (0.0); without C when Y2b's branch was pruned."""
     r = lambda recall, f1: sparkle.leaf_reward(recall, f1, 0.3)
     spec = [("root", "root", None, None), ("r1", "llm", "root", None), *chain("r1", "1"), ("N1", "rd", "r1", None)]
     spec += [("r2a", "llm", "T1", None), *chain("r2a", "2a"), ("N2a", "rd", "r2a", None)]
@@ -62,7 +63,7 @@ def spec_tree(with_c=True):
 
 
 def test_monte_carlo_credit_on_the_hand_built_tree():
-    nodes = spec_tree()
+    nodes = hand_tree()
     credit = {n["name"]: c for n, c in zip(nodes, sparkle.leaf_credits(nodes))}
     assert [credit[k] for k in ("A", "B", "C", "D")] == pytest.approx([1.0, 0.5, 0.15, 0.0])
     expected = dict(Y1=0.75, Q1=0.75, T1=0.75, N1=0.075, Y2a=1.0, Q2a=1.0, T2a=1.0, N2a=0.5, Y2b=0.15, Q2b=0.15,
@@ -71,7 +72,7 @@ def test_monte_carlo_credit_on_the_hand_built_tree():
 
 
 def test_a_pruned_branch_gives_no_credit_and_no_sample():
-    nodes = spec_tree(with_c=False)  # Y2b's retrieval left the context unchanged: pruned, no leaf below it
+    nodes = hand_tree(with_c=False)  # Y2b's retrieval left the context unchanged: pruned, no leaf below it
     credit = {n["name"]: c for n, c in zip(nodes, sparkle.leaf_credits(nodes))}
     assert credit["N1"] == 0.0 and credit["Y2b"] is credit["Q2b"] is credit["T2b"] is None
     for n in nodes:
@@ -81,8 +82,9 @@ def test_a_pruned_branch_gives_no_credit_and_no_sample():
 
 
 def test_the_authors_code_shaping_on_the_hand_built_tree():
-    # spec §8.4, code mode: Y2b pruned -> Y2b = value(N2b) - 0.1, N2b = 0.0 + 0.1; then each leaf's last RD op -+0.05
-    nodes = spec_tree(with_c=False)
+    # the authors' code's shaping (impl): Y2b pruned -> Y2b = value(N2b) - 0.1, N2b = 0.0 + 0.1; then each leaf's
+    # last RD op -+0.05
+    nodes = hand_tree(with_c=False)
     for n in nodes:
         n["text"] = "no" if n["name"].startswith("N") else "yes"
     nodes[[n["name"] for n in nodes].index("Y2b")]["pruned"] = True
@@ -112,7 +114,8 @@ def flat_tree(n_rd, n_qf, n_ki):
 
 
 def test_rd_subsampling_of_the_authors_code_per_tree():
-    # spec §8.13: 30 RD, 15 QF, 15 KI -> all kept; 40 RD, 5 QF, 5 KI -> 10 RD sampled; 7 RD, no QF/KI -> all 7
+    # the authors' code's subsampling (impl): 30 RD, 15 QF, 15 KI -> all kept; 40 RD, 5 QF, 5 KI -> 10 RD
+    # sampled; 7 RD, no QF/KI -> all 7
     rng, counts = random.Random(0), lambda trees, rng=None: Counter_of(sparkle.op_samples(trees, rng=rng))
     assert counts([flat_tree(30, 15, 15)], rng) == {"rd": 30, "qf": 15, "ki": 15}
     assert counts([flat_tree(40, 5, 5)], rng) == {"rd": 10, "qf": 5, "ki": 5}
@@ -129,7 +132,7 @@ def test_rd_subsampling_of_the_authors_code_per_tree():
 
 
 def test_credit_is_a_mean_over_leaves_not_over_child_means():
-    # spec §8.4, L = 3 variant: under T1 two leaves (1.0, 0.8) below its Yes chain, one (0.5) below its No child
+    # Eq. 2 with L = 3: under T1 two leaves (1.0, 0.8) below its Yes chain, one (0.5) below its No child
     spec = [("root", "root", None, None), ("r1", "llm", "root", None), *chain("r1", "1"), ("r2", "llm", "T1", None)]
     spec += [*chain("r2", "2"), ("N2", "rd", "r2", None), ("r3", "llm", "T2", None), ("a", "leaf", "r3", 1.0)]
     spec += [("b", "leaf", "r3", 0.8), ("r4", "llm", "N2", None), ("c", "leaf", "r4", 0.5)]
@@ -138,7 +141,7 @@ def test_credit_is_a_mean_over_leaves_not_over_child_means():
     assert credit["Y1"] == pytest.approx(2.3 / 3) and credit["Y1"] != pytest.approx(0.7)
 
 
-# ---------------------------------------------------------------- parsers [§2.2; impl], spec §8.11
+# ---------------------------------------------------------------- parsers [§2.2; impl]
 TABLE_8_QF = """Step 1: Reasoning Chain: <"The Promise (1995 Film)"; directed by; [unknown director]>
 Step 2: Knowledge Gaps: To continue answering the question, we need to know: Who directed the film "The Promise" \
 (1995)? Identifying the director will allow us to find out who their spouse is.
@@ -157,9 +160,55 @@ def test_parse_query_formulation():
     assert sparkle.parse_qf("step 1 : chain : <a ; b", "q") == ("<a ; b", "Question: q\nstep 1 : chain : <a ; b")
     assert sparkle.parse_qf("zorvak directed", "q", direct=True) == ("", "zorvak directed")
     assert sparkle.parse_qf(" None ", "q", direct=True) == ("", None)
-    tpl = sparkle.TEMPLATES["compact"]
-    rendered = sparkle.render_qf(tpl, [("zorvak", "directed by", "[unknown]")], "the director of zorvak", None)
+    rendered = sparkle.TEMPLATES["compact"]["qf_output"].format(chain="<zorvak; directed by; [unknown]>", gap="g",
+                                                                 query="None")  # fmt: skip
     assert sparkle.parse_qf(rendered, "q") == ("<zorvak; directed by; [unknown]>", None)
+
+
+FIG_5_QF = """[Step 1: Generate Reasoning Chain]
+<Ignite!Learning; co-founded by; Neil Bush>, <Neil Bush; child of; [unknown]>
+
+[Step 2: Identify Knowledge Gaps]
+To continue answering the question, we need to know: who the mother of Neil Bush is
+
+[Step 3: Formulate Retrieval Query]
+Who is the mother of Neil Bush?"""
+MARKDOWN_QF = """<think>Step 1 first: Neil Bush is the son of George H. W. Bush, yes. Step 3: a query.</think>
+**Step 1: Reasoning Chain:** <Ignite!Learning; co-founded by; Neil Bush>, <Neil Bush; child of; [unknown]>
+
+### Step 2: Knowledge Gaps
+To continue answering the question, we need to know: his mother
+
+### Step 3: Retrieval Query
+**Who is the mother of Neil Bush?**
+
+This query targets the missing parent."""
+
+
+@pytest.mark.parametrize("text", [FIG_5_QF, MARKDOWN_QF, FIG_5_QF.replace("\n\n", "\n")])
+def test_parse_query_formulation_as_the_paper_shows_a_model_writing_it(text):
+    # Fig. 5's bracketed step headers (the paper set's QF prompt has no `Step 1: Reasoning Chain:` scaffold to copy),
+    # markdown headers, bold, a <think> block that mentions the steps, text after the query
+    chain = "<Ignite!Learning; co-founded by; Neil Bush>, <Neil Bush; child of; [unknown]>"
+    assert sparkle.parse_qf(text, "q") == (chain, "Who is the mother of Neil Bush?")
+    none = text.replace("Who is the mother of Neil Bush?", "None")
+    assert sparkle.parse_qf(none, "q") == (chain, None)
+    tpl = sparkle.TEMPLATES["paper"]  # the paper set's QF output as Tab. 8 prints one (the toy oracle writes it)
+    rendered = tpl["qf_output"].format(
+        chain="<Neil Bush; child of; [unknown]>", gap="his mother", query="Who is his mother?"
+    )
+    assert rendered.startswith("Step 1: Reasoning Chain: <Neil Bush; child of; [unknown]>\nStep 2: Knowledge Gaps:")
+    assert sparkle.parse_qf(rendered, "q") == ("<Neil Bush; child of; [unknown]>", "Who is his mother?")
+
+
+def test_the_agents_parsers_read_past_a_think_block():
+    assert not sparkle.parse_rd("<think>Is a retrieval needed? Yes, maybe.</think>\nNo (retrieval is not required)")
+    assert sparkle.parse_rd("**Yes (retrieval is required)**") and not sparkle.parse_rd("<think>yes, yes")
+    hit = dict(title="t")
+    cands = [(hit, "<Neil Bush; child of; George H. W. Bush>"), (hit, "<Neil Bush; mother; Barbara Bush>")]
+    assert sparkle.parse_ki("<think>not <Neil Bush; child of; George H. W. Bush></think>\n<Neil Bush; mother; "
+                            "Barbara Bush>", cands) == 1  # fmt: skip
+    assert sparkle.parse_ki("<think>the second</think> 2", cands, direct=True) == 1
 
 
 def test_parse_knowledge_integration_and_retrieval_decision():
@@ -184,6 +233,12 @@ def test_answer_extraction_and_thought_conversion():
     assert sparkle.extract_answer("<think> zorvak is a film directed by velbo . </think>") == (
         "zorvak is a film directed by velbo ."
     )
+    assert sparkle.extract_answer("so the answer is Paris.\n\n\\boxed{Paris}") == "Paris"  # a reasoning LLM [Fig. 7]
+    assert (
+        sparkle.extract_answer("\\boxed{1931} then \\boxed{\\text{Volker Schl\u00f6ndorff}}")
+        == "Volker Schl\u00f6ndorff"
+    )
+    assert sparkle.extract_answer("\\boxed{f(x^{2})}") == "f(x^{2})"
     assert sparkle.thought_text("<think> A </think>\n<think> B </think>") == "A\n\nB\n\n"
     assert sparkle.thought_text("") == "" and sparkle.thought_text("<think>  </think>") == ""
 
@@ -192,10 +247,10 @@ def test_templates_render_every_agent_in_both_sets():
     docs = [dict(id="1", title="zorvak", text="zorvak is a film directed by velbo .")]
     for name, tpl in sparkle.TEMPLATES.items():
         path = dict(docs=docs, thoughts="<think> i need to know the director of zorvak . </think>\n")
-        messages = sparkle.llm_messages(tpl, "none", "who is the director of zorvak ?", path)
+        messages = sparkle.llm_messages(tpl, args_for(), "who is the director of zorvak ?", path)
         assert [m["role"] for m in messages] == ["user", "assistant"] and "<think>" in messages[0]["content"]
         assert "zorvak is a film directed by velbo ." in messages[0]["content"]
-        assert "<search>" in sparkle.llm_messages(tpl, "no_rd", "q", path)[0]["content"]
+        assert "<search>" in sparkle.llm_messages(tpl, args_for(ablation="no_rd"), "q", path)[0]["content"]
         fields_of = dict(rd="context question history current", qf="question thoughts", qf_direct="question thoughts",
                          ki="candidates question chain query", ki_direct="candidates question query",
                          rd_qf="context question history current")  # fmt: skip
@@ -207,7 +262,7 @@ def test_templates_render_every_agent_in_both_sets():
     assert "retrieval is required" in sparkle.PAPER_TEMPLATES["rd_qf_system"]
 
 
-# ---------------------------------------------------------------- PPO numbers, spec §8.7-8.10
+# ---------------------------------------------------------------- PPO numbers [Tab. 6; impl: OpenRLHF]
 def test_gae_kl_reward_and_reward_clip():
     adv, ret = sparkle.gae([0.0, 0.0, 1.0], [0.2, 0.4, 0.6], 1.0, 0.95)
     assert adv == pytest.approx([0.751, 0.58, 0.4]) and ret == pytest.approx([0.951, 0.98, 1.0])
@@ -285,7 +340,11 @@ def test_a_sampled_rd_output_is_trained_as_the_exact_yes_or_no_it_parses_to():
     nodes += [dict(kind="leaf", parent=4, reward=0.0)]
     canonical = {True: [8, 2], False: [9, 2]}
     yes, no, no_again, qf = sparkle.op_samples([dict(nodes=nodes)], canonical)
-    assert [yes["ids"], no["ids"], no_again["ids"]] == [[5, 8, 2], [5, 9, 2], [5, 9, 2]]  # spec §9.11, the RD agent
+    assert [yes["ids"], no["ids"], no_again["ids"]] == [
+        [5, 8, 2],
+        [5, 9, 2],
+        [5, 9, 2],
+    ]  # impl: the RD agent's canonical answers
     assert yes["loss_mask"] == [0, 1, 1] and qf["ids"] == [6, 40, 41]  # QF and KI keep their sampled tokens
     assert [s["ids"] for s in sparkle.op_samples([dict(nodes=nodes)])][:2] == [[5, 30, 31, 32]] * 2  # none: raw
 
@@ -304,6 +363,56 @@ def test_forced_rd_answers_are_flagged_and_their_policy_loss_scaled_by_the_force
         [-0.5, -0.5]
     )
     assert sparkle.Args().forced_weight is None and sparkle.PRESETS["forced_weight"] == (0.1, 1.0)
+
+
+class TableLM(torch.nn.Module):
+    """A model whose output at a position depends on that position's token alone (a table): logits, or a value."""
+
+    def __init__(self, width, seed, value=False):
+        super().__init__()
+        self.table, self.value = (
+            torch.nn.Parameter(torch.randn(12, width, generator=torch.Generator().manual_seed(seed))),
+            value,
+        )
+
+    def forward(self, input_ids, attention_mask):
+        out = self.table[input_ids]  # (B, T, width)
+        return out[..., 0] if self.value else SimpleNamespace(logits=out)
+
+
+def test_ppo_update_steps_along_the_hand_computed_gradient():
+    # one minibatch of three operations (one a forced RD answer at weight 0.5), plain SGD at lr 1: the step is minus
+    # the gradient of (1/N) sum_i [-(1/n_i) sum_t w_i A_it r_it + vf (1/n_i) sum_t (V_it - G_it)^2], r = 1, A whitened
+    # GAE of the KL-shaped rewards (KL 0: the reference is the policy), G = A + V: a sign, a term or a normaliser off
+    # moves it
+    from accelerate import Accelerator
+
+    policy, value = TableLM(12, 0), TableLM(1, 1, value=True)
+    samples = [dict(ids=[1, 2, 3, 4], loss_mask=[0, 0, 1, 1], credit=0.9, agent="rd", forced=True),
+               dict(ids=[1, 5, 6, 7, 8], loss_mask=[0, 0, 1, 1, 1], credit=0.2, agent="qf", forced=False),
+               dict(ids=[2, 9, 10], loss_mask=[0, 1, 1], credit=-0.4, agent="ki", forced=False)]  # fmt: skip
+    args = args_for(micro_batch_size=2, ppo_batch_size=64, forced_weight=0.5, max_grad_norm=1e9, kl_coef=0.002)
+    tables = [m.table.detach().clone().requires_grad_() for m in (policy, value)]
+    pieces = []
+    for s in samples:
+        ids, mask = torch.tensor(s["ids"]), torch.tensor(s["loss_mask"][1:]).bool()
+        logp = torch.log_softmax(tables[0][ids[:-1]], -1).gather(-1, ids[1:, None]).squeeze(-1)[mask]
+        v = tables[1][ids[:-1], 0][mask]
+        rewards = sparkle.token_rewards(s["credit"], logp.tolist(), logp.tolist(), args.kl_coef)  # KL 0
+        adv, ret = sparkle.gae(rewards, v.tolist(), args.gamma, args.lam)
+        pieces.append((logp, v, torch.tensor(adv), torch.tensor(ret), 0.5 if s["forced"] else 1.0))
+    flat = torch.cat([a for _, _, a, _, _ in pieces])
+    mean, std = flat.mean(), flat.std(correction=0)
+    loss = sum(-(w * (a - mean) / (std + 1e-8) * torch.exp(lp - lp.detach())).mean() for lp, _, a, _, w in pieces)
+    loss = (loss + args.vf_coef * sum(((v - g) ** 2).mean() for _, v, _, g, _ in pieces)) / len(samples)
+    loss.backward()
+    ref = copy.deepcopy(policy).requires_grad_(False)
+    optimizers = [torch.optim.SGD(m.parameters(), lr=1.0) for m in (policy, value)]
+    schedulers = [torch.optim.lr_scheduler.LambdaLR(o, lambda step: 1.0) for o in optimizers]
+    out = sparkle.ppo_update(Accelerator(cpu=True), policy, value, ref, optimizers, schedulers, samples, 0, args)
+    for model, table in zip((policy, value), tables):
+        assert torch.allclose(table - model.table.detach(), table.grad, atol=1e-6), model.value
+    assert out["losses/clipfrac"] == 0.0 and abs(out["losses/approx_kl"]) < 1e-12
 
 
 def test_ppo_update_whitens_over_the_rollout_with_the_population_variance(monkeypatch):
@@ -341,7 +450,7 @@ def test_ppo_update_whitens_over_the_rollout_with_the_population_variance(monkey
     assert seen[1] == pytest.approx([0.1, 1.0])  # the forced operation's weight: --forced_weight
 
 
-# ---------------------------------------------------------------- the rollout with scripted agents, spec §8.3, §8.12
+# ---------------------------------------------------------------- the rollout with scripted agents [§3.1, Alg. 1]
 class FakeEnv:
     """A scripted LLM (a thought per call, the answer at step `answer_at`) and retriever (a new document per query, or
     always the same one); every document has one triple. Calls are counted."""
@@ -430,8 +539,9 @@ def test_standard_rollout_after_L_and_rd_sampled_throughout():
 
 def test_without_rd_a_tree_rollout_is_one_unpruned_path():
     env = FakeEnv(answer_at=4, same_document=True)
+    chat = FakeEnv.chat
     env.chat = lambda messages_lists, rows, **kw: [
-        FakeEnv.chat(env, messages_lists, rows).pop().replace("step", "<search>")
+        r.replace("step", "<search>") for r in chat(env, messages_lists, rows)
     ]
     (tree,) = sparkle.rollout([ROW], scripted(), env, args_for(ablation="no_rd", tree_depth=2), "tree")
     assert [n["kind"] for n in tree["nodes"]].count("leaf") == 1 and env.searches == 3  # the LLM asked three times
@@ -455,9 +565,72 @@ def test_inference_loop_with_scripted_agents():
     assert tree["nodes"][-1]["why"] == "max_steps" and tree["llm_calls"] == 4  # one non-stepwise generation more
 
 
+def test_a_reasoning_llm_steps_in_paragraphs_and_answers_in_boxed():
+    # [App. A.4, Fig. 7] --reasoning_llm: Fig. 7's prompt, one paragraph a step (stop at a blank line), no <think> tags
+    # added, and the step with \\boxed{} ends the trajectory with its content as the answer
+    env, seen = FakeEnv(), []
+
+    def chat(messages_lists, rows, **sampling):
+        seen.extend((m[0]["content"], sampling["stop"]) for m in messages_lists)
+        steps = [m[-1]["content"].count("\n\n") + 2 if m[-1]["role"] == "assistant" else 1 for m in messages_lists]
+        return [
+            "so it is b .\n\n\\boxed{b}" if s >= 3 else "<think>\n" * (s == 1) + f"step {s} : which b ?\n\n"
+            for s in steps
+        ]
+
+    env.chat = chat
+    args = args_for(reasoning_llm=True, templates="paper")
+    (tree,) = sparkle.rollout([ROW], scripted(rd="No"), env, args, "greedy")
+    fig_7 = "Instruction:\nPlease answer the following question. You should think step-by-step to solve it. Provide "
+    assert seen[0][0].startswith(fig_7 + "your final answer in the format \\boxed{YOUR_ANSWER}.")
+    assert all(stop == ["\n\n"] for _, stop in seen) and len(seen) == 3
+    llm = [n["text"] for n in tree["nodes"] if n["kind"] == "llm"]
+    assert llm[:2] == ["<think>\nstep 1 : which b ?", "step 2 : which b ?"]  # no </think> added to a reasoning step
+    assert tree["nodes"][-1]["answer"] == "b" and tree["nodes"][-1]["f1"] == 1.0
+    rd = [n for n in tree["nodes"] if n["kind"] == "rd"]
+    assert (
+        len(rd) == 2
+        and "Previous Reasoning: step 1 : which b ?\n\n\nCurrent Reasoning Step: step 2 : which b ?"
+        in rd[1]["prompt"][1]
+    )
+
+
+def test_prompts_and_sft_sequences_fit_the_papers_max_length():
+    # [Tab. 5, 6] max length 2048: a prompt longer than max_length - max_new_tokens is cut in the middle (both ends
+    # kept), in the rollout as in SFT; an SFT sequence holds at most max_length tokens, its target's labels kept
+    from common.toy_lm import load_toy_lm
+
+    model, tokenizer = load_toy_lm(TINY_LM)
+    long = ("system", "question : " + " ".join(["zorvak"] * 300) + " velbo")
+    (full,), (cut,) = sparkle.encode_prompts(tokenizer, [long]), sparkle.encode_prompts(tokenizer, [long], 101)
+    assert len(full) > 300 and len(cut) == 101 and cut[:50] == full[:50] and cut[50:] == full[-51:]
+    args = args_for(max_length=120, max_new_tokens=16)
+    ids, labels, attention = sparkle.sft_batch([(dict(prompt=long, output="velbo"), "0")], tokenizer, args, None)
+    target = tokenizer("velbo", add_special_tokens=False)["input_ids"] + [tokenizer.eos_token_id]
+    assert (
+        ids.shape == (1, 104 + len(target)) and labels[0, 104:].tolist() == target and (labels[0, :104] == -100).all()
+    )
+    request = dict(prompt=long, fixed=None, prefix="")
+    ((_, prompt_ids, action_ids),) = sparkle.proxy_actor(model, tokenizer, args, greedy=True)([request], 0)
+    assert prompt_ids == sparkle.encode_prompts(tokenizer, [long], 104)[0] and len(prompt_ids + action_ids) <= 120
+    assert sparkle.Args().max_length == 2048
+
+
 def test_add_documents_deduplicates_and_evicts_the_oldest():
     docs = [dict(id=i) for i in "abc"]
     assert [d["id"] for d in sparkle.add_documents(docs, [dict(id="b"), dict(id="d"), dict(id="d")], 3)] == list("bcd")
+
+
+def test_the_context_keeps_the_best_documents_in_rank_order():
+    # w/o KI [App. D.2] under the paper preset: top-10 hits, a context of 5: ranks 1-5 stay, never ranks 6-10
+    ranked = [dict(id=f"r{i}") for i in range(1, 11)]
+    assert [d["id"] for d in sparkle.add_documents([], ranked, 5)] == ["r1", "r2", "r3", "r4", "r5"]
+    old = [dict(id="a"), dict(id="r2")]  # r2 already there: ranks 1, 3-5 join it, the oldest goes
+    assert [d["id"] for d in sparkle.add_documents(old, ranked, 5)] == ["r2", "r1", "r3", "r4", "r5"]
+    env = FakeEnv(answer_at=2)
+    env.search = lambda queries, k, rows: [[dict(id=f"r{i}", title="t", text="doc") for i in range(1, k + 1)]]
+    (tree,) = sparkle.rollout([ROW], scripted(rd="yes"), env, args_for(ablation="no_ki", top_k=10), "greedy")
+    assert tree["nodes"][-1]["docs"] == ["r1", "r2", "r3", "r4", "r5"]
 
 
 def test_triples_ranked_by_question_and_query():
@@ -477,11 +650,11 @@ def test_toy_reader_think_mode_fits_the_llm_prompt():
     row = next(r for r in map(json.loads, (ROOT / "data/toy/test.jsonl").read_text().splitlines())
                if r["metadata"]["type"] == "two_hop" and not any(r["metadata"]["popular_hops"]))  # fmt: skip
     path = dict(docs=[], thoughts="")
-    step = reader.chat([sparkle.llm_messages(tpl, "none", row["question"], path)], stop=["</think>"])[0]
+    step = reader.chat([sparkle.llm_messages(tpl, args_for(), row["question"], path)], stop=["</think>"])[0]
     assert step.startswith("<think> i need to know") and step.endswith("</think>")
-    whole = reader.chat([sparkle.llm_messages(tpl, "none", row["question"], path)], stop=[])[0]
+    whole = reader.chat([sparkle.llm_messages(tpl, args_for(), row["question"], path)], stop=[])[0]
     assert whole.count("<think>") == 2 and whole.endswith("<answer> unknown </answer>")  # not stopped: to the end
-    search = reader.chat([sparkle.llm_messages(tpl, "no_rd", row["question"], path)])[0]
+    search = reader.chat([sparkle.llm_messages(tpl, args_for(ablation="no_rd"), row["question"], path)])[0]
     assert search.startswith("<think> <search> i need to know")
 
 
@@ -532,19 +705,71 @@ def replace_args(args, **changes):
     return replace(args, **changes)
 
 
+def teacher_trees(args, env, rows, k=4):
+    """The warm-up's rollout: the teacher playing the proxy, k trajectories per question."""
+    samples = [dict(r, sample=i) for r in rows for i in range(k)]
+    return sparkle.rollout(samples, sparkle.teacher_actor(args, env.llm, args.seed), env, args, "standard")
+
+
 def test_cheapest_warm_up_keeps_the_fewest_retrievals(toy):
     args, env, rows = toy
-    trees = sparkle.rollout(rows[:20], sparkle.teacher_actor(args, env.llm, 0), env, args, "tree")
-    for tree in trees:
-        got = sparkle.successful_paths(tree, 4, random.Random(0), "cheapest")
-        wins = [n for n in tree["nodes"] if n["kind"] == "leaf" and n["why"] == "answer" and n["f1"] == 1]
+    trees, without = teacher_trees(args, env, rows[:20]), 0
+    for group in (trees[i : i + 4] for i in range(0, len(trees), 4)):
+        got = sparkle.successful_paths(group, "cheapest")
+        wins = [n for t in group for n in t["nodes"] if n["kind"] == "leaf" and n["why"] == "answer" and n["f1"] == 1]
         if got:
             fewest = min(n["trace"][-1][1] for n in wins)
-            assert sum(e["agent"] == "ki" for e in got) <= fewest * min(4, len(wins))
+            assert sum(e["agent"] == "ki" for e in got) <= fewest * len(wins)
             assert all(isinstance(e["prompt"], tuple) and e["output"] for e in got)
-    popular = [t for t in trees if t["row"]["metadata"]["popular"]]
-    for tree in popular:  # the toy reader knows these: the cheapest success retrieves nothing
-        assert all(e["output"] == "no" for e in sparkle.successful_paths(tree, 4, random.Random(0), "cheapest"))
+            if fewest == 0:  # (popular questions: the toy reader knows them) the cheapest success asks nothing
+                assert all(e["output"] == "no" for e in got)
+                without += len(got) < len(sparkle.successful_paths(group))  # a needless Yes, now left out
+    assert without >= 2
+
+
+def current_step(prompt):
+    """The current reasoning step of an RD prompt, either template set."""
+    return prompt[1].replace("Current Reasoning Step:", "current :").rsplit("current :", 1)[1]
+
+
+@pytest.mark.parametrize("select, templates", [("cheapest", "compact"), ("uniform", "paper")])
+def test_the_warm_up_trains_on_the_teachers_own_decisions_never_on_forced_ones(toy, select, templates):
+    # [§D.3] the teacher plays the proxy: each RD target is what the noiseless oracle decides (retrieve iff the
+    # current thought asks for a fact), never Eq. 1's forced answers (under the tree rollout: 180 of 224 were forced)
+    args, env, rows = toy
+    args = replace_args(args, teacher_noise=0.0, warmup_select=select, templates=templates, tree_depth=2)
+    examples, solved = sparkle.build_warmup(rows, env.llm, env, args)
+    rd = [(e["prompt"], e["output"]) for e in examples if e["agent"] == "rd"]
+    assert solved > 0.8 and len(rd) > 60
+    assert all(sparkle.parse_rd(out) == ("i need to know" in current_step(prompt)) for prompt, out in rd)
+    assert len({prompt for prompt, _ in rd}) == len(rd)  # no state labelled both Yes and No
+
+
+def test_the_warm_up_is_the_same_however_its_questions_are_split(toy):
+    # the questions are split over the processes (runs.map_shared): a question's examples never depend on the others
+    args, env, rows = toy
+    whole = sparkle.build_warmup(rows[:24], env.llm, env, args)[0]
+    halves = sparkle.build_warmup(rows[:12], env.llm, env, args)[0] + sparkle.build_warmup(rows[12:24], env.llm, env,
+                                                                                         args)[0]  # fmt: skip
+    assert whole == halves and len(whole) > 24
+
+
+def test_the_llm_teacher_is_its_own_model_not_the_frozen_llm(toy, tmp_path, monkeypatch):
+    args, env, rows = toy
+    made, seen = [], []
+    monkeypatch.setattr(sparkle, "make_llm", lambda spec, **kw: made.append((spec, kw)) or "the teacher")
+    monkeypatch.setattr(sparkle, "build_warmup", lambda rows, llm, *_: seen.append(llm) or ([], 0.0))
+    monkeypatch.setattr(sparkle, "load_proxy", lambda *_: (None, None))
+    monkeypatch.setattr(sparkle, "evaluate_stage", lambda *_, **__: {})
+    args = replace_args(args, teacher="llm", teacher_model="http://h/v1", teacher_llm_model="Qwen2.5-72B-Instruct")
+    with pytest.raises(SystemExit, match="no warm-up data"):
+        sparkle.warm_up(SimpleNamespace(device="cpu", print=print), args, tmp_path, rows, rows[:2], env, None)
+    assert made == [("http://h/v1", {"model": "Qwen2.5-72B-Instruct"})] and seen == ["the teacher"]
+    assert sparkle.PRESETS["teacher_model"] == ("", "hf:Qwen/Qwen2.5-72B-Instruct")  # [§D.3]
+    with pytest.raises(SystemExit, match="no warm-up data"):  # --teacher_model empty: the frozen LLM plays it
+        sparkle.warm_up(SimpleNamespace(device="cpu", print=print), replace_args(args, teacher_model=""), tmp_path,
+                        rows, rows[:2], env, None)  # fmt: skip
+    assert seen[-1] is env.llm and len(made) == 1
 
 
 class Stop(Exception):
