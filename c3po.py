@@ -420,10 +420,10 @@ def _bracket(text, actions, max_query_words):
 
 def _thought_action(text):
     """(thought, action text) of `Thought: ... Action: ...` after any <think>, or None when the thought is empty."""
-    # the authors' case-sensitive regex (impl); else, for a decoder that lower-cases, the last whole word `action :`
+    # the authors' case-sensitive regex (impl); else, for a decoder that lower-cases, `action :` before a bracket
     text = visible(text)
     m = re.search(r"(?:Thought:\s*)?(.*?)\s*Action:\s*(.*)", text, re.DOTALL) or re.search(
-        r"(?:thought\s*:\s*)?(.*)\baction\s*:\s*(.*)", text, re.DOTALL | re.IGNORECASE
+        r"(?:thought\s*:\s*)?(.*?)\s*\baction\s*:\s*(?=\[)(.*)", text, re.DOTALL | re.IGNORECASE
     )
     return (m.group(1).strip(), m.group(2)) if m and m.group(1).strip() else None
 

@@ -156,6 +156,7 @@ def test_router_query_is_truncated_to_100_words():
         ("Thought: x\nAction: [a]", True, None),
         ("Thought: x\nAction: 1, 2", True, None),
         ("thought : keep 1 , 3 . action : [ 1 , 3 ]", True, ("keep 1 , 3 .", [1, 3])),
+        ("thought : x . action : [ 1 ] action : [ 2 ]", True, ("x .", [1])),  # lower case: the first `action : [`
     ],
 )
 def test_parse_filter(text, strict, parsed):
