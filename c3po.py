@@ -16,19 +16,20 @@ Deviations from the paper (each marked `# simplification: ... (header N)` where 
 1. Toy world: the warm-up teacher is an oracle reading the question's metadata, wrong with p = --teacher_noise.
 2. Toy preset: the warm-up keeps only the cheapest successful strategy's paths (--warmup_select cheapest).
 3. Toy world: SFT examples and not-popular PPO trees are entity-renamed for the proxy (--augment_p, --rl_augment_p).
-4. Toy preset: the forced root tokens' policy loss is scaled by --forced_weight 0.1 (spec §9.14; paper preset 1).
+4. Toy preset: the forced root tokens' policy loss is scaled by --forced_weight 0.1 (paper preset 1: all nodes, §5.2).
 5. Toy preset: the judge is cover-EM of the short toy answer, not the LLM judge of App. D.2 (--judge).
 6. Toy preset: compact templates, one- and two-hop questions, top-3 documents, and smaller PPO sizes (PRESETS).
 7. --teacher llm plays the proxy roles zero-shot (the authors' pipeline adds 2 few-shot examples per prompt).
 8. With --teacher llm a forced prefix (`[Retrieval]`) ends the user message instead of starting the reply.
 9. RL starts from the final SFT model (the paper: the model after one of the three SFT epochs).
-10. Advantages are whitened over the rollout (OpenRLHF; the paper is silent); toy preset: 2 PPO epochs (OpenRLHF 1).
+10. Advantages are whitened over the rollout of all processes (OpenRLHF; the paper is silent); toy: 2 PPO epochs.
 11. The value loss clips around the old values (OpenRLHF, 0.2) where Eq. 10 prints the MSE (--value_clip 0: Eq. 10).
 12. The policy loss is a token mean over the minibatch (OpenRLHF) where Eq. 9 sums over each sequence's tokens.
 13. The value head is zero-initialised (the paper does not say how).
 14. SFT uses AdamW betas (0.9, 0.98) and a cosine floor of 0.1 x lr (Tab. 6 says only AdamW and cosine).
-15. The LLM's roadmaps and answers (and the LLM teacher) are capped at --answer_max_tokens (the paper states none).
+15. The LLM's roadmaps, answers and verdicts are capped at --answer_max_tokens (the paper states none).
 16. Latency is batched wall time per question (all questions advance together), not one question served at a time.
+17. Prompts over --prompt_max_len (Tab. 7) and SFT pairs over --cutoff_len (Tab. 6) lose middle tokens (where: ours).
 """
 
 import copy
@@ -61,9 +62,7 @@ class Args:
     train: bool = arg(False, "teacher warm-up data, SFT, PPO, evaluation")
     eval: bool = arg(False, "evaluate --model (a checkpoint or the untrained start)")
     ask: str = arg("", "answer one question with --model and print the trajectory")
-    output_dir: str | None = arg(
-        None, "results, metrics, checkpoints (default: runs/<run_name>; --eval: <model>/eval)"
-    )
+    output_dir: str | None = arg(None, "results, metrics, checkpoints (default runs/<run_name>; --eval: <model>/eval)")
     run_name: str | None = arg(None, "a training run's name (default: c3po__<seed>__<time>)")
     resume: bool = arg(False, "continue the run --run_name / --output_dir from its last checkpoint")
     dry_run: bool = arg(False, "print the resolved configuration, check its paths and models, load nothing")
@@ -92,12 +91,11 @@ class Args:
     branch_until: int = arg(4, "last depth with K(t) = branch_k, then 1 [Eq. 2: 4]")
     roadmap_temperature: float = arg(0.3, "LLM roadmap temperature (impl: 0.3)")
     max_query_words: int = arg(100, "queries truncated to this many words (impl: 100)")
-    max_new_tokens: int | None = arg(None, "proxy tokens per action [Tab. 7: 2048]")
-    answer_max_tokens: int = arg(256, "LLM tokens per answer or roadmap (ours: header 15)")
-    credit_mode: str = arg(
-        "tree", "tree: Eq. 5; single_trajectory: w/o tree (§6.4)", choices=["tree", "single_trajectory"]
-    )
-    forced_weight: float | None = arg(None, "policy-loss weight of forced root tokens (spec §9.14: 1)")
+    max_new_tokens: int | None = arg(None, "proxy (and LLM teacher) tokens per action [Tab. 7: 2048]")
+    prompt_max_len: int = arg(4096, "proxy prompt tokens, the middle cut beyond (header 17) [Tab. 7: 4096]")
+    answer_max_tokens: int = arg(256, "LLM tokens per answer, roadmap or verdict (ours: header 15)")
+    credit_mode: str = arg("tree", "Eq. 5, or the w/o-tree ablation (§6.4)", choices=["tree", "single_trajectory"])
+    forced_weight: float | None = arg(None, "policy-loss weight of forced root tokens (1: every node, §5.2)")
     gen_batch_size: int = arg(512, "prompts per proxy generate call (memory only)")
     # warm-up [§5.2]
     teacher: str | None = arg(None, "the toy oracle, or the frozen LLM in the proxy roles", choices=["oracle", "llm"])
@@ -108,14 +106,15 @@ class Args:
     sft_epochs: float | None = arg(None, "SFT epochs [Tab. 6: 3] (when --sft_steps is 0)")
     sft_steps: int | None = arg(None, "SFT steps; overrides epochs when > 0")
     sft_lr: float | None = arg(None, "SFT learning rate [Tab. 6: 4e-5]")
-    sft_batch_size: int | None = arg(None, "SFT batch size [Tab. 6: 512]")
+    sft_batch_size: int | None = arg(None, "SFT batch size, over all processes [Tab. 6: 512]")
+    cutoff_len: int = arg(4096, "SFT tokens of prompt + output, the prompt's middle cut beyond [Tab. 6: 4096]")
     micro_batch_size: int | None = arg(None, "sequences per forward pass (gradient accumulation)")
     augment_p: float | None = arg(None, "toy: entity-renaming probability of an SFT example")
     rl_augment_p: float | None = arg(None, "toy: renaming probability of a not-popular PPO tree")
     # PPO [§5.2, App. A.1, Tab. 7]
     ppo_iterations: int | None = arg(None, "PPO updates (chosen on validation; impl ~150)")
-    rollout_batch: int | None = arg(None, "questions (trees) per PPO update")
-    ppo_batch_size: int | None = arg(None, "agent-node samples per minibatch [Tab. 7: 1024]")
+    rollout_batch: int | None = arg(None, "questions (trees) per PPO update, over all processes")
+    ppo_batch_size: int | None = arg(None, "agent-node samples per minibatch, over all processes [Tab. 7: 1024]")
     ppo_epochs: int | None = arg(None, "epochs over each rollout (OpenRLHF: 1)")
     policy_lr: float | None = arg(None, "policy learning rate [Tab. 7: 5e-7]")
     value_lr: float | None = arg(None, "value model learning rate [Tab. 7: 5e-6]")
@@ -406,6 +405,11 @@ def placeholder(query):
 
 
 # --------------------------------------------------------------------------- 2. parsing [§4.1; impl regexes]
+def visible(text):
+    """What a model shows after its reasoning: the text after the last `</think>`, cut at an unclosed `<think>`."""
+    return text.rpartition("</think>")[2].partition("<think>")[0].strip()
+
+
 def _bracket(text, actions, max_query_words):
     """(action, query) of `[Action] query`, or None: unknown action, or a retrieval without a query (impl regex)."""
     m = re.search(r"\[(.*?)\](.*)", text, re.DOTALL)
@@ -415,19 +419,23 @@ def _bracket(text, actions, max_query_words):
 
 
 def _thought_action(text):
-    """(thought, action text) of `Thought: ... Action: ...`, or None when the thought is empty (impl regex)."""
-    m = re.search(r"(?:thought\s*:\s*)?(.*?)\s*action\s*:\s*(.*)", text, re.DOTALL | re.IGNORECASE)
+    """(thought, action text) of `Thought: ... Action: ...` after any <think>, or None when the thought is empty."""
+    # the authors' case-sensitive regex (impl); else, for a decoder that lower-cases, `action :` before a bracket
+    text = visible(text)
+    m = re.search(r"(?:Thought:\s*)?(.*?)\s*Action:\s*(.*)", text, re.DOTALL) or re.search(
+        r"(?:thought\s*:\s*)?(.*?)\s*\baction\s*:\s*(?=\[)(.*)", text, re.DOTALL | re.IGNORECASE
+    )
     return (m.group(1).strip(), m.group(2)) if m and m.group(1).strip() else None
 
 
 def parse_router(text, max_query_words=100):
-    """(action, query) of a Reasoning Router output, or None when invalid (terminal, R = 0) [§4.1]."""
-    return _bracket(text, ROUTER_ACTIONS, max_query_words)
+    """(action, query) of a Reasoning Router output after any <think> block, or None when invalid (R = 0) [§4.1]."""
+    return _bracket(visible(text), ROUTER_ACTIONS, max_query_words)
 
 
 def parse_filter(text, n_docs, strict=True):
-    """(thought, 1-based ids, duplicates dropped) of a filter output, or None; strict (training): ids out of range
-    make it invalid, else they are dropped (impl)."""
+    """(thought, 1-based ids, duplicates dropped) of a filter output, or None when invalid."""
+    # an id out of range makes it invalid when strict (training), else it is dropped (impl)
     parts = _thought_action(text)
     m = re.search(r"\[(.*?)\]", parts[1]) if parts else None
     pieces = [p.strip() for p in m.group(1).split(",") if p.strip()] if m else None
@@ -448,11 +456,11 @@ def parse_dm(text, max_query_words=100):
 
 # --------------------------------------------------------------------------- 3. the agents' transitions [App. B.2]
 def transition(agent, text, ctx, strict, max_query_words):
-    """T(s_t, a_t) [Eq. 3; Eq. 12-15; Alg. 1]: the event an agent's output leads to, and the next state's context.
-    ("answer", docs): the LLM answers; ("roadmap",): the LLM plans; ("search", query): retrieval, then the Information
-    Filter; ("decide",): the Decision Maker; ("invalid",): a leaf with R = 0 (spec §9.5)."""
+    """T(s_t, a_t) [Eq. 3; Eq. 12-15; Alg. 1]: the event an agent's output leads to, and the next state's context."""
+    # ("answer", docs): the LLM answers; ("roadmap",): the LLM plans; ("search", query): retrieval, then the
+    # Information Filter; ("decide",): the Decision Maker; ("invalid",): a leaf with R = 0 ("0 for failure", §5.1)
     c = dict(ctx, acc=list(ctx["acc"]), used=dict(ctx["used"]))
-    if agent == "dm" and ctx["forced"]:  # a forced stop is [LLM] whatever it wrote (spec §2.3)
+    if agent == "dm" and ctx["forced"]:  # a forced stop is [LLM] whatever it wrote (impl)
         return ("answer", c["acc"]), c
     if agent == "filter":
         parsed = parse_filter(text, len(ctx["docs"]), strict)
@@ -526,16 +534,15 @@ def router_requests(tree, mode, args):
     """The Reasoning Router's state S^1 = {q}; in tree mode the three strategies are forced [§5.1]."""
     prompt = TEMPLATES[args.templates]["router"].format(question=tree["row"]["question"])
     ctx = dict(acc=[], used={}, roadmap="", objective="", docs=[], query="", strategy="")
-    if mode != "tree":
-        return [request(tree, 0, "router", 1, prompt, ctx, 1)]
     forced = [dict(fixed="[No Retrieval]"), dict(prefix="[Retrieval]"), dict(fixed="[Planning]")]
-    return [request(tree, 0, "router", 1, prompt, ctx, 1, **f) for f in forced]
+    return [request(tree, 0, "router", 1, prompt, ctx, 1, **f) for f in (forced if mode == "tree" else [{}])]
 
 
 def rollout(rows, act, env, args, mode, seed=0):
     """Trees of a batch of questions, level by level: per level one proxy call (`act`) for all pending agent states,
-    one retrieval call, one LLM call per kind. mode: tree (forced top, then K(t) samples: RL and warm-up),
-    single_trajectory (one sampled path, the §6.4 ablation), greedy / sample (inference, Alg. 1)."""
+    one retrieval call, one LLM call per kind."""
+    # mode: tree (forced top, then K(t) samples: RL and warm-up), single_trajectory (one sampled path, the §6.4
+    # ablation), greedy / sample (inference, Alg. 1)
     testing = mode in ("greedy", "sample")
     max_depth, tpl = (args.max_depth_eval if testing else args.max_depth), TEMPLATES[args.templates]
     k_of = lambda depth: branching(depth, args.branch_k, args.branch_until) if mode == "tree" else 1  # [Eq. 2]
@@ -560,9 +567,8 @@ def rollout(rows, act, env, args, mode, seed=0):
             for text, prompt_ids, action_ids in {o[0]: o for o in outputs}.values():  # impl: identical children once
                 tree["proxy_calls"] += 1
                 fields = dict(text=text, prompt=req["prompt"], prompt_ids=prompt_ids, action_ids=action_ids)
-                node = add_node(
-                    tree, req["parent"], agent, req["depth"], **fields, fixed=req["fixed"], prefix=req["prefix"]
-                )
+                fields |= {key: req[key] for key in ("fixed", "prefix")}
+                node = add_node(tree, req["parent"], agent, req["depth"], **fields)
                 event, ctx = transition(agent, text, req["ctx"], not testing, args.max_query_words)  # [Eq. 3]
                 if agent == "router" and event[0] != "invalid":
                     tree["nodes"][node]["strategy"] = ctx["strategy"]
@@ -596,7 +602,7 @@ def rollout(rows, act, env, args, mode, seed=0):
             temperature = args.roadmap_temperature if kind == "roadmap" else 0.0  # impl
             # simplification: a cap on the LLM's output (header 15)
             replies = env.chat(messages, rows, temperature=temperature, max_tokens=args.answer_max_tokens)
-            for (tree, node, ctx, *_), reply in zip(todo, replies):
+            for (tree, node, ctx, *_), reply in zip(todo, map(visible, replies)):  # a thinking LLM's reply
                 tree["llm_calls"] += 1
                 if kind == "answer":
                     add_leaf(tree, node, "answer", answer=reply.strip())
@@ -613,34 +619,44 @@ def score_leaves(trees, env, args):
     """R = 1 if the final answer is judged correct, else 0 [§5.1]; invalid and over-depth leaves keep R = 0."""
     leaves = [(t, n) for t in trees for n in t["nodes"] if n["kind"] == "leaf" and n["why"] == "answer"]
     if args.judge == "llm":  # [App. D.2]
-        golds = lambda t: str(t["row"]["golden_answers"])
-        prompts = [JUDGE_PROMPT.format(question=t["row"]["question"], prediction=n["answer"], golds=golds(t))
-                   for t, n in leaves]  # fmt: skip
+        prompts = [JUDGE_PROMPT.format(question=t["row"]["question"], prediction=n["answer"],
+                                       golds=str(t["row"]["golden_answers"])) for t, n in leaves]  # fmt: skip
         replies = env.chat([[{"role": "user", "content": p}] for p in prompts], [t["row"] for t, _ in leaves],
-                           temperature=0.0, max_tokens=8)  # fmt: skip
-        rewards = [float("true" in r.lower()) for r in replies]  # impl
-    else:  # simplification: a gold answer as a whole-token span of the short toy answer (header 5, spec §9.6)
+                           temperature=0.0, max_tokens=args.answer_max_tokens)  # fmt: skip
+        rewards = [float("true" in visible(r).lower()) for r in replies]  # impl; a thinking judge's verdict
+    else:  # simplification: a gold answer as a whole-token span of the short toy answer (header 5)
         rewards = [cover_em(n["answer"], t["row"]["golden_answers"]) for t, n in leaves]
     for (_, n), r in zip(leaves, rewards):
         n["reward"] = r
 
 
 # --------------------------------------------------------------------------- 5. the proxy and the teacher as actors
-def encode_prompts(tokenizer, prompts, system_prompt):
-    """Token ids of agent prompts as single-turn chats (system + user, generation prompt) (impl)."""
+def encode_prompts(tokenizer, prompts, system_prompt, keep=math.inf):
+    """Token ids of agent prompts as single-turn chats (system + user, generation prompt) (impl), cut to `keep`."""
     system = [{"role": "system", "content": system_prompt}] if system_prompt else []
     texts = chat_prompts(tokenizer, [system + [{"role": "user", "content": p}] for p in prompts])
-    return tokenizer(texts, add_special_tokens=False)["input_ids"]
+    return [cut_middle(ids, keep) for ids in tokenizer(texts, add_special_tokens=False)["input_ids"]]
+
+
+def cut_middle(ids, keep):
+    """ids with their middle dropped beyond `keep` tokens: the instruction's start and the question's end stay."""
+    return ids if len(ids) <= keep else ids[: keep // 2] + ids[len(ids) - (keep - keep // 2) :]
+
+
+def question_rng(seed, row, *node):
+    """A random stream of one question (and node): the same on any process, for any split of the questions."""
+    return random.Random(":".join(map(str, (seed, row.get("id"), row["question"], *node))))
 
 
 def proxy_actor(model, tokenizer, args, greedy):
     """act(requests, seed) -> per request [(text, prompt_ids, action_ids)]: one generate call (per gen_batch_size)."""
 
     def act(requests, seed):
-        prompts = encode_prompts(tokenizer, [r["prompt"] for r in requests], args.system_prompt)
+        # [Tab. 7] prompt max len, the middle cut beyond (header 17)
+        prompts = encode_prompts(tokenizer, [r["prompt"] for r in requests], args.system_prompt, args.prompt_max_len)
         out, batch, owners = [[] for _ in requests], [], []
         for i, (r, p) in enumerate(zip(requests, prompts)):
-            if r["fixed"] is not None:  # a forced text: tokenised, and trained like a sampled one (spec §9.14)
+            if r["fixed"] is not None:  # a forced text: tokenised, trained like a sampled one [§5.2]
                 fixed = tokenizer(r["fixed"], add_special_tokens=False)["input_ids"] + [tokenizer.eos_token_id]
                 out[i].append((r["fixed"], p, fixed))
                 continue
@@ -649,30 +665,31 @@ def proxy_actor(model, tokenizer, args, greedy):
             owners += [(i, prefix)] * r["n"]
         model.eval()
         for s in range(0, len(batch), args.gen_batch_size):
-            chunk = batch[s : s + args.gen_batch_size]  # T = 1: the behaviour policy is pi_theta (spec §9.26)
+            chunk = batch[s : s + args.gen_batch_size]  # T = 1: the behaviour policy is pi_theta (OpenRLHF)
             gen = generate(model, tokenizer, chunk, args.max_new_tokens, do_sample=not greedy, seed=seed + s)
-            for (i, prefix), ids in zip(owners[s : s + args.gen_batch_size], gen.token_ids):
-                out[i].append((tokenizer.decode(prefix + ids, skip_special_tokens=True), prompts[i], prefix + ids))
+            for (i, prefix), ids, fed in zip(owners[s : s + args.gen_batch_size], gen.token_ids, gen.prompt_ids):
+                read = fed[: len(fed) - len(prefix)]  # the prompt as generated from: PPO scores this very context
+                out[i].append((tokenizer.decode(prefix + ids, skip_special_tokens=True), read, prefix + ids))
         return out
 
     return act
 
 
-def teacher_actor(args, llm, seed):
-    """The warm-up teacher as an actor [§5.2]: the toy world's oracle, or the frozen LLM playing the proxy roles."""
-    rng = random.Random(seed)
+def teacher_actor(args, llm):
+    """The warm-up teacher as an actor [§5.2]: the toy oracle (draws seeded by question and node), or the LLM."""
 
     def act(requests, _seed):
         free = [r for r in requests if not r["fixed"] for _ in range(r["n"])]
         if args.teacher == "oracle":  # simplification: the toy world's stand-in for C-3PO-ICL (header 1)
-            row = lambda r: r["tree"]["row"]
-            replies = (r["prefix"] + oracle_c3po(row(r), r["agent"], r["ctx"], r["prefix"], rng, args.teacher_noise)
-                       for r in free)  # fmt: skip
+            rng = {id(r): question_rng(args.seed, r["tree"]["row"], r["parent"], r["prefix"]) for r in free}
+            replies = (r["prefix"] + oracle_c3po(r["tree"]["row"], r["agent"], r["ctx"], r["prefix"], rng[id(r)],
+                                                 args.teacher_noise, args.templates) for r in free)  # fmt: skip
         else:  # simplification: zero-shot (header 7); a forced prefix ends the user message (header 8)
             system = [{"role": "system", "content": args.system_prompt}] if args.system_prompt else []
             user = lambda r: {"role": "user", "content": (r["prompt"] + "\n" + r["prefix"]).strip()}
             messages = [system + [user(r)] for r in free]
-            raw = iter(llm.chat(messages, temperature=args.teacher_temperature, max_tokens=args.answer_max_tokens))
+            sampling = dict(temperature=args.teacher_temperature, max_tokens=args.max_new_tokens)  # the proxy's cap
+            raw = map(visible, llm.chat(messages, **sampling))  # a thinking LLM's reasoning is not the output
             # a reply that repeats the forced prefix (`[Retrieval] q` after `... [Retrieval]`) keeps it once
             replies = (f"{r['prefix']} {next(raw).strip().removeprefix(r['prefix']).strip()}".strip() for r in free)
         texts = [[r["fixed"]] if r["fixed"] else [next(replies) for _ in range(r["n"])] for r in requests]
@@ -682,7 +699,7 @@ def teacher_actor(args, llm, seed):
 
 
 # --------------------------------------------------------------------------- 6. warm-up [§5.2: rejection sampling]
-# spec §5.2 [R]: No Retrieval < Retrieval < Planning
+# the strategies' cost order (§4.2, §6.4): No Retrieval < Retrieval < Planning
 STRATEGY_COST = {"No Retrieval": 0, "Retrieval": 1, "Planning": 2}
 
 
@@ -703,28 +720,30 @@ def successful_paths(tree, keep, rng, select="uniform"):
 
 
 def build_warmup(rows, llm, env, args, batch=128):
-    """SFT examples from teacher tree rollouts (forced top, K(t)), successful trajectories only."""
-    rng, examples, solved = random.Random(args.seed), [], 0
+    """SFT examples from teacher tree rollouts (forced top, K(t)), successful paths only, and the share solved."""
+    # built once over the processes (runs.map_shared), each tree's draws seeded by its question: the same oracle set
+    # for any process count
     quiet = not PartialState().is_local_main_process
-    bar = tqdm(range(0, len(rows), batch), desc="warm-up trees", leave=False, disable=quiet)
-    for s in bar:
-        trees = rollout(rows[s : s + batch], teacher_actor(args, llm, args.seed + s), env, args, "tree", s)
-        for tree in trees:
-            got = successful_paths(tree, args.warmup_keep, rng, args.warmup_select)
-            solved += bool(got)
-            examples += got
-    return examples, solved / max(len(rows), 1)
+
+    def solve(part):  # per question: its examples
+        found = []
+        for s in tqdm(range(0, len(part), batch), desc="warm-up trees", leave=False, disable=quiet):
+            for tree in rollout(part[s : s + batch], teacher_actor(args, llm), env, args, "tree"):
+                rng = question_rng(args.seed, tree["row"])
+                found.append(successful_paths(tree, args.warmup_keep, rng, args.warmup_select))
+        return found
+
+    per_question = runs.map_shared(solve, rows)
+    return [e for got in per_question for e in got], sum(map(bool, per_question)) / max(len(rows), 1)
 
 
-def sft_batch(examples, tokenizer, args, rng, world):
-    """(ids, labels, attention) sorted by length: chat prompt + output + EOS, loss on the output only; toy renaming."""
+def sft_batch(pairs, tokenizer, args):
+    """(ids, labels, attention) sorted by length: chat prompt + output + EOS, loss on the output only [Tab. 6]."""
     seqs = []
-    for ex in examples:
-        texts = [ex["prompt"], ex["output"]]
-        if world is not None and rng.random() < args.augment_p:  # simplification: toy renaming (header 3)
-            texts = rename_entities(texts, world, rng, popular="keep")
-        prompt = encode_prompts(tokenizer, [texts[0]], args.system_prompt)[0]
-        target = tokenizer(texts[1], add_special_tokens=False)["input_ids"] + [tokenizer.eos_token_id]
+    for prompt, output in pairs:
+        target = tokenizer(output, add_special_tokens=False)["input_ids"] + [tokenizer.eos_token_id]
+        room = max(args.cutoff_len - len(target), args.cutoff_len // 2)  # outputs (<= --max_new_tokens) fit in half
+        prompt = encode_prompts(tokenizer, [prompt], args.system_prompt, room)[0]  # the middle cut (header 17)
         seqs.append((prompt + target, [-100] * len(prompt) + target))
     seqs.sort(key=lambda s: len(s[0]))  # micro-batches of similar lengths: less padding, the same gradient
     ids, labels = right_pad([s[0] for s in seqs], tokenizer.pad_token_id), right_pad([s[1] for s in seqs], -100)
@@ -745,9 +764,12 @@ def sft(accelerator, model, tokenizer, examples, args, world):
         if len(order) < args.sft_batch_size:
             order += rng.sample(range(len(examples)), len(examples))
         batch, order = order[: args.sft_batch_size], order[args.sft_batch_size :]
-        batch = batch[accelerator.process_index :: accelerator.num_processes]  # same order on every rank, own share
-        tensors = sft_batch([examples[i] for i in batch], tokenizer, args, rng, world)
-        losses.append(runs.sft_step(accelerator, model, optimizer, scheduler, *tensors, args.micro_batch_size))
+        pairs = [[examples[i]["prompt"], examples[i]["output"]] for i in batch]
+        if world is not None:  # simplification: toy renaming (header 3), drawn for the whole batch: rng stays shared
+            pairs = [rename_entities(p, world, rng, "keep") if rng.random() < args.augment_p else p for p in pairs]
+        own, weight = runs.own_share(pairs, accelerator)  # this process's share of the batch
+        step_args = (*sft_batch(own, tokenizer, args), args.micro_batch_size, 1.0, weight)
+        losses.append(runs.sft_step(accelerator, model, optimizer, scheduler, *step_args))
         if (step + 1) % 100 == 0 or step + 1 == steps:
             accelerator.print(f"sft step {step + 1}/{steps} | loss={sum(losses[-100:]) / len(losses[-100:]):.4f}")
     return accelerator.unwrap_model(model), steps
@@ -769,8 +791,7 @@ class ValueModel(torch.nn.Module):
 
 
 def node_samples(trees, count_tokens=None):
-    """One PPO sample per agent node [§5.2]: prompt + action ids, loss_mask = 1 exactly on the action, the Eq. 5
-    credit, and how many leading action tokens were forced (a fixed text: all; the [Retrieval] prefix; spec §9.14)."""
+    """One PPO sample per agent node [§5.2]: ids, loss_mask 1 exactly on the action, Eq. 5 credit, forced tokens."""
     samples = []
     for tree in trees:
         credits = leaf_credits(tree["nodes"])  # [Eq. 5]
@@ -785,7 +806,7 @@ def node_samples(trees, count_tokens=None):
 
 
 def gae(rewards, values, gamma, lam):
-    """GAE within one node's action tokens, V after the last token = 0 (spec §9.12): (A, G = A + V) [Eq. 9-10]."""
+    """GAE within one node's action tokens, V after the last token = 0 (OpenRLHF): (A, G = A + V) [Eq. 9-10]."""
     advantages, last = [0.0] * len(rewards), 0.0
     for m in reversed(range(len(rewards))):
         next_value = values[m + 1] if m + 1 < len(rewards) else 0.0
@@ -795,7 +816,7 @@ def gae(rewards, values, gamma, lam):
 
 
 def token_rewards(credit, logp_old, logp_ref, beta):
-    """Per-token reward -beta * (log pi_old - log pi_ref), plus the node's credit at its last token (spec §9.11)."""
+    """Per-token reward -beta * (log pi_old - log pi_ref), plus the node's credit at its last token (OpenRLHF)."""
     rewards = [-beta * (o - r) for o, r in zip(logp_old, logp_ref)]
     rewards[-1] += credit
     return rewards
@@ -846,51 +867,60 @@ def score_samples(policy, ref, value, samples, pad, device, args):
             sample["adv"], sample["ret"] = gae(rewards, sample["val"], args.gamma, args.lam)
 
 
-def ppo_update(accelerator, policy, value, ref, optimizers, schedulers, samples, pad, args):
-    """Score the node samples, whiten the advantages, then minibatches over all agents' nodes [Eq. 6-11]."""
-    device = accelerator.device
+def ppo_update(accelerator, policy, value, ref, optimizers, schedulers, samples, pad, args, weight=1.0):
+    """Score the node samples, whiten the advantages, then minibatches over all agents and processes [Eq. 6-11]."""
+    # --rollout_batch and --ppo_batch_size count over all processes; weight 0: own_share's stand-in trees, which run
+    # the passes DDP waits for and count nothing
+    device, n_proc, total = accelerator.device, accelerator.num_processes, lambda x: runs.global_sum(accelerator, x)
     policy.eval()
     score_samples(accelerator.unwrap_model(policy), ref, accelerator.unwrap_model(value), samples, pad, device, args)
-    # simplification: advantages whitened over the rollout (header 10)
+    # simplification: advantages whitened over the rollout of every process (header 10)
     flat = torch.tensor([a for s in samples for a in s["adv"]])
-    mean, std = flat.mean().item(), flat.std().item() if len(flat) > 1 else 1.0
+    count = total(len(flat) * weight)
+    mean = (total(flat.sum() * weight) / count).item()
+    std = (total(((flat - mean) ** 2).sum() * weight) / (count - 1).clamp(min=1)).sqrt().item()
     ids, attention, mask = batch_tensors(samples, pad, device)  # pad once: (N, T), (N, T), (N, T-1)
     on_mask = lambda values: torch.zeros_like(mask).masked_scatter(mask.bool(), torch.tensor(values, device=device))
-    old, old_values, returns = (on_mask([x for s in samples for x in s[k]]) for k in ("old", "val", "ret"))
+    old, v_old, returns = (on_mask([x for s in samples for x in s[k]]) for k in ("old", "val", "ret"))
     advantages = on_mask([(x - mean) * (1 / (std + 1e-8)) for s in samples for x in s["adv"]])
-    forced = lambda s: [args.forced_weight] * s["forced"] + [1.0] * (len(s["adv"]) - s["forced"])  # header 4
-    weights = on_mask([w for s in samples for w in forced(s)]) if args.forced_weight != 1 else None
+    forced = lambda s: [args.forced_weight] * s.get("forced", 0) + [1.0] * (len(s["adv"]) - s.get("forced", 0))
+    weights = on_mask([w for s in samples for w in forced(s)])  # header 4
     lengths = [len(s["ids"]) for s in samples]
     policy.train()
     stats, rng = defaultdict(list), random.Random(args.seed + len(samples))
-    # every process takes the same number of minibatches and micro-batches (DDP), set by the smallest rollout
-    smallest = int(accelerator.gather(torch.tensor([len(samples)], device=device)).min().item())
-    n_mb = max(1, math.ceil(smallest / args.ppo_batch_size))
-    n_micro = math.ceil(max(1, smallest // n_mb) / args.micro_batch_size)  # no empty micro-batch on any process
+    n_mb = max(1, math.ceil(total(len(samples) * weight).item() / args.ppo_batch_size))  # the same on every process
     for _ in range(args.ppo_epochs):
         order = rng.sample(range(len(samples)), len(samples))
         for b in range(n_mb):
-            mb = sorted(order[b::n_mb], key=lengths.__getitem__)  # length-sorted micro-batches: less padding
-            n_tokens = int(mask[mb].sum())
+            # this process's part of minibatch b, length-sorted (less padding); none: a stand-in that counts nothing
+            mb, w = (sorted(order[b::n_mb], key=lengths.__getitem__), weight) if b < len(order) else (order[:1], 0.0)
+            scale = n_proc * w / total(mask[mb].sum() * w).clamp(min=1)  # token mean over the minibatch (header 12)
+            sums = dict.fromkeys(("policy", "value", "clipfrac", "approx_kl"), 0.0)  # summed over micro-batches
+
+            def loss_of(part, critic=False):
+                """Micro-batch `part` of mb, cut to its longest: its term of the policy loss, or of the value loss."""
+                r, t = torch.tensor(mb[part], device=device), slice(0, max(lengths[i] for i in mb[part]) - 1)
+                x, att, msk = ids[r, : t.stop + 1], attention[r, : t.stop + 1], mask[r, t]  # (B, T), (B, T), (B, T-1)
+                if critic:  # [Eq. 10]
+                    vf = value_loss(value(x, att)[:, :-1].float(), v_old[r, t], returns[r, t], msk, args.value_clip)
+                    sums["value"] += float(vf.detach() * msk.sum() * scale)
+                    return args.vf_coef * vf * msk.sum() * scale
+                logp = token_logp(policy, x, att)  # (B, T-1); [Eq. 9]
+                pg, ratio = clipped_surrogate(logp, old[r, t], advantages[r, t], msk, args.clip, weights[r, t])
+                log_ratio = (logp - old[r, t]).detach()
+                sums["clipfrac"] += float((((ratio - 1).abs() > args.clip).float() * msk).sum() * scale)
+                sums["approx_kl"] += float((((log_ratio.exp() - 1) - log_ratio) * msk).sum() * scale)  # k3
+                return pg * msk.sum() * scale
+
             for opt in optimizers:
                 opt.zero_grad()
-            for m in range(n_micro):
-                rows = mb[m * len(mb) // n_micro : (m + 1) * len(mb) // n_micro]  # never empty: len(mb) >= n_micro
-                width = max(lengths[i] for i in rows)
-                r, t = torch.tensor(rows, device=device), slice(0, width - 1)
-                x, att, msk = ids[r, :width], attention[r, :width], mask[r, t]
-                logp = token_logp(policy, x, att)  # (B, T-1)
-                w = None if weights is None else weights[r, t]
-                pg, ratio = clipped_surrogate(logp, old[r, t], advantages[r, t], msk, args.clip, w)  # [Eq. 9]
-                vf = value_loss(value(x, att)[:, :-1].float(), old_values[r, t], returns[r, t], msk, args.value_clip)
-                # [Eq. 11] L_CLIP + c_v L_V; all agents' nodes share the minibatch, the sum of Eq. 6 and 8, which
-                # maximises the expected credit of Eq. 7; policy and critic are separate networks
-                accelerator.backward((pg + args.vf_coef * vf) * (msk.sum() / n_tokens))
-                log_ratio = (logp - old[r, t]).detach()
-                clipfrac = (((ratio - 1).abs() > args.clip).float() * msk).sum() / msk.sum()
-                approx_kl = (((log_ratio.exp() - 1) - log_ratio) * msk).sum().item() / msk.sum().item()  # k3
-                for key, x in (("policy", pg), ("value", vf), ("clipfrac", clipfrac), ("approx_kl", approx_kl)):
-                    stats[f"losses/{key}"].append(torch.as_tensor(x).item())
+            # [Eq. 11] L_CLIP + c_v L_V; all agents' nodes share the minibatch, the sum of Eq. 6 and 8, which
+            # maximises the expected credit of Eq. 7; policy and critic are separate networks: a backward each, in
+            # micro-batches of --micro_batch_size, DDP's all-reduce once per minibatch (runs.micro_backward)
+            sums["policy"] = runs.micro_backward(accelerator, policy, len(mb), args.micro_batch_size, loss_of)
+            runs.micro_backward(accelerator, value, len(mb), args.micro_batch_size, lambda part: loss_of(part, True))
+            for key, x in zip(sums, total(torch.tensor(list(sums.values()))).tolist()):  # over the processes
+                stats[f"losses/{key}"].append(x / n_proc)
             for model, opt in zip((policy, value), optimizers):
                 accelerator.clip_grad_norm_(model.parameters(), args.max_grad_norm)
                 opt.step()
@@ -899,7 +929,7 @@ def ppo_update(accelerator, policy, value, ref, optimizers, schedulers, samples,
     out = {k: sum(v) / len(v) for k, v in stats.items()}
     kl = [o - r for s in samples for o, r in zip(s["old"], s["ref"])]
     out["rollout/kl"] = sum(kl) / max(len(kl), 1)
-    ret, val = returns[mask.bool()].cpu(), old_values[mask.bool()].cpu()
+    ret, val = returns[mask.bool()].cpu(), v_old[mask.bool()].cpu()
     explained = (1 - (ret - val).var() / ret.var().clamp(min=1e-8)).item() if len(ret) > 1 else 0.0
     out["losses/explained_variance"] = explained
     return out
@@ -934,16 +964,14 @@ def prediction_of(tree, record, decoding):
 def evaluate(model, tokenizer, env, rows, args, greedy=True, seed=0, batch=256, predictions=None):
     """Alg. 1 on the rows (greedy or T = 1), batched; a list `predictions` gets each question's path and scores."""
     start, records, (mode, decoding) = time.time(), [], ("greedy", "greedy") if greedy else ("sample", "sampled")
-    bar = tqdm(range(0, len(rows), batch), desc="eval", leave=False, disable=not PartialState().is_local_main_process)
-    for s in bar:
+    quiet = not PartialState().is_local_main_process
+    for s in tqdm(range(0, len(rows), batch), desc="eval", leave=False, disable=quiet):
         trees = rollout(rows[s : s + batch], proxy_actor(model, tokenizer, args, greedy), env, args, mode, seed + s)
         records += [tree_record(t) for t in trees]
         if predictions is not None:
             predictions += [prediction_of(t, r, decoding) for t, r in zip(trees, records[-len(trees) :])]
-    # simplification: latency = batched wall time per question (header 16)
-    return summarize(records, rows, {"strategy": "strategies"}) | {
-        "latency_s": (time.time() - start) / max(len(rows), 1)
-    }
+    latency = (time.time() - start) / max(len(rows), 1)  # simplification: batched wall time per question (header 16)
+    return summarize(records, rows, {"strategy": "strategies"}) | {"latency_s": latency}
 
 
 def evaluate_stage(accelerator, out, stage, model, tokenizer, env, rows, args, step=None):
@@ -978,11 +1006,9 @@ def rollout_stats(trees, samples):
     """Logged rollout statistics of one PPO update."""
     mean = lambda xs: sum(xs) / max(len(xs), 1)
     leaves = [n for t in trees for n in t["nodes"] if n["kind"] == "leaf"]
-    out = {
-        "rollout/leaf_reward": mean([n["reward"] for n in leaves]),
-        "rollout/leaves_per_tree": len(leaves) / len(trees),
-    }
-    out |= {"rollout/samples": len(samples), "rollout/invalid": mean([n["why"] != "answer" for n in leaves])}
+    rewards, invalid = [n["reward"] for n in leaves], [n["why"] != "answer" for n in leaves]
+    out = {"rollout/leaf_reward": mean(rewards), "rollout/leaves_per_tree": len(leaves) / len(trees)}
+    out |= {"rollout/samples": len(samples), "rollout/invalid": mean(invalid)}
     out |= {f"credit/{a}": mean([s["credit"] for s in samples if s["agent"] == a]) for a in AGENTS}  # [Eq. 5]
     credits = [(n.get("strategy"), c) for t in trees for n, c in zip(t["nodes"], leaf_credits(t["nodes"]))]
     return out | {f"strategy_credit/{k}": mean([c for s, c in credits if s == k]) for k in ROUTER_ACTIONS.values()}
@@ -1020,31 +1046,30 @@ def train(args):
     before = evaluate_stage(accelerator, out, "sft", policy, tokenizer, env, test_rows, args, step=0)
     # ---- PPO: policy and centralized critic with separate optimizers, reference frozen [App. A.1, Tab. 7]
     # simplification: policy, critic and reference start from the final SFT model (header 9)
-    ref = copy.deepcopy(policy).eval().requires_grad_(False)
-    value = ValueModel(policy)
+    ref, value = copy.deepcopy(policy).eval().requires_grad_(False), ValueModel(policy)
     optimizers = [torch.optim.Adam(m.parameters(), lr=lr, betas=(0.9, 0.95))
                   for m, lr in ((policy, args.policy_lr), (value, args.value_lr))]  # fmt: skip
     schedule = lambda s: cosine(s, args.ppo_iterations, 1)  # one step per PPO update
     schedulers = [torch.optim.lr_scheduler.LambdaLR(o, schedule) for o in optimizers]
-    rng = random.Random(args.seed * 1000 + accelerator.process_index)
+    rng = random.Random(args.seed * 1000)  # the same draws on every process: one global batch of questions
     objects = dict(policy=policy, value=value, optimizers=optimizers, schedulers=schedulers)
     if state := runs.load_training(accelerator, out / "ppo", objects, rng):  # --resume
         steps["ppo"] = state["iteration"]
         accelerator.print(f"resumed PPO at iteration {steps['ppo']}")
     policy, value, *optimizers = accelerator.prepare(policy, value, *optimizers)
-    count_tokens = lambda text: len(tokenizer(text, add_special_tokens=False)["input_ids"])
     pad = tokenizer.pad_token_id
     for it in range(steps["ppo"], args.ppo_iterations):
         t0 = time.time()
         rows = rng.sample(train_rows, min(args.rollout_batch, len(train_rows)))
         rows = rename_rows(rows, world, rng, args.rl_augment_p)  # simplification: renamed not-popular trees (header 3)
+        rows, weight = runs.own_share(rows, accelerator)  # this process's trees of the --rollout_batch
         actor = proxy_actor(accelerator.unwrap_model(policy), tokenizer, args, greedy=False)
         with accelerator.autocast():
             seed = args.seed * 100_003 + it * 7919 + accelerator.process_index
             trees = rollout(rows, actor, env, args, args.credit_mode, seed)  # tree [§5.1]; w/o tree [§6.4]
-        samples = node_samples(trees, count_tokens)
+        samples = node_samples(trees, lambda text: len(tokenizer(text, add_special_tokens=False)["input_ids"]))
         stats = rollout_stats(trees, samples)
-        stats |= ppo_update(accelerator, policy, value, ref, optimizers, schedulers, samples, pad, args)
+        stats |= ppo_update(accelerator, policy, value, ref, optimizers, schedulers, samples, pad, args, weight)
         stats |= {"iteration": it + 1, "charts/seconds": time.time() - t0}
         runs.log_update(accelerator, out, stats, step=it + 1)
         steps["ppo"] = it + 1

@@ -204,6 +204,114 @@ def smartrag_warmup(accelerator):
 
 
 # ------------------------------------------------------------------ c3po
+C3PO_SFT = [  # (prompt, output) pairs of unequal lengths
+    ("decide : no retrieval , retrieval or planning . question : who is the director of zorvak ?", "[Planning]"),
+    ("filter documents . question : q ?", "thought : keep 1 . action : [ 1 ]"),
+    ("use llm . existing documents : plan : step 1 . question : q ?", "thought : done . action : [ llm ]"),
+]
+
+
+def c3po_args(**kw):
+    """The paper preset's values (micro-batch 4, one PPO epoch, 1024 samples a minibatch, forced weight 1, clipping),
+    with steps that SGD at learning rate 1 can take: no gradient clipping, no schedule warm-up."""
+    import c3po
+
+    return c3po.apply_preset(c3po.Args(preset="paper", train=True, seed=0, max_grad_norm=1e9, system_prompt="", **kw))
+
+
+@stage("c3po:sft")
+def c3po_sft(accelerator):
+    """c3po.sft, one step on three pairs (process 0 holds two, process 1 one), then one on a single pair (process 1:
+    own_share's stand-in, weight 0); AdamW swapped for SGD at learning rate 1."""
+    import c3po
+    from common import runs
+
+    model, tokenizer = tiny_lm()
+    before, losses, adamw, sft_step = trained(model), [], torch.optim.AdamW, runs.sft_step
+    torch.optim.AdamW = lambda params, lr, **_: sgd(params)
+    runs.sft_step = lambda *a, **k: losses.append(sft_step(*a, **k)) or losses[-1]
+    try:
+        for pairs in (C3PO_SFT, C3PO_SFT[:1]):
+            examples = [dict(prompt=p, output=o, agent="router", row={}) for p, o in pairs]
+            args = c3po_args(sft_steps=1, sft_batch_size=len(pairs), sft_lr=1.0)
+            model, _ = c3po.sft(accelerator, model, tokenizer, examples, args, None)
+    finally:
+        torch.optim.AdamW, runs.sft_step = adamw, sft_step
+    return {"loss": sum(losses), "grad": before - trained(model)}
+
+
+def c3po_samples(n):
+    """n agent-node samples as node_samples makes them (prompt, action, credit, forced tokens), unequal lengths."""
+    shapes = [(3, 2, 1.0, 2), (5, 3, 0.0, 0), (2, 4, 0.5, 0)]
+    return [dict(ids=[10 + i + j for j in range(p + a)], loss_mask=[0] * p + [1] * a, credit=c, agent="dm", forced=f)
+            for i, (p, a, c, f) in enumerate(shapes[:n])]  # fmt: skip
+
+
+@stage("c3po:ppo")
+def c3po_ppo(accelerator):
+    """c3po.ppo_update on three node samples (process 0 holds two, process 1 one), then on one (process 1: a stand-in
+    of weight 0): advantages whitened over both processes, token means over the minibatch, SGD at learning rate 1.
+    The reference differs from the policy and the value head is not zero, so that every term moves."""
+    import copy
+
+    import c3po
+    from common import runs
+
+    policy, tokenizer = tiny_lm()
+    ref, value = tiny_lm(seed=1)[0].requires_grad_(False), c3po.ValueModel(policy)
+    torch.nn.init.normal_(value.head.weight, std=0.1, generator=torch.Generator().manual_seed(2))
+    before = trained(policy), trained(value)
+    optimizers = [sgd(policy.parameters()), sgd(value.parameters())]
+    schedulers = [torch.optim.lr_scheduler.LambdaLR(o, lambda s: 1.0) for o in optimizers]
+    policy, value, *optimizers = accelerator.prepare(policy, value, *optimizers)
+    losses, args = [], c3po_args(kl_coef=0.1, ppo_epochs=1)
+    for n in (3, 1):
+        samples, weight = runs.own_share(c3po_samples(n), accelerator)
+        stats = c3po.ppo_update(accelerator, policy, value, ref, optimizers, schedulers, copy.deepcopy(samples),
+                                tokenizer.pad_token_id, args, weight)  # fmt: skip
+        losses.append(stats["losses/policy"] + stats["losses/value"])
+    after = trained(accelerator.unwrap_model(policy)), trained(accelerator.unwrap_model(value))
+    return {"loss": sum(losses), "grad": before[0] - after[0], "value_grad": before[1] - after[1]}
+
+
+@stage("c3po:warmup")
+def c3po_warmup(accelerator):
+    """c3po.build_warmup on nine one-hop toy questions, twice: with the oracle teacher (noisy, its draws seeded by
+    question, so two processes build the examples of one), and with a teacher whose draws differ per process, as an
+    unseeded sampling LLM's do: every process must still hold the same examples (else their SFT step counts differ,
+    and a process waits forever for the other's all-reduce)."""
+    import random
+    import zlib
+    from dataclasses import replace
+
+    from accelerate.utils import gather_object
+
+    import c3po
+    from common.data import load_split
+
+    world = str(Path(__file__).resolve().parents[1] / "data" / "toy")
+    args = c3po.apply_preset(c3po.Args(train=True, data_dir=world, teacher_noise=0.5))
+    env = c3po.environment(args)
+    rows = [r for r in load_split(world, "train", "one_hop") if not r["metadata"]["popular"]][:9]
+    oracle, solved = c3po.build_warmup(rows, env.llm, env, args)
+    draw = random.Random(accelerator.process_index)  # a sampling server: each process's draws its own
+
+    def reply(prompt):  # the question as the query, a random selection, a random stop (compact templates)
+        question = prompt.rpartition("question : ")[2].partition("\n")[0]
+        ids = ", ".join(map(str, sorted(draw.sample(range(1, 4), draw.randint(1, 3)))))
+        if prompt.startswith(("decide :", "filter")):
+            return question if prompt.startswith("decide :") else f"thought : t . action : [ {ids} ]"
+        return draw.choice(["thought : t . action : [ llm ]", f"thought : t . action : [ retrieval ] {question}"])
+
+    class Sampling:  # the frozen LLM in the proxy roles (--teacher llm)
+        def chat(self, messages_lists, **_):
+            return [reply(messages[-1]["content"]) for messages in messages_lists]
+
+    sampled, _ = c3po.build_warmup(rows, Sampling(), env, replace(args, teacher="llm"))
+    agree = len(set(gather_object([repr(sampled)]))) == 1
+    fingerprint = sum(zlib.crc32(repr((e["prompt"], e["output"])).encode()) for e in oracle)
+    return {"loss": float(agree), "grad": torch.tensor([len(oracle), solved, fingerprint], dtype=torch.float64)}
+
 
 
 # ------------------------------------------------------------------ sparkle

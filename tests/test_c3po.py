@@ -1,4 +1,4 @@
-"""C-3PO: the spec's worked numbers (K(t), stop rules, Eq. 5 credit on the hand-built tree, GAE, PPO clipping, value
+"""C-3PO: worked numbers (K(t), stop rules, Eq. 5 credit on a hand-built tree, GAE, PPO clipping, value
 clipping, advantage whitening), the three agents' parsers (malformed outputs included), SFT and PPO loss masks, the
 value model, the batched tree rollout with a scripted proxy, the toy and LLM teachers, the LLM judge, and an
 end-to-end toy run followed by --eval of its checkpoint."""
@@ -20,7 +20,7 @@ from common.toy import RenamingEnv
 ROOT = Path(__file__).resolve().parents[1]
 
 
-# ---------------------------------------------------------------- K(t) and the stop rules [Eq. 2], spec §8.1, §8.4
+# ---------------------------------------------------------------- K(t) [Eq. 2] and the stop rules (impl)
 def test_branching_factor_schedule():
     assert [c3po.branching(t) for t in range(1, 8)] == [2, 2, 2, 2, 1, 1, 1]
     assert [c3po.branching(t, k=3, until=2) for t in (1, 2, 3)] == [3, 3, 1]
@@ -34,10 +34,10 @@ def test_decision_maker_is_forced_by_depth_or_documents(n_docs, depth, forced):
     assert c3po.dm_forced(n_docs, depth, max_documents=10, max_depth=13) is forced
 
 
-# ---------------------------------------------------------------- Monte Carlo credit [Eq. 5], spec §8.3
-def spec_tree():
-    """The spec's hand-built tree (§8.3): names -> index, nodes in parent-first order."""
-    spec = [
+# ---------------------------------------------------------------- Monte Carlo credit [Eq. 5]
+def hand_tree():
+    """A hand-built tree of all three strategies: names -> index, nodes in parent-first order."""
+    layout = [
         ("root", None, "root"),
         ("RR1", "root", "router"),
         ("L1", "RR1", 0.0),
@@ -60,18 +60,18 @@ def spec_tree():
         ("DM5", "F5", "dm"),
         ("L6", "DM5", 0.0),
     ]
-    index = {name: i for i, (name, _, _) in enumerate(spec)}
+    index = {name: i for i, (name, _, _) in enumerate(layout)}
     nodes = [
         dict(kind="leaf", reward=k, parent=index[p])
         if isinstance(k, float)
         else dict(kind=k, parent=None if p is None else index[p])
-        for _, p, k in spec
+        for _, p, k in layout
     ]
     return nodes, index
 
 
 def test_credit_is_the_mean_over_reachable_leaves():
-    nodes, at = spec_tree()
+    nodes, at = hand_tree()
     credit = c3po.leaf_credits(nodes)
     expected = {
         "RR1": 0.0,
@@ -98,8 +98,18 @@ def test_credit_is_the_mean_over_reachable_leaves():
 
 
 def test_single_trajectory_gives_every_node_the_trajectory_reward():
-    nodes, at = spec_tree()
-    path = ["root", "RR3", "P", "DM2", "F4", "DM4", "F5", "DM5", "L6"]  # spec §8.3 contrast: DM2's credit would be 0
+    nodes, at = hand_tree()
+    path = [
+        "root",
+        "RR3",
+        "P",
+        "DM2",
+        "F4",
+        "DM4",
+        "F5",
+        "DM5",
+        "L6",
+    ]  # w/o tree (§6.4): DM2's credit would be 0, not 0.5
     keep = {at[n] for n in path}
     remap = {old: new for new, old in enumerate(sorted(keep))}
     single = [
@@ -108,7 +118,7 @@ def test_single_trajectory_gives_every_node_the_trajectory_reward():
     assert c3po.leaf_credits(single) == [0.0] * len(single)
 
 
-# ---------------------------------------------------------------- parsers, spec §8.5 (and the toy tokenizer's spacing)
+# ---------------------------------------------------------------- parsers [§4.1, impl] (and the toy tokenizer)
 @pytest.mark.parametrize(
     "text, parsed",
     [
@@ -146,6 +156,7 @@ def test_router_query_is_truncated_to_100_words():
         ("Thought: x\nAction: [a]", True, None),
         ("Thought: x\nAction: 1, 2", True, None),
         ("thought : keep 1 , 3 . action : [ 1 , 3 ]", True, ("keep 1 , 3 .", [1, 3])),
+        ("thought : x . action : [ 1 ] action : [ 2 ]", True, ("x .", [1])),  # lower case: the first `action : [`
     ],
 )
 def test_parse_filter(text, strict, parsed):
@@ -166,6 +177,34 @@ def test_parse_filter(text, strict, parsed):
 )
 def test_parse_decision_maker(text, parsed):
     assert c3po.parse_dm(text) == parsed
+
+
+@pytest.mark.parametrize(
+    "text, parsed",
+    [  # the word "action:" inside a thought, which only the authors' case-sensitive `Action:` passes over
+        ("Thought: the next action: find Y's birthplace [1].\nAction: [Retrieval] Y birthplace",
+         ("the next action: find Y's birthplace [1].", "Retrieval", "Y birthplace")),
+        ("Thought: the transaction: [2] is done.\nAction: [LLM]", ("the transaction: [2] is done.", "LLM", "")),
+        ("Thought: a reaction: [1]\nAction: [LLM]", ("a reaction: [1]", "LLM", "")),
+        ("thought : the next action : find [ 1 ] . action : [ llm ]", ("the next action : find [ 1 ] .", "LLM", "")),
+        ("<think>\nShould I stop? Action: [LLM] is early.\n</think>\n\nThought: need Y.\nAction: [Retrieval] Y born",
+         ("need Y.", "Retrieval", "Y born")),
+        ("<think>\nThought: enough.\nAction: [LLM]", None),  # the reasoning never ended: no output
+    ],
+)  # fmt: skip
+def test_parse_decision_maker_reads_the_action_line_not_the_word_in_a_thought(text, parsed):
+    assert c3po.parse_dm(text) == parsed
+
+
+def test_parsers_read_the_output_after_a_think_block():
+    """A reasoning model's <think> block names other actions first: the router and the filter read what follows."""
+    think = "<think>\nCould the LLM answer alone, [No Retrieval]? Or keep [1, 2, 3]? No.\n</think>\n\n"
+    assert c3po.parse_router(think + "[Retrieval] who directed zekil") == ("Retrieval", "who directed zekil")
+    assert c3po.parse_router(think + "[Planning]") == ("Planning", "")
+    assert c3po.parse_router("<think>\n[No Retrieval] would do") is None
+    assert c3po.parse_filter(think + "Thought: only 2 names it.\nAction: [2]", 3) == ("only 2 names it.", [2])
+    assert c3po.parse_router("...</think>\n[No Retrieval]") == ("No Retrieval", "")  # a template opened the block
+    assert c3po.visible("plain [Planning]") == "plain [Planning]"
 
 
 def test_templates_and_documents():
@@ -264,7 +303,29 @@ def test_the_toy_oracle_writes_what_the_agents_parse():
         assert event == (("search", "mipon born") if noise == 0 else ("answer", ctx["acc"]))
 
 
-# ---------------------------------------------------------------- GAE, KL in the reward, PPO clipping, spec §8.7
+@pytest.mark.parametrize("style", ["paper", "think"])
+def test_the_toy_oracle_in_the_paper_formats_leads_to_the_events_of_the_compact_one(style):
+    """The oracle as the paper's figures show the agents writing (a thought per document, the plan's step in the
+    Decision Maker's thought) and after a <think> block: the same transitions as its compact outputs."""
+    from common.toy import oracle_c3po
+
+    meta = dict(type="two_hop", hops=2, entities=["zekil", "mipon", "tuvia"], popular=False, relations=["directed_by",
+                "born_in"], popular_hops=[False, False], sub_queries=["zekil directed", "mipon born"])  # fmt: skip
+    row = {"question": "q ?", "golden_answers": ["tuvia"], "metadata": meta}
+    states = [("router", dict(CTX)), ("filter", dict(CTX, docs=DOCS, query="zekil directed", strategy="Planning")),
+              ("dm", dict(CTX, strategy="Planning")), ("dm", dict(CTX, acc=[DOCS[0]], strategy="Planning")),
+              ("dm", dict(CTX, acc=[DOCS[0], DOCS[2]], strategy="Planning"))]  # fmt: skip
+    for agent, ctx in states:
+        compact = oracle_c3po(row, agent, ctx, "", random.Random(0), 0.0)
+        paper = oracle_c3po(row, agent, ctx, "", random.Random(0), 0.0, style)
+        assert (paper != compact or agent == "router") and paper.startswith("<think>") == (style == "think")
+        assert c3po.transition(agent, paper, ctx, True, 100)[0] == c3po.transition(agent, compact, ctx, True, 100)[0]
+    dm = oracle_c3po(row, "dm", dict(CTX, acc=[DOCS[0]]), "", random.Random(0), 0.0, "paper")
+    assert dm.endswith("the next action: find the birthplace of mipon [step 2].\nAction: [Retrieval] mipon born")
+    assert oracle_c3po(row, "router", CTX, "[Retrieval]", random.Random(0), 0.0, style) == " zekil directed"
+
+
+# ---------------------------------------------------------------- GAE, KL in the reward, PPO clipping [App. A.1]
 def test_gae_within_a_node():
     adv, ret = c3po.gae([0, 0, 1], [0.2, 0.4, 0.5], 1.0, 0.95)
     assert adv == pytest.approx([0.74625, 0.575, 0.5]) and ret == pytest.approx([0.94625, 0.975, 1.0])
@@ -302,7 +363,7 @@ def test_no_gradient_beyond_the_clip_and_masked_tokens_ignored():
 
 
 def test_forced_tokens_can_be_down_weighted_in_the_surrogate():
-    """spec §9.14: forced root tokens count in the token mean but their term is scaled by --forced_weight."""
+    """Forced root tokens count in the token mean but their term is scaled by --forced_weight (header 4)."""
     new_logp, old_logp = torch.zeros(1, 3), torch.zeros(1, 3)  # ratio 1: the surrogate is A per token
     advantages, mask = torch.tensor([[2.0, -1.0, 4.0]]), torch.tensor([[1.0, 1.0, 0.0]])
     full, _ = c3po.clipped_surrogate(new_logp, old_logp, advantages, mask, 0.2)
@@ -325,7 +386,7 @@ def test_node_samples_count_the_forced_root_tokens():
 
 
 def test_value_loss_clips_around_the_old_values():
-    """OpenRLHF's value clipping (spec §9.10), eps 0.2, by hand; the fifth token is masked out."""
+    """OpenRLHF's value clipping (header 11), eps 0.2, by hand; the fifth token is masked out."""
     values = torch.tensor([[1.0, 0.6, 1.0, 1.0, 9.0]], requires_grad=True)
     old, ret = torch.tensor([[0.5, 0.5, 0.5, 0.5, 0.0]]), torch.tensor([[1.2, 0.0, 0.9, 0.0, 0.0]])
     mask = torch.tensor([[1.0, 1.0, 1.0, 1.0, 0.0]])
@@ -397,6 +458,55 @@ def test_ppo_update_whitens_advantages_over_the_rollout(monkeypatch, value_clip,
     assert len(seen) == 1 and sorted(seen[0]) == pytest.approx([-1.0, 0.0, 1.0], abs=1e-6)
     assert stats["losses/policy"] == pytest.approx(0.0, abs=1e-6)  # ratio 1 and whitened advantages of mean 0
     assert stats["losses/value"] == pytest.approx(value_loss, abs=1e-6) and stats["losses/clipfrac"] == 0.0
+
+
+class OneOfTwoProcesses:
+    """What ppo_update asks of an Accelerator, for process 0 of two whose other process holds two node samples (as
+    main's per-process PPO read it) and sums like this one (as a global sum reads it)."""
+
+    num_processes, process_index, device = 2, 0, torch.device("cpu")
+
+    def reduce(self, tensor, reduction):
+        return tensor * 2
+
+    def gather(self, tensor):
+        return torch.cat([tensor, torch.tensor([2])])
+
+    def unwrap_model(self, model):
+        return model
+
+    def no_sync(self, model):
+        import contextlib
+
+        return contextlib.nullcontext()
+
+    def backward(self, loss):
+        loss.backward()
+
+    def clip_grad_norm_(self, parameters, norm):
+        return torch.nn.utils.clip_grad_norm_(parameters, norm)
+
+
+def test_ppo_micro_batches_hold_micro_batch_size_sequences_whatever_another_process_holds(monkeypatch):
+    """Each process runs as many micro-batches of --micro_batch_size as its own share needs (DDP all-reduces once per
+    minibatch: runs.micro_backward), never fewer and fuller ones because another process holds fewer samples."""
+    from common.toy_lm import load_toy_lm
+
+    model, tokenizer = load_toy_lm(TINY_LM)
+    samples = [
+        dict(ids=[4, 7 + i, 8, 9], loss_mask=[0, 1, 1, 1], credit=i % 2, agent="dm", forced=0) for i in range(10)
+    ]
+    widths, token_logp = [], c3po.token_logp
+    monkeypatch.setattr(c3po, "token_logp", lambda m, ids, att: widths.append(len(ids)) or token_logp(m, ids, att))
+    value = c3po.ValueModel(model)
+    optimizers = [torch.optim.SGD(m.parameters(), lr=1e-3) for m in (model, value)]
+    schedulers = [torch.optim.lr_scheduler.LambdaLR(o, lambda step: 1.0) for o in optimizers]
+    args = args_for(micro_batch_size=4, ppo_batch_size=1024, ppo_epochs=1)
+    ref = copy.deepcopy(model)
+    c3po.ppo_update(
+        OneOfTwoProcesses(), model, value, ref, optimizers, schedulers, samples, tokenizer.pad_token_id, args
+    )
+    assert widths == [4, 4, 4, 4, 2, 2] + [4, 4, 2]  # scoring: policy and reference per chunk; then the update
 
 
 def test_node_samples_mask_exactly_the_action_tokens():
@@ -530,6 +640,54 @@ def test_proxy_actor_forces_root_texts_and_prefix(monkeypatch):
     assert tokenizer.decode(out[0][0][1]).endswith("<assistant>")  # chat-templated prompt
 
 
+def test_proxy_prompts_over_the_prompt_max_len_lose_their_middle_and_ppo_scores_what_was_read(monkeypatch):
+    """[Tab. 7] prompt max len: a longer agent prompt keeps its first and last tokens (instruction, question and the
+    assistant turn); the node stores the ids generate read (cut once more if the model's context asks), so that PPO
+    scores the context the action was sampled in."""
+    from common.llm import Generation
+    from common.toy_lm import load_toy_lm
+
+    model, tokenizer = load_toy_lm(TINY_LM)
+    fed, cut_more = [], {"on": False}
+
+    def fake(model, tokenizer, prompts, max_new_tokens, **kw):
+        read = [p[:3] + p[-5:] if cut_more["on"] else p for p in prompts]  # as fit_context cuts to the context
+        fed.extend(read)
+        return Generation(["x"] * len(prompts), [[7, 1]] * len(prompts), read, [True] * len(prompts))
+
+    monkeypatch.setattr(c3po, "generate", fake)
+    args = args_for(system_prompt="", prompt_max_len=12)
+    prompt = "filter documents . question : " + " ".join(["zekil"] * 40) + " ?"
+    full = c3po.encode_prompts(tokenizer, [prompt], "")[0]
+    act = c3po.proxy_actor(model, tokenizer, args, greedy=True)
+    requests = [c3po.request({"row": ROWS[0]}, 0, "filter", 2, prompt, CTX, 1),
+                c3po.request({"row": ROWS[0]}, 0, "router", 1, prompt, CTX, 1, prefix="[Retrieval]"),
+                c3po.request({"row": ROWS[0]}, 0, "router", 1, prompt, CTX, 1, fixed="[Planning]")]  # fmt: skip
+    (free,), (prefixed,), (fixed,) = act(requests, 0)
+    prefix = tokenizer("[Retrieval]", add_special_tokens=False)["input_ids"]
+    assert len(full) > 40 and free[1] == full[:6] + full[-6:] == fixed[1] == prefixed[1]  # instruction ... <assistant>
+    assert fed == [free[1], free[1] + prefix] and prefixed[2] == prefix + [7, 1]
+    cut_more["on"] = True
+    (free,), (prefixed,), _ = act(requests, 0)
+    assert free[1] == fed[2] and prefixed[1] + prefix == fed[3] and len(free[1]) == 8  # what generate read
+
+
+def test_sft_pairs_over_the_cutoff_len_lose_the_middle_of_their_prompt():
+    """[Tab. 6] cutoff length: prompt + output + EOS fit --cutoff_len; the output whole, the prompt keeps its ends."""
+    from common.toy_lm import load_toy_lm
+
+    _, tokenizer = load_toy_lm(TINY_LM)
+    prompt, output = "filter documents . question : " + " ".join(["zekil"] * 40) + " ?", "thought : t . action : [ 1 ]"
+    full = c3po.encode_prompts(tokenizer, [prompt], "")[0]
+    target = tokenizer(output, add_special_tokens=False)["input_ids"] + [tokenizer.eos_token_id]
+    ids, labels, _ = c3po.sft_batch([(prompt, output)], tokenizer, args_for(system_prompt="", cutoff_len=24))
+    room = 24 - len(target)
+    assert ids[0].tolist() == full[: room // 2] + full[len(full) - (room - room // 2) :] + target and len(full) > 40
+    assert labels[0].tolist() == [-100] * room + target
+    ids, _, _ = c3po.sft_batch([(prompt, output)], tokenizer, args_for(system_prompt=""))  # 4096: whole
+    assert ids[0].tolist() == full + target
+
+
 def planning_act(filter_texts=("Thought: t\nAction: [1]",), dm_text="Thought: t\nAction: [Retrieval] sub"):
     """Router always plans, DM always retrieves `sub`, the filter cycles through filter_texts."""
     calls, count = [], [0]
@@ -568,7 +726,7 @@ def test_depth_limit_allows_4_loops_in_training_and_5_at_test(mode, loops, leaf_
 
 
 def test_tree_size_bound_with_one_roadmap():
-    """Spec §8.4: distinct samples everywhere and a DM that always retrieves give 7 leaves and 39 agent nodes."""
+    """Distinct samples everywhere and a DM that always retrieves give 7 leaves and 39 agent nodes (one roadmap)."""
 
     def act(requests, seed):
         texts = {
@@ -723,7 +881,7 @@ def test_a_renamed_tree_is_the_same_tree_under_other_names(toy):
             return retriever.search(qs, k)
 
     def renamed_oracle(seed):  # the oracle teacher, reading a renamed tree's state through the inverse map
-        oracle = c3po.teacher_actor(args, llm, seed)
+        oracle = c3po.teacher_actor(args, llm)
 
         def act(requests, s):
             real = [
@@ -743,7 +901,7 @@ def test_a_renamed_tree_is_the_same_tree_under_other_names(toy):
 
         return act
 
-    plain = c3po.rollout([row], c3po.teacher_actor(args, llm, 0), RenamingEnv(Recording(), llm), args, "tree")[0]
+    plain = c3po.rollout([row], c3po.teacher_actor(args, llm), RenamingEnv(Recording(), llm), args, "tree")[0]
     real_queries, queries[:] = list(queries), []
     other = c3po.rollout([renamed], renamed_oracle(0), RenamingEnv(Recording(), llm), args, "tree")[0]
     assert queries == real_queries  # the retriever saw the real names
@@ -765,7 +923,7 @@ def test_oracle_teacher_solves_a_two_hop_question_by_planning(toy):
         and not any(r["metadata"]["popular_hops"])
         and r["metadata"]["answerable"]
     )
-    tree = c3po.rollout([row], c3po.teacher_actor(args, llm, 0), RenamingEnv(retriever, llm), args, "tree")[0]
+    tree = c3po.rollout([row], c3po.teacher_actor(args, llm), RenamingEnv(retriever, llm), args, "tree")[0]
     credit = dict(zip([n.get("strategy") for n in tree["nodes"]], c3po.leaf_credits(tree["nodes"])))
     assert credit["Planning"] == 1.0 and credit["No Retrieval"] == 0.0
     pairs = c3po.successful_paths(tree, 4, random.Random(0))
@@ -777,6 +935,23 @@ def test_oracle_teacher_solves_a_two_hop_question_by_planning(toy):
         and "Thought: done .\nAction: [LLM]" in outputs
     )
     assert len(pairs) == len({(p["prompt"], p["output"]) for p in pairs})
+
+
+def test_the_warm_up_is_the_same_for_any_split_of_the_questions_over_processes(toy):
+    """runs.map_shared gives each process every other question: the oracle's noisy draws and the kept paths are
+    seeded by question, so two halves built apart make the set one process builds (and every process gets it)."""
+    from dataclasses import replace
+
+    args, rows, llm, retriever = toy
+    args, rows, env = replace(args, teacher_noise=0.5), rows[:24], RenamingEnv(retriever, llm)
+    whole, solved = c3po.build_warmup(rows, llm, env, args)
+    halves = [c3po.build_warmup(rows[i::2], llm, env, args) for i in (0, 1)]
+    key = lambda examples: sorted((e["row"]["question"], e["prompt"], e["output"]) for e in examples)
+    assert key(whole) == key(halves[0][0] + halves[1][0]) and len(whole) > 24
+    assert solved == pytest.approx((halves[0][1] * 12 + halves[1][1] * 12) / 24) and 0 < solved < 1
+    assert {"Thought: keep 1, 2, 3 .\nAction: [1, 2, 3]", "Thought: done .\nAction: [LLM]"} & {
+        e["output"] for e in whole
+    }
 
 
 def test_rejection_sampling_keeps_at_most_four_successful_paths():
@@ -842,7 +1017,7 @@ def test_llm_judge_scores_answer_leaves_only(verdicts, rewards):
     c3po.score_leaves([{"row": row, "nodes": nodes}], RenamingEnv(None, llm), args_for(judge="llm"))
     assert [n["reward"] for n in nodes if n.get("why") == "answer"] == rewards and nodes[2]["reward"] == 0.0
     (call,) = llm.calls
-    assert call["temperature"] == 0.0 and call["max_tokens"] == 8
+    assert call["temperature"] == 0.0 and call["max_tokens"] == 256  # --answer_max_tokens: room for a thinking judge
     assert [m[-1]["content"] for m in call["messages"]] == [
         c3po.JUDGE_PROMPT.format(question=row["question"], golds="['mipon', 'Mipon Jr']", prediction=a)
         for a in answers
@@ -850,6 +1025,27 @@ def test_llm_judge_scores_answer_leaves_only(verdicts, rewards):
     assert call["messages"][0][-1]["content"].endswith(
         "Correct Answer: ['mipon', 'Mipon Jr']\nPredicted Answer: mipon directed it .\n"
     )
+
+
+def test_a_thinking_llm_is_judged_and_read_by_what_follows_its_reasoning():
+    """A reasoning model as the LLM: the judge's verdict follows its <think> block (which may say "true" and must have
+    room, --answer_max_tokens, not 8 tokens), and the answers and the roadmap leave their reasoning out."""
+    row = {"question": "who directed zekil ?", "golden_answers": ["mipon"], "metadata": {}}
+    nodes = [dict(kind="root", parent=None)] + [
+        dict(kind="leaf", parent=0, why="answer", answer=a, reward=0.0) for a in ("mipon .", "tuvia .")
+    ]
+    verdicts = iter(["<think>\nIs it true that mipon directed it? The correct answers say so.\n</think>\n\nTrue",
+                     "<think>\nTrue or false? tuvia is not in the correct answers.\n</think>\n\nFalse"])  # fmt: skip
+    llm = ChatLLM(lambda prompt: next(verdicts))
+    c3po.score_leaves([{"row": row, "nodes": nodes}], RenamingEnv(None, llm), args_for(judge="llm"))
+    assert [n["reward"] for n in nodes[1:]] == [1.0, 0.0] and llm.calls[0]["max_tokens"] == 256
+    thinking = FakeLLM()
+    answer = thinking.chat
+    thinking.chat = lambda msgs, **kw: [f"<think>\nmaybe tuvia, [LLM]\n</think>\n\n{r}" for r in answer(msgs, **kw)]
+    act, _ = planning_act(dm_text="Thought: t\nAction: [LLM]")
+    tree = c3po.rollout(ROWS[:1], act, RenamingEnv(FakeRetriever(), thinking), args_for(), "greedy")[0]
+    assert [n.get("text", n.get("answer")) for n in tree["nodes"] if n["kind"] in ("roadmap", "leaf")] == [
+        "step 1 : find it .", "gold"]  # fmt: skip
 
 
 def paper_llm(router_reply):
@@ -890,7 +1086,7 @@ def test_llm_teacher_outputs_become_tree_nodes_and_sft_examples(router_reply):
     )
     row = {"id": "q0", "question": "who directed zekil ?", "golden_answers": ["mipon"], "metadata": {}}
     llm = ChatLLM(paper_llm(router_reply))
-    tree = c3po.rollout([row], c3po.teacher_actor(args, llm, 0), RenamingEnv(FakeRetriever(), llm), args, "tree")[0]
+    tree = c3po.rollout([row], c3po.teacher_actor(args, llm), RenamingEnv(FakeRetriever(), llm), args, "tree")[0]
     agents = [(n["kind"], n["text"]) for n in tree["nodes"] if n["kind"] in c3po.AGENTS]
     assert agents == [
         ("router", "[No Retrieval]"),
@@ -925,6 +1121,33 @@ def test_llm_teacher_outputs_become_tree_nodes_and_sft_examples(router_reply):
     )  # zero-shot, no prefix
 
 
+def test_the_llm_teacher_writes_at_the_proxys_length_and_its_reasoning_is_dropped():
+    """The LLM teacher plays the proxy, so it gets the proxy's cap [Tab. 7: 2048], not --answer_max_tokens (256): an
+    Information Filter's analysis of ten documents (about 300 tokens) keeps its `Action:`; a <think> block is cut."""
+    doc = "Document {} is about zekil , a film of 1931 ; it names no director , so it cannot say who directed it ."
+    analysis = "Thought: " + " ".join(doc.format(i) + " It is not relevant at all ." for i in range(1, 11))
+
+    def reply(prompt):
+        if "analyzing the retrieved documents" in prompt:
+            return analysis + "\nAction: [1]"
+        return "<think>\nA plan? [No Retrieval]?\n</think>\n\nzekil director" if "evaluating" in prompt else "x"
+
+    class Capped(ChatLLM):  # a served LLM stops at max_tokens (a word each here)
+        def chat(self, messages_lists, max_tokens=256, **kw):
+            replies = super().chat(messages_lists, max_tokens=max_tokens, **kw)
+            return [" ".join(r.split(" ")[:max_tokens]) for r in replies]
+
+    args = args_for(templates="paper", teacher="llm", max_new_tokens=2048, top_k=10)
+    llm = Capped(reply)
+    requests = [c3po.request({"row": ROWS[0]}, 0, "filter", 2, c3po.TEMPLATES["paper"]["filter_direct"], CTX, 1),
+                c3po.request({"row": ROWS[0]}, 0, "router", 1, c3po.TEMPLATES["paper"]["router"], CTX, 1,
+                             prefix="[Retrieval]")]  # fmt: skip
+    (filter_text,), (router_text,) = ([t for t, _, _ in out] for out in c3po.teacher_actor(args, llm)(requests, 0))
+    assert len(analysis.split()) > 256 and all(c["max_tokens"] == 2048 for c in llm.calls)
+    assert c3po.parse_filter(filter_text, 10) == (analysis.removeprefix("Thought: "), [1])
+    assert router_text == "[Retrieval] zekil director"
+
+
 # ---------------------------------------------------------------- SFT warm-up: the loss is on the output tokens only
 def test_sft_batch_puts_labels_on_the_output_and_eos_only():
     from common.toy_lm import load_toy_lm
@@ -935,9 +1158,8 @@ def test_sft_batch_puts_labels_on_the_output_and_eos_only():
         dict(prompt="decide : no retrieval , retrieval or planning . question : x ?", output="[No Retrieval]"),
     ]
     # given longest first, the rows come back sorted by length (the shorter planning example first)
-    ids, labels, attention = c3po.sft_batch(
-        examples[::-1], tokenizer, args_for(system_prompt=""), random.Random(0), None
-    )
+    pairs = [(ex["prompt"], ex["output"]) for ex in examples[::-1]]
+    ids, labels, attention = c3po.sft_batch(pairs, tokenizer, args_for(system_prompt=""))
     assert (labels != -100).sum(1).tolist() == [3 + 1, 4 + 1]  # `[ planning ]` + EOS, `[ no retrieval ]` + EOS
     for row, ex in enumerate(examples):
         prompt = c3po.encode_prompts(tokenizer, [ex["prompt"]], "")[0]

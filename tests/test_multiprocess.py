@@ -60,8 +60,35 @@ def test_train_runs_in_two_processes_with_one_result(method, tmp_path):
     )
     if method != "sparcrag":  # its DPO checkpoint is written once, at the end of the stage: no random states
         assert len(state["rng"]) == 2  # each process's own, for --resume
-    if "ppo" in steps:  # rank-seeded question sampling: the processes draw different rollouts
-        assert state["rng"][0]["own"] != state["rng"][1]["own"]
+    if "ppo" in steps:  # sparkle: rank-seeded question sampling; c3po: one global batch, the same draws everywhere
+        assert (state["rng"][0]["own"] == state["rng"][1]["own"]) == (method == "c3po")
+
+
+def test_c3po_paper_preset_trains_in_two_processes_with_short_batches(tmp_path):
+    """c3po --preset paper (App. B.1 prompts, top-10, Tab. 6-7 batch sizes, micro-batches of 4) with a tiny random
+    Qwen2 saved as from_pretrained reads it, the toy reader as the LLM and the oracle teacher (a random model solves
+    nothing), under two processes: one tree per PPO update (process 1 rolls out a stand-in of weight 0), a warm-up
+    built once over both, and the result contract."""
+    from common.toy_lm import load_toy_lm
+
+    model, tokenizer = load_toy_lm(TINY_LM)
+    model.save_pretrained(tmp_path / "qwen2")
+    tokenizer.save_pretrained(tmp_path / "qwen2")
+    env = os.environ | {"HF_HUB_OFFLINE": "1", "OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT)}
+    launch = [sys.executable, "-m", "accelerate.commands.launch", "--multi_gpu", "--num_processes", "2"]
+    launch += ["--num_machines", "1", "--mixed_precision", "no", "--dynamo_backend", "no"]
+    command = [str(ROOT / "c3po.py"), "--train", "--preset", "paper", "--run_name", "paper", "--model"]
+    command += [str(tmp_path / "qwen2"), "--data_dir", str(ROOT / "data" / "toy"), "--encoder", "tfidf", "--llm"]
+    command += ["toy", "--judge", "cover_em", "--teacher", "oracle", "--n_train", "5", "--n_eval", "3", "--sft_epochs"]
+    command += ["1", "--ppo_iterations", "1", "--rollout_batch", "1", "--max_new_tokens", "16"]
+    done = subprocess.run([*launch, "--main_process_port", free_port(), *command], cwd=tmp_path, capture_output=True,
+                          text=True, env=env, timeout=900)  # fmt: skip
+    assert done.returncode == 0, done.stderr[-3000:]
+    results = check_contract(tmp_path / "runs" / "paper", done.stdout)
+    assert results["preset"] == "paper" and results["train_steps"] == {"sft": 1, "ppo": 1}
+    assert results["args"]["micro_batch_size"] == 4 and results["args"]["top_k"] == 10
+    metrics = [json.loads(line) for line in (tmp_path / "runs" / "paper" / "metrics.jsonl").read_text().splitlines()]
+    assert [m["rollout/samples"] > 0 for m in metrics if "iteration" in m] == [True]
 
 
 def test_tearag_paper_preset_trains_in_two_processes_on_a_short_last_batch(tmp_path):
