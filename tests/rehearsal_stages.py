@@ -313,7 +313,6 @@ def c3po_warmup(accelerator):
     return {"loss": float(agree), "grad": torch.tensor([len(oracle), solved, fingerprint], dtype=torch.float64)}
 
 
-
 # ------------------------------------------------------------------ sparkle
 def sparkle_setup(**overrides):
     """The paper preset's arguments on the toy world (its models aside), and three warm-up pairs in the paper's
@@ -392,7 +391,6 @@ def sparkle_ppo(accelerator, micro=1):
     after = trained(accelerator.unwrap_model(policy)), trained(accelerator.unwrap_model(value))
     return {"loss": out["losses/policy"], "value_loss": out["losses/value"], "grad": before[0] - after[0],
             "value_grad": before[1] - after[1], "kl": out["rollout/kl"]}  # fmt: skip
-
 
 
 # ------------------------------------------------------------------ tearag

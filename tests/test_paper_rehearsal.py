@@ -200,7 +200,6 @@ def test_smartrag_dry_run_prints_every_paper_value(capsys):
     assert {k: printed[k] for k in SMARTRAG_PAPER} == SMARTRAG_PAPER
 
 
-
 # ------------------------------------------------------------------ c3po
 class C3poThinkingLLM:
     """The toy reader as a reasoning model serves it: every reply after a <think> block, cut at max_tokens words; it
@@ -366,7 +365,6 @@ def test_c3po_dry_run_prints_every_paper_value_and_each_is_the_papers(capsys):
     assert {k: config[k] for k in C3PO_PAPER} == C3PO_PAPER
 
 
-
 # ------------------------------------------------------------------ sparkle
 def sparkle_oracle_eval(preset, ablation, monkeypatch, reasoning=False, n=100):
     """Algorithm 1 on the first n toy test questions with the noiseless toy oracle as the proxy (written in the
@@ -478,7 +476,6 @@ def test_sparkle_paper_preset_prints_the_papers_values(capsys):
     printed = json.loads(out[: out.index("\n}") + 2])
     assert {k: printed[k] for k in SPARKLE_PAPER} == {k: v for k, (v, _) in SPARKLE_PAPER.items()}
     assert printed["preset"] == "paper" and printed["lam"] == 0.95
-
 
 
 # ------------------------------------------------------------------ tearag
