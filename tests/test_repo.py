@@ -37,8 +37,10 @@ def test_common_plumbing_stays_small():
         for name in ("llm.py", "retrieval.py", "metrics.py", "data.py", "runs.py")
     }
     # +50: context fitting, cut-short indexes, dataset mixing; +50: steps that give the same gradient for any process
-    # count and micro-batch size (own_share, global_sum, micro_backward, map_shared)
-    assert sum(sizes.values()) <= 1250, sizes
+    # count and micro-batch size (own_share, global_sum, micro_backward, map_shared); +150: what a user reads and
+    # trusts, the same for every method (the run's end table and short RESULT line, grouped --help with the presets'
+    # values, one-line flag errors with declared ranges, evaluation folders, checkpoints refused across methods)
+    assert sum(sizes.values()) <= 1400, sizes
 
 
 def test_the_index_builder_stays_small():
