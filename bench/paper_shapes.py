@@ -69,7 +69,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run as a script 
 
 import torch  # noqa: E402
 from accelerate import Accelerator  # noqa: E402
-from transformers import AutoModelForCausalLM, HfArgumentParser, LlamaConfig, Qwen2Config  # noqa: E402
+from transformers import AutoModelForCausalLM, LlamaConfig, Qwen2Config  # noqa: E402
 
 import c3po  # noqa: E402
 import smartrag  # noqa: E402
@@ -219,7 +219,7 @@ def question_rows(words, n, seed=0):
 
 
 def bench_smartrag(opts, accelerator, tokenizer, words, dtype, out):
-    (args,) = HfArgumentParser(smartrag.Args).parse_args_into_dataclasses(
+    (args,) = runs.flag_parser(smartrag.Args).parse_args_into_dataclasses(
         args=[
             "--preset",
             "paper",
@@ -284,7 +284,7 @@ def bench_smartrag(opts, accelerator, tokenizer, words, dtype, out):
 
 
 def bench_c3po(opts, accelerator, tokenizer, words, dtype, out):
-    (args,) = HfArgumentParser(c3po.Args).parse_args_into_dataclasses(
+    (args,) = runs.flag_parser(c3po.Args).parse_args_into_dataclasses(
         args=["--preset", "paper", "--seed", "0", *shlex.split(opts.method_flags)]
     )
     c3po.apply_preset(args)
@@ -374,7 +374,7 @@ def node_samples(acted, n, rng, agent):
 
 
 def bench_sparkle(opts, accelerator, tokenizer, words, out):
-    (args,) = HfArgumentParser(sparkle.Args).parse_args_into_dataclasses(
+    (args,) = runs.flag_parser(sparkle.Args).parse_args_into_dataclasses(
         args=["--preset", "paper", "--seed", "0", *shlex.split(opts.method_flags)]
     )
     sparkle.apply_preset(args)
@@ -446,7 +446,7 @@ class SyntheticTeaRAGSystem:
 
 
 def bench_tearag(opts, accelerator, tokenizer, words, out):
-    (args,) = HfArgumentParser(tearag.Args).parse_args_into_dataclasses(
+    (args,) = runs.flag_parser(tearag.Args).parse_args_into_dataclasses(
         args=["--preset", "paper", "--seed", "0", *shlex.split(opts.method_flags)]
     )
     tearag.apply_preset(args)
@@ -517,7 +517,7 @@ def tearag_path(sampled, tokenizer, system, n_steps, rng):
 
 
 def bench_sparcrag(opts, accelerator, tokenizer, words, out):
-    (args,) = HfArgumentParser(sparcrag.Args).parse_args_into_dataclasses(
+    (args,) = runs.flag_parser(sparcrag.Args).parse_args_into_dataclasses(
         args=["--preset", "paper", *shlex.split(opts.method_flags)]
     )
     sparcrag.apply_preset(args)

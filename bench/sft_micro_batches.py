@@ -19,9 +19,9 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import torch  # noqa: E402
 from accelerate import Accelerator  # noqa: E402
-from transformers import HfArgumentParser  # noqa: E402
 
 import c3po  # noqa: E402
+from common import runs  # noqa: E402
 
 
 def main():
@@ -30,7 +30,7 @@ def main():
     parser.add_argument("--steps", type=int, default=100, help="SFT steps per setting")
     parser.add_argument("--seed", type=int, default=0)
     cli = parser.parse_args()
-    (args,) = HfArgumentParser(c3po.Args).parse_args_into_dataclasses(args=["--train", "--seed", str(cli.seed)])
+    (args,) = runs.flag_parser(c3po.Args).parse_args_into_dataclasses(args=["--train", "--seed", str(cli.seed)])
     c3po.apply_preset(args)
     rows = c3po.sample_rows(c3po.load_split(args.data_dir, "train", args.question_types), args.n_train, args.seed)
     env = c3po.environment(args)

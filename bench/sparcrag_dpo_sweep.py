@@ -23,7 +23,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import torch
-from transformers import HfArgumentParser, set_seed
+from transformers import set_seed
 
 import sparcrag
 from common import runs
@@ -40,7 +40,7 @@ class Sweep:
 
 
 def main(argv=None):
-    sweep, args = HfArgumentParser((Sweep, sparcrag.Args)).parse_args_into_dataclasses(args=argv)
+    sweep, args = runs.flag_parser((Sweep, sparcrag.Args)).parse_args_into_dataclasses(args=argv)
     lam, args.train = args.lam, True
     args = sparcrag.apply_preset(args)
     out = Path(args.output_dir or "/tmp/sparcrag_dpo_sweep")

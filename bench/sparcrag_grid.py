@@ -16,8 +16,6 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from transformers import HfArgumentParser
-
 import sparcrag
 from common import runs
 from common.data import load_split
@@ -55,7 +53,7 @@ def table(rows, types):
 
 
 def main(argv=None):
-    args, grid = HfArgumentParser((sparcrag.Args, Grid)).parse_args_into_dataclasses(args=argv)
+    args, grid = runs.flag_parser((sparcrag.Args, Grid)).parse_args_into_dataclasses(args=argv)
     if args.data_dir is None and args.model and (state := runs.load_state(args.model)):
         args.data_dir = state.get("data_dir")
     args.eval = True

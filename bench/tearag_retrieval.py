@@ -21,9 +21,8 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from transformers import HfArgumentParser
-
 import tearag as T
+from common import runs
 from common.data import load_split
 from common.toy import load_world
 from common.toy_lm import build_tokenizer
@@ -80,7 +79,7 @@ def main():
     parser.add_argument("--split", default="test")
     parser.add_argument("--k_f", type=int, default=5)
     cli = parser.parse_args()
-    (args,) = HfArgumentParser(T.Args).parse_args_into_dataclasses(
+    (args,) = runs.flag_parser(T.Args).parse_args_into_dataclasses(
         args=["--data_dir", cli.data_dir, "--k_f", str(cli.k_f)]
     )
     system = T.RetrievalSystem(T.apply_preset(args))

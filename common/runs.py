@@ -26,7 +26,8 @@ def arg(default, help, low=None, high=None, group=None, **metadata):
     """A dataclass field with its --help text (the method files' Args); `low`/`high`: the range a number must lie in
     (checked by parse_flags; None, a preset's placeholder, is left to the preset); `group`: the --help group this
     field and the ones after it belong to."""
-    return field(default=default, metadata={"help": help, "low": low, "high": high, "group": group, **metadata})
+    extras = {k: v for k, v in dict(low=low, high=high, group=group).items() if v is not None}
+    return field(default=default, metadata={"help": help, **extras, **metadata})
 
 
 def save_checkpoint(folder, model, tokenizer, state, tensors=None):
@@ -121,12 +122,10 @@ def start_run(args, method, stages=("sft", "ppo")):
     return out
 
 
-def parse_flags(args_class, argv=None, presets=None):
-    """The command line as an `args_class` dataclass (HfArgumentParser). --help lists the flags under the groups their
+def flag_parser(args_classes, presets=None):
+    """An HfArgumentParser of `args_classes` that reads arg()'s extras: --help lists the flags under the groups their
     fields open (arg's `group`, kept by the fields that follow), a preset's field (`presets`: name -> (toy, paper))
-    with its toy and paper values. A mistake ends in one line naming the flag and what it accepts, exit 2 (never the
-    whole usage): an unknown flag, a value of the wrong type or outside its choices, a number outside the range its
-    field declares (arg's `low`/`high`)."""
+    with its toy and paper values; an argparse mistake (wrong type, not a choice) is one line, exit 2."""
     import argparse
 
     from transformers import HfArgumentParser
@@ -152,8 +151,15 @@ def parse_flags(args_class, argv=None, presets=None):
             f.metadata = metadata
             HfArgumentParser._parse_dataclass_field(self.groups.get(self.group, parser), f)
 
+    return Parser(args_classes, formatter_class=Formatter)
+
+
+def parse_flags(args_class, argv=None, presets=None):
+    """The command line as an `args_class` dataclass (flag_parser). A mistake ends in one line naming the flag and what
+    it accepts, exit 2 (never the whole usage): an unknown flag, a value of the wrong type or outside its choices, a
+    number outside the range its field declares (arg's `low`/`high`)."""
     try:
-        args = Parser(args_class, formatter_class=Formatter).parse_args_into_dataclasses(args=argv)[0]
+        args = flag_parser(args_class, presets).parse_args_into_dataclasses(args=argv)[0]
     except ValueError as e:  # "Some specified arguments are not used by the HfArgumentParser: [...]"
         print(f"error: unknown flags {str(e).rpartition(': ')[2]} (see --help)", file=sys.stderr)
         raise SystemExit(2) from None

@@ -522,9 +522,8 @@ def tearag_oracle_runs():
     lexical reranker for the paper's models): {preset: (evaluation, round paths, pairs, pair kinds)}."""
     import json
 
-    from transformers import HfArgumentParser
-
     import tearag as T
+    from common.runs import flag_parser
     from common.toy_lm import load_toy_lm
 
     world = ROOT / "data" / "toy"
@@ -532,7 +531,7 @@ def tearag_oracle_runs():
     runs = {}
     for preset in ("toy", "paper"):
         flags = ["--preset", preset, "--data_dir", str(world), "--encoder", "tfidf", "--reranker", "lexical"]
-        args = T.apply_preset(HfArgumentParser(T.Args).parse_args_into_dataclasses(args=flags)[0])
+        args = T.apply_preset(flag_parser(T.Args).parse_args_into_dataclasses(args=flags)[0])
         model, tokenizer = load_toy_lm(rehearsal_stages.TINY_LM, world=world)
         T.add_format_tokens(model, tokenizer)
         system = T.RetrievalSystem(args)

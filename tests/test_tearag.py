@@ -13,9 +13,9 @@ import numpy as np
 import pytest
 import torch
 from conftest import check_contract
-from transformers import HfArgumentParser
 
 import tearag as T
+from common import runs
 from common.llm import Generation
 from common.toy_lm import load_toy_lm
 
@@ -532,7 +532,7 @@ def test_rollout_ends_a_path_whose_header_does_not_parse(toy, monkeypatch):
 # --------------------------------------------------------------------------- the retrieval system on the toy world
 @pytest.fixture(scope="module")
 def system():
-    (args,) = HfArgumentParser(T.Args).parse_args_into_dataclasses(args=[])
+    (args,) = runs.flag_parser(T.Args).parse_args_into_dataclasses(args=[])
     return T.RetrievalSystem(T.apply_preset(args))
 
 
