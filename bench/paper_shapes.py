@@ -480,8 +480,9 @@ def bench_tearag(opts, accelerator, tokenizer, words, out):
             paths = tearag.rollout(model, tokenizer, system, rows, args, args.n_rollouts, False, seed=step)
         sync()
         t1 = time.perf_counter()
-        pairs = [tuple(tearag_path(p, tokenizer, system, opts.path_steps, rng) for p in rng.sample(paths, 2))
-                 for _ in range(args.dpo_batch_size)]  # fmt: skip
+        paired = [rng.sample(paths, 2) for _ in range(args.dpo_batch_size)]
+        make = lambda p: tearag_path(p, tokenizer, system, opts.path_steps, rng).sequence()  # noqa: E731
+        pairs = [(make(a), make(b)) for a, b in paired]
         out["stage"] = "dpo"
         model, stats, _ = tearag.dpo_round(accelerator, model, tokenizer, pairs, etas[0], 1, args, rng)
         sync()
@@ -491,9 +492,7 @@ def bench_tearag(opts, accelerator, tokenizer, words, out):
                 generate_s=round(t1 - t0, 2),
                 dpo_s=round(t2 - t1, 2),
                 prompt_tokens=len(paths[0].prompt),
-                mean_path_tokens=round(
-                    sum(len(p.prompt) + len(p.ids) for pair in pairs for p in pair) / len(pairs) / 2
-                ),
+                mean_path_tokens=round(sum(len(ids) for pair in pairs for ids, _ in pair) / len(pairs) / 2),
                 dpo_loss=round(stats["losses/dpo"], 4),
                 peak_gib=round(memory_gib(), 1),
             )
