@@ -31,7 +31,10 @@ def load_model_and_tokenizer(name_or_path, dtype=None, device=None, lora=None, t
         base = partial(load_model_and_tokenizer, world=world)  # a LoRA folder's base may be a toy-lm
         return llm.load_model_and_tokenizer(name, dtype, device, lora, trust_remote_code, load_base=base)
     if world is None:
-        raise llm.ModelLoadError(f"{name!r} takes its vocabulary from a toy world: pass world=<folder> (--data_dir)")
+        raise llm.ModelLoadError(
+            f"{name!r} takes its vocabulary from a toy world: pass --world DIR (a folder with world.json; "
+            "python -m common.toy --out DIR writes one)"
+        )
     from common.toy_lm import load_toy_lm  # imported when asked for: real runs never load the toy world
 
     try:
@@ -42,14 +45,15 @@ def load_model_and_tokenizer(name_or_path, dtype=None, device=None, lora=None, t
     return (model if lora is None else llm.add_lora(model, lora)), tokenizer
 
 
-def make_llm(spec, **kw):
-    """A frozen LLM with .chat(messages_lists, **sampling) -> list[str]: "toy" / "toy:<world dir>" the toy reader of
-    that world, anything else common.llm.make_llm (hf:<name or folder>, http(s)://<host>/v1)."""
+def make_llm(spec, world=None, **kw):
+    """A frozen LLM with .chat(messages_lists, **sampling) -> list[str]: "toy" the toy reader of `world` (--world;
+    data/toy when None), "toy:<world dir>" that of the folder named, anything else common.llm.make_llm
+    (hf:<name or folder>, http(s)://<host>/v1)."""
     spec = str(spec)
     if spec == "toy" or spec.startswith("toy:"):
         from common.toy import ToyReader
 
-        return ToyReader(spec[len("toy:") :] or DEFAULT_WORLD, **kw)
+        return ToyReader(spec[len("toy:") :] or world or DEFAULT_WORLD, **kw)
     try:
         return llm.make_llm(spec, **kw)
     except ValueError as e:

@@ -187,8 +187,30 @@ def parse_args(args_class, argv=None, untrained="the untrained start answers at 
     if method and state and (other := checkpoint_method(state, args_class)) not in (None, f"a {method}"):
         raise SystemExit(f"--model {args.model} is {other} checkpoint, not a {method} one")
     if args.data_dir is None and state:
-        args.data_dir = state.get("data_dir")  # a checkpoint remembers its world (tokenizer, reader, corpus)
+        args.data_dir = state.get("data_dir")  # a checkpoint remembers its data (corpus, splits)
+    if hasattr(args, "world"):
+        args.world = toy_world(args.world, args.data_dir, state)
     return args
+
+
+WORLD_HELP = (
+    "the toy world folder (world.json) that the toy models (toy-lm), the toy reader (--llm toy) and the toy teacher "
+    "read; default: --data_dir when it holds world.json, else the world the --model checkpoint recorded"
+)
+
+
+def toy_world(world, data_dir, state=None):
+    """The toy world folder (--world): `world` when given (it must hold world.json), else `data_dir` when it holds
+    world.json, else the world a checkpoint's `state` recorded, else None (real models and readers need none)."""
+    if world:
+        if not (Path(world) / "world.json").is_file():
+            raise SystemExit(
+                f"--world {world}: no world.json there (write a toy world: python -m common.toy --out DIR)"
+            )
+        return str(world)
+    if data_dir and (Path(data_dir) / "world.json").is_file():
+        return str(data_dir)
+    return (state or {}).get("world")
 
 
 def checkpoint_method(state, args_class):

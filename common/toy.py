@@ -434,8 +434,8 @@ def load_world(world_dir):
         from common.data import DataError  # a user's mistake: one line, no traceback (common.runs.run_main)
 
         raise DataError(
-            f"{path}: no toy world here (the toy reader and toy-lm need one): pass the world folder, e.g. "
-            f"--llm toy:data/toy, or write one with python -m common.toy --out {world_dir}"
+            f"{path}: no toy world here (the toy reader, toy-lm and the toy teacher need one): pass --world DIR "
+            f"(a folder with world.json), or write one with python -m common.toy --out {world_dir}"
         )
     world = json.loads(path.read_text(encoding="utf-8"))
     ents = world["entities"]

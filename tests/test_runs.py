@@ -624,6 +624,37 @@ def test_parse_args_checks_the_mode_and_takes_a_checkpoints_world(tmp_path, caps
     assert runs.parse_args(Args, ["--train"]).data_dir is None  # no checkpoint: the preset decides
 
 
+def test_the_toy_world_comes_from_world_then_the_data_then_the_checkpoint(tmp_path):
+    from dataclasses import dataclass
+
+    @dataclass
+    class Args:
+        train: bool = False
+        eval: bool = False
+        ask: str = ""
+        model: str | None = None
+        data_dir: str | None = None
+        world: str | None = None
+
+    world, mine, ckpt = tmp_path / "world", tmp_path / "mine", tmp_path / "ckpt"
+    for folder in (world, mine, ckpt):
+        folder.mkdir()
+    (world / "world.json").write_text("{}")
+    (ckpt / runs.STATE).write_text(json.dumps({"data_dir": str(world), "world": str(world)}))
+    assert runs.parse_args(Args, ["--eval", "--data_dir", str(world)]).world == str(world)  # the data holds it
+    assert runs.parse_args(Args, ["--eval", "--data_dir", str(mine)]).world is None  # real data: no toy world
+    on_mine = runs.parse_args(Args, ["--eval", "--data_dir", str(mine), "--model", str(ckpt)])
+    assert (on_mine.data_dir, on_mine.world) == (str(mine), str(world))  # one's own questions, the checkpoint's world
+    assert runs.parse_args(Args, ["--eval", "--data_dir", str(mine), "--world", str(world)]).world == str(world)
+    with pytest.raises(SystemExit, match=f"^--world {mine}: no world.json there"):
+        runs.parse_args(Args, ["--eval", "--world", str(mine)])
+    from common import models
+
+    with pytest.raises(models.llm.ModelLoadError, match="pass --world DIR"):
+        models.load_model_and_tokenizer("toy-lm")
+    assert models.make_llm("toy", world="data/toy").world is models.make_llm("toy:data/toy").world
+
+
 def test_log_update_and_log_eval(tmp_path, capsys):
     from accelerate import Accelerator
 
