@@ -1,10 +1,11 @@
 #!/usr/bin/env bash
-# The GPU measurements of docs/benchmarks.md in one command, for a lent GPU machine with a bare image:
+# The GPU measurements of docs/benchmarks.md in one command, for a GPU machine with a bare image:
 #   bash bench/gpu_session.sh [OUT]      (figures and a log under OUT, default /tmp/gpu_session)
 # Each part runs as its own process under a time limit, so one failure (out of memory, say) leaves the others'
 # figures. faiss-cpu and bm25s come from wheels in .whl/ when the machine has no package index (see docs).
 # On one H200 (2026-11-26) the three paper-shape parts took 79 + 48 + 103 s; the 1M-passage index part needs about
-# 6 minutes more (encoding alone 218 s), so it had only the time left of a 10-minute call and stopped after Flat.
+# 6 minutes more (encoding alone 218 s):
+# under a 10-minute limit it stops after the Flat index.
 set -u
 out=${1:-${OUT:-/tmp/gpu_session}}
 mkdir -p "$out"

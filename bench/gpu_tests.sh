@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# The test suite on a lent GPU machine with a bare image (its CUDA paths: bf16 autocast, the GPU-marked tests):
+# The test suite on a GPU machine with a bare image (its CUDA paths: bf16 autocast, the GPU-marked tests):
 #   bash bench/gpu_tests.sh [OUT] [PYTEST ARGS...]   (logs under OUT, default /tmp/gpu_tests; default: every test file)
 # One pytest worker per file (pytest-xdist, --dist loadfile: each file's tests in its own order, as in CI). faiss-cpu
 # and bm25s come from wheels in .whl/ when the machine has no package index; subprocess tests inherit PYTHONPATH.

@@ -3,13 +3,13 @@ encode and index throughput, search throughput, recall of an IVF index against e
 memory.
 
     python bench/index_scale.py                        # 500,000 passages, E5-base-v2's shape, one GPU (~3 min: below)
-    python bench/index_scale.py --passages 1000000     # issue 20's size
+    python bench/index_scale.py --passages 1000000     # 1M passages (docs/benchmarks.md's GPU figures)
     python bench/index_scale.py --passages 2000 --encoder_shape tiny --vocab_words 20000 --ivf_factory IVF16,Flat \
         --search_params nprobe=4                       # the same code path on CPU, in seconds
 
-The default is 500,000 passages, not 1M, to fit about 3 minutes on one GPU by an estimate, not a measurement: the
-build tokenizes on the CPU and then encodes on the GPU, batch after batch, and one CPU core here tokenizes about
-1,600 of these passages a second.
+The default is 500,000 passages, not 1M, to fit a few minutes on one GPU: the build tokenizes on the CPU and
+then encodes on the GPU, batch after batch (one core of a 2-core CPU machine tokenizes about 1,600 of these passages
+a second); on one H200, 1M passages took 218 s to encode (docs/benchmarks.md).
 
 Offline, in one command, under --workdir (default a temporary folder; corpus, shards and indexes are deleted at the
 end unless --keep):
@@ -68,7 +68,12 @@ SPECIALS = ["[PAD]", "[UNK]", "[CLS]", "[SEP]", "[MASK]"]
 
 def parse_args(argv=None):
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("--passages", type=int, default=500_000, help="corpus size (issue 20: 1,000,000)")
+    parser.add_argument(
+        "--passages",
+        type=int,
+        default=500_000,
+        help="corpus size in passages (1,000,000 on one H200: docs/benchmarks.md)",
+    )
     parser.add_argument("--encoder_shape", default="e5-base", choices=sorted(SHAPES))
     parser.add_argument("--vocab_words", type=int, default=200_000, help="made-up words in the corpus vocabulary")
     parser.add_argument("--ivf_factory", default="IVF4096,Flat", help="the approximate index's faiss factory")
