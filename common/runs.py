@@ -586,7 +586,13 @@ USER_ERRORS = {"common.data": "UserError", "common.llm": "ModelLoadError", "comm
 def run_main(main_fn, argv=None):
     """Run a command-line entry point, `main_fn(argv)`: a user error (a malformed data file, a model or an encoder
     that cannot be loaded) ends the run with the one line `error: <message>` on stderr and exit code 2; any other
-    exception is a bug and keeps its traceback."""
+    exception is a bug and keeps its traceback. Off a terminal (a log file, a pipe) the libraries' own bars (loading
+    and saving weights) stay silent: runs.progress's bars say how far a run is."""
+    if not sys.stderr.isatty():
+        os.environ.setdefault("HF_HUB_DISABLE_PROGRESS_BARS", "1")
+        from transformers.utils import logging as hf_logging
+
+        hf_logging.disable_progress_bar()
     try:
         return main_fn(argv)
     except Exception as e:

@@ -144,11 +144,19 @@ def test_unreachable_hub_id_raises_a_clear_error():
     assert caught.value.__suppress_context__  # raised `from None`: no hub traceback chained to it
 
 
-def test_missing_or_empty_local_folder_raises_a_clear_error(tmp_path):
+def test_missing_or_empty_local_folder_raises_a_clear_error(tmp_path, monkeypatch):
     with pytest.raises(ModelLoadError, match="does not exist"):
         load_model_and_tokenizer(str(tmp_path / "no_such_folder"))
     with pytest.raises(ModelLoadError, match="local folder"):
         load_model_and_tokenizer(tmp_path)
+    (tmp_path / "runs").mkdir()
+    monkeypatch.chdir(
+        tmp_path
+    )  # runs/nope/dpo in a folder holding runs/: a checkpoint that is not there, not a hub id
+    with pytest.raises(ModelLoadError, match="^model folder 'runs/nope/dpo' does not exist$"):
+        load_model_and_tokenizer("runs/nope/dpo")
+    with pytest.raises(ModelLoadError, match="as a hub id"):  # org/name, no folder org/ here
+        load_model_and_tokenizer("nope/dpo")
 
 
 @pytest.mark.parametrize("as_dict", [True, False])

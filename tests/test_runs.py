@@ -921,3 +921,15 @@ def test_help_groups_the_flags_and_shows_a_presets_toy_and_paper_values(capsys):
     assert run < text.index("--seed", run) < retrieval < text.index("--top_k", retrieval)  # each under its group
     assert "documents per search (toy: 3, paper: 10)" in " ".join(text.split())  # the presets' values, not None
     assert "(default: None)" not in text and "the seed (default: 0)" in " ".join(text.split())
+
+
+def test_off_a_terminal_the_libraries_bars_stay_silent(monkeypatch):
+    from transformers.utils import logging as hf_logging
+
+    monkeypatch.setenv("HF_HUB_DISABLE_PROGRESS_BARS", "0")  # the user's own setting is kept
+    monkeypatch.setattr(sys.stderr, "isatty", lambda: False)
+    try:
+        assert runs.run_main(lambda argv: hf_logging.is_progress_bar_enabled()) is False  # loading/saving weights
+    finally:
+        hf_logging.enable_progress_bar()
+    assert os.environ["HF_HUB_DISABLE_PROGRESS_BARS"] == "0"
