@@ -1170,7 +1170,7 @@ def test_sft_batch_puts_labels_on_the_output_and_eos_only():
         assert attention[row].tolist() == [1] * n + [0] * (width - n)
 
 
-def test_length_sorted_micro_batches_give_the_full_batch_gradient():
+def test_length_sorted_micro_batches_give_the_full_batch_gradient(tmp_path):
     """Micro-batches cut to their own longest sequence change the padding, not the gradient of the SFT step."""
     from accelerate import Accelerator
 
@@ -1195,6 +1195,7 @@ def test_length_sorted_micro_batches_give_the_full_batch_gradient():
             examples,
             args_for(sft_steps=1, sft_batch_size=6, micro_batch_size=micro, augment_p=0.0, system_prompt=""),
             None,
+            tmp_path,
         )
     assert len(grads[6]) == len(grads[2]) > 0 and any(g.abs().sum() > 0 for g in grads[6])
     assert all(torch.allclose(a, b, atol=1e-6) for a, b in zip(grads[6], grads[2]))
@@ -1418,7 +1419,7 @@ def test_a_value_outside_a_flags_choices_is_an_argparse_error(flag, value, capsy
 
 
 # ---------------------------------------------------------------- numerics: fp32 master weights, a critic, no LM head
-def test_bf16_mixed_precision_trains_fp32_weights_under_autocast(monkeypatch):
+def test_bf16_mixed_precision_trains_fp32_weights_under_autocast(monkeypatch, tmp_path):
     from accelerate import Accelerator
     from accelerate.state import AcceleratorState
 
@@ -1441,7 +1442,7 @@ def test_bf16_mixed_precision_trains_fp32_weights_under_autocast(monkeypatch):
         dict(prompt=f"decide : question : who is velbo {i} ?", output="[No Retrieval]", agent="router", row={})
         for i in range(4)
     ]
-    trained, _ = c3po.sft(accelerator, policy, tokenizer, examples, args, None)
+    trained, _ = c3po.sft(accelerator, policy, tokenizer, examples, args, None, tmp_path)
     assert stepped == [{torch.float32}] * 2  # Adam updates fp32 master weights ...
     assert logits_dtypes and set(logits_dtypes) == {torch.bfloat16}  # ... of a forward pass run in bf16
     assert all(p.dtype == torch.float32 for p in trained.parameters())
