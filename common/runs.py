@@ -522,7 +522,8 @@ def result_record(method, args, before_sft, before, after, steps, wall, llm_call
 
 
 TABLE = ("em", "f1", "acc", "reward", "retrievals", "llm_calls", "generated_tokens")  # the end-of-run table's rows
-HEADLINE = ("em", "f1", "acc", "reward")  # RESULT's metrics, where an evaluation has them (the rest: results.json)
+# RESULT's metrics, where an evaluation has them (the rest: results.json); accuracy: a judge's verdict (c3po)
+HEADLINE = ("accuracy", "em", "f1", "acc", "reward")
 
 
 def end_table(results, rows=TABLE):
