@@ -166,7 +166,8 @@ def apply_preset(args):
     for key, values in PRESETS.items():
         if getattr(args, key) is None:
             setattr(args, key, values[args.preset == "paper"])
-    args.world = args.world or runs.toy_world(None, args.data_dir)  # the preset's --data_dir may hold one
+    world = args.world or runs.toy_world(None, args.data_dir)  # the preset's --data_dir may hold one
+    args.world = world and str(Path(world).resolve())  # a checkpoint's world, found from any folder
     corpus = Path(args.data_dir) / "corpus.jsonl"  # one's own questions without a corpus: the toy world's
     args.corpus = args.corpus or str(corpus if corpus.is_file() or not args.world else Path(args.world) / corpus.name)
     if args.output_dir is None and args.eval:  # a new folder per evaluation, never over a training run's results
@@ -687,9 +688,9 @@ def teacher_actor(args, llm):
         else:  # simplification: zero-shot (header 7); a forced prefix ends the user message (header 8)
             system = [{"role": "system", "content": args.system_prompt}] if args.system_prompt else []
             user = lambda r: {"role": "user", "content": (r["prompt"] + "\n" + r["prefix"]).strip()}
-            messages = [system + [user(r)] for r in free]
             sampling = dict(temperature=args.teacher_temperature, max_tokens=args.max_new_tokens)  # the proxy's cap
-            raw = map(visible, llm.chat(messages, **sampling))  # a thinking LLM's reasoning is not the output
+            # a thinking LLM's reasoning is not the output
+            raw = map(visible, llm.chat([system + [user(r)] for r in free], **sampling))
             # a reply that repeats the forced prefix (`[Retrieval] q` after `... [Retrieval]`) keeps it once
             replies = (f"{r['prefix']} {next(raw).strip().removeprefix(r['prefix']).strip()}".strip() for r in free)
         texts = [[r["fixed"]] if r["fixed"] else [next(replies) for _ in range(r["n"])] for r in requests]
@@ -1114,7 +1115,8 @@ def ask(args):
 
 def main(argv=None):
     """Parse the flags, fill the preset, dispatch on the mode."""
-    args = apply_preset(runs.parse_args(Args, argv, "the untrained proxy writes no valid action", method="c3po"))
+    # --help shows each preset field's toy and paper values; another method's checkpoint is refused
+    args = apply_preset(runs.parse_args(Args, argv, "the untrained proxy writes no valid action", "c3po", PRESETS))
     (runs.dry_run if args.dry_run else train if args.train else run_eval if args.eval else ask)(args)
 
 
