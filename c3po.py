@@ -1093,9 +1093,10 @@ def train(args):
 
 def run_eval(args):
     """Evaluate --model (a checkpoint folder, or the untrained start) on the test split."""
-    start, (accelerator, out) = time.time(), runs.start_eval(args)
+    # a bad data file fails before the evaluation's folder is made
+    start, rows = time.time(), load_split(args.data_dir, "test", args.question_types)[: args.n_eval]
+    accelerator, out = runs.start_eval(args)
     accelerator.print(f"evaluation folder: {out}")
-    rows = load_split(args.data_dir, "test", args.question_types)[: args.n_eval]  # a bad data file fails first
     policy, tokenizer = load_proxy(args, accelerator.device)
     result = evaluate_stage(accelerator, out, "eval", policy, tokenizer, environment(args), rows, args)
     results = runs.result_record("c3po", args, None, result, None, {"sft": 0, "ppo": 0}, time.time() - start)

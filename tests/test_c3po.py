@@ -1444,6 +1444,8 @@ def test_paper_templates_run_a_few_steps(tmp_path, capsys):
     [
         ([], "choose a mode"),
         (["--ask", "who ?"], "--ask needs --model"),
+        (["--train", "--eval"], "choose one mode: --train, --eval or --ask"),
+        (["--eval", "--ask", "who ?", "--model", "toy-lm"], "choose one mode"),
     ],
 )
 def test_bad_flags_are_clear_errors(flag, message):
