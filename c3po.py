@@ -43,16 +43,17 @@ from pathlib import Path
 
 import torch
 from accelerate import PartialState
-from tqdm import tqdm
 
 from common import runs
-from common.data import load_split, sample_rows, write_jsonl
+from common.data import load_split, require_metadata, sample_rows, write_jsonl
 from common.llm import backbone_of, chat_prompts, generate, right_pad, unknown_words
 from common.metrics import answer_scores, cover_em, summarize
 from common.models import load_model_and_tokenizer, make_llm
 from common.retrieval import open_retriever
 from common.runs import arg, cosine
-from common.toy import RenamingEnv, oracle_c3po, rename_entities, rename_rows, world_or_none
+from common.toy import RenamingEnv, load_world, oracle_c3po, rename_entities, rename_rows
+
+POSITIVE = 1e-12  # the low end of a number that must be > 0 (learning rates, the gradient-norm clip)
 
 
 @dataclass
@@ -62,15 +63,16 @@ class Args:
     train: bool = arg(False, "teacher warm-up data, SFT, PPO, evaluation")
     eval: bool = arg(False, "evaluate --model (a checkpoint or the untrained start)")
     ask: str = arg("", "answer one question with --model and print the trajectory")
-    output_dir: str | None = arg(None, "results, metrics, checkpoints (default runs/<run_name>; --eval: <model>/eval)")
+    output_dir: str | None = arg(None, "results, metrics, checkpoints (runs/<run_name>; --eval: <model>/eval/<time>)")
     run_name: str | None = arg(None, "a training run's name (default: c3po__<seed>__<time>)")
     resume: bool = arg(False, "continue the run --run_name / --output_dir from its last checkpoint")
     dry_run: bool = arg(False, "print the resolved configuration, check its paths and models, load nothing")
     report_to: str = arg("none", "tracker beside metrics.jsonl", choices=["none", "tensorboard", "wandb"])
-    seed: int = arg(0, "seed of models, sampling and data order")
+    seed: int = arg(0, "seed of models, sampling and data order", low=0)
     # data, retriever, models
     data_dir: str | None = arg(None, "folder with train/test jsonl (FlashRAG QA)")
-    corpus: str | None = arg(None, "FlashRAG corpus jsonl (default: data_dir/corpus.jsonl)")
+    corpus: str | None = arg(None, "FlashRAG corpus jsonl (default: data_dir's corpus.jsonl, else --world's)")
+    world: str | None = arg(None, runs.WORLD_HELP)
     index: str = arg("", "saved retriever folder (python -m common.retrieval build) [§6.1: contriever, wiki-18]")
     encoder: str | None = arg(None, "tfidf, bm25 or a dense encoder (hub id or folder) when --index is empty")
     model: str | None = arg(None, "proxy: hub id, folder or toy-lm spec [Tab. 6: Qwen2-0.5B/1.5B]")
@@ -79,53 +81,53 @@ class Args:
     judge: str | None = arg(None, "the App. D.2 judge prompt on --llm, or cover-EM", choices=["llm", "cover_em"])
     templates: str | None = arg(None, "App. B as the authors write it, or compact", choices=["paper", "compact"])
     system_prompt: str | None = arg(None, "proxy system message (impl: 'You are a helpful assistant.')")
-    n_train: int | None = arg(None, "training questions (None: all) [Tab. 8: 6000 per dataset]")
-    n_eval: int | None = arg(None, "test questions evaluated (None: all) [§6.1: 1000]")
+    n_train: int | None = arg(None, "training questions (None: all) [Tab. 8: 6000 per dataset]", low=1)
+    n_eval: int | None = arg(None, "test questions evaluated (None: all) [§6.1: 1000]", low=1)
     question_types: str | None = arg(None, "comma-separated metadata types to keep (empty: all)")
     # agents, strategies, tree rollout [§4, §5.1]
-    top_k: int | None = arg(None, "documents per retrieval (impl: 10; a repeated query gets the next page)")
-    max_documents: int | None = arg(None, "more accumulated documents force [LLM] (impl: 10)")
-    max_depth: int = arg(13, "maximal tree depth in training [Tab. 7: 13]")
-    max_depth_eval: int = arg(15, "maximal depth at test (impl: 15)")
-    branch_k: int = arg(2, "K(t) for t <= branch_until [Eq. 2: 2]")
-    branch_until: int = arg(4, "last depth with K(t) = branch_k, then 1 [Eq. 2: 4]")
-    roadmap_temperature: float = arg(0.3, "LLM roadmap temperature (impl: 0.3)")
-    max_query_words: int = arg(100, "queries truncated to this many words (impl: 100)")
-    max_new_tokens: int | None = arg(None, "proxy (and LLM teacher) tokens per action [Tab. 7: 2048]")
-    prompt_max_len: int = arg(4096, "proxy prompt tokens, the middle cut beyond (header 17) [Tab. 7: 4096]")
-    answer_max_tokens: int = arg(256, "LLM tokens per answer, roadmap or verdict (ours: header 15)")
+    top_k: int | None = arg(None, "documents per retrieval (impl: 10; a repeated query gets the next page)", low=1)
+    max_documents: int | None = arg(None, "more accumulated documents force [LLM] (impl: 10)", low=0)
+    max_depth: int = arg(13, "maximal tree depth in training [Tab. 7: 13]", low=1)
+    max_depth_eval: int = arg(15, "maximal depth at test (impl: 15)", low=1)
+    branch_k: int = arg(2, "K(t) for t <= branch_until [Eq. 2: 2]", low=1)
+    branch_until: int = arg(4, "last depth with K(t) = branch_k, then 1 [Eq. 2: 4]", low=0)
+    roadmap_temperature: float = arg(0.3, "LLM roadmap temperature (impl: 0.3)", low=0.0)
+    max_query_words: int = arg(100, "queries truncated to this many words (impl: 100)", low=1)
+    max_new_tokens: int | None = arg(None, "proxy (and LLM teacher) tokens per action [Tab. 7: 2048]", low=1)
+    prompt_max_len: int = arg(4096, "proxy prompt tokens, the middle cut beyond (header 17) [Tab. 7: 4096]", low=1)
+    answer_max_tokens: int = arg(256, "LLM tokens per answer, roadmap or verdict (ours: header 15)", low=1)
     credit_mode: str = arg("tree", "Eq. 5, or the w/o-tree ablation (§6.4)", choices=["tree", "single_trajectory"])
-    forced_weight: float | None = arg(None, "policy-loss weight of forced root tokens (1: every node, §5.2)")
-    gen_batch_size: int = arg(512, "prompts per proxy generate call (memory only)")
+    forced_weight: float | None = arg(None, "policy-loss weight of forced root tokens (1: every node, §5.2)", low=0.0)
+    gen_batch_size: int = arg(512, "prompts per proxy generate call (memory only)", low=1)
     # warm-up [§5.2]
     teacher: str | None = arg(None, "the toy oracle, or the frozen LLM in the proxy roles", choices=["oracle", "llm"])
-    teacher_noise: float = arg(0.2, "the toy oracle teacher's probability of a wrong action")
-    teacher_temperature: float = arg(0.6, "llm teacher sampling temperature (impl: 0.6)")
-    warmup_keep: int = arg(4, "successful trajectories kept per question [§6.1: 4]")
+    teacher_noise: float = arg(0.2, "the toy oracle teacher's probability of a wrong action", low=0.0, high=1.0)
+    teacher_temperature: float = arg(0.6, "llm teacher sampling temperature (impl: 0.6)", low=0.0)
+    warmup_keep: int = arg(4, "successful trajectories kept per question [§6.1: 4]", low=1)
     warmup_select: str | None = arg(None, "all successes, or the cheapest strategy's", choices=["uniform", "cheapest"])
-    sft_epochs: float | None = arg(None, "SFT epochs [Tab. 6: 3] (when --sft_steps is 0)")
-    sft_steps: int | None = arg(None, "SFT steps; overrides epochs when > 0")
-    sft_lr: float | None = arg(None, "SFT learning rate [Tab. 6: 4e-5]")
-    sft_batch_size: int | None = arg(None, "SFT batch size, over all processes [Tab. 6: 512]")
-    cutoff_len: int = arg(4096, "SFT tokens of prompt + output, the prompt's middle cut beyond [Tab. 6: 4096]")
-    micro_batch_size: int | None = arg(None, "sequences per forward pass (gradient accumulation)")
-    augment_p: float | None = arg(None, "toy: entity-renaming probability of an SFT example")
-    rl_augment_p: float | None = arg(None, "toy: renaming probability of a not-popular PPO tree")
+    sft_epochs: float | None = arg(None, "SFT epochs [Tab. 6: 3] (when --sft_steps is 0)", low=0.0)
+    sft_steps: int | None = arg(None, "SFT steps; overrides epochs when > 0", low=0)
+    sft_lr: float | None = arg(None, "SFT learning rate [Tab. 6: 4e-5]", low=POSITIVE)
+    sft_batch_size: int | None = arg(None, "SFT batch size, over all processes [Tab. 6: 512]", low=1)
+    cutoff_len: int = arg(4096, "SFT tokens of prompt + output, the prompt's middle cut beyond [Tab. 6: 4096]", low=1)
+    micro_batch_size: int | None = arg(None, "sequences per forward pass (gradient accumulation)", low=1)
+    augment_p: float | None = arg(None, "toy: entity-renaming probability of an SFT example", low=0.0, high=1.0)
+    rl_augment_p: float | None = arg(None, "toy: renaming probability of a not-popular PPO tree", low=0.0, high=1.0)
     # PPO [§5.2, App. A.1, Tab. 7]
-    ppo_iterations: int | None = arg(None, "PPO updates (chosen on validation; impl ~150)")
-    rollout_batch: int | None = arg(None, "questions (trees) per PPO update, over all processes")
-    ppo_batch_size: int | None = arg(None, "agent-node samples per minibatch, over all processes [Tab. 7: 1024]")
-    ppo_epochs: int | None = arg(None, "epochs over each rollout (OpenRLHF: 1)")
-    policy_lr: float | None = arg(None, "policy learning rate [Tab. 7: 5e-7]")
-    value_lr: float | None = arg(None, "value model learning rate [Tab. 7: 5e-6]")
-    kl_coef: float = arg(0.005, "KL coefficient beta, a per-token penalty in the reward [Tab. 7: 0.005]")
-    gamma: float = arg(1.0, "GAE gamma within a node (OpenRLHF: 1)")
-    lam: float = arg(0.95, "GAE lambda (OpenRLHF: 0.95)")
-    clip: float = arg(0.2, "PPO clip epsilon [Eq. 9] (OpenRLHF: 0.2)")
-    vf_coef: float = arg(0.5, "c_v [Eq. 11] (OpenRLHF: 0.5)")
-    value_clip: float = arg(0.2, "value clip around the old values (OpenRLHF: 0.2); 0: Eq. 10 as printed")
-    max_grad_norm: float = arg(1.0, "gradient clipping (OpenRLHF: 1.0)")
-    eval_every: int = arg(10, "checkpoint every this many PPO updates")
+    ppo_iterations: int | None = arg(None, "PPO updates (chosen on validation; impl ~150)", low=1)
+    rollout_batch: int | None = arg(None, "questions (trees) per PPO update, over all processes", low=1)
+    ppo_batch_size: int | None = arg(None, "node samples per minibatch, over all processes [Tab. 7: 1024]", low=1)
+    ppo_epochs: int | None = arg(None, "epochs over each rollout (OpenRLHF: 1)", low=1)
+    policy_lr: float | None = arg(None, "policy learning rate [Tab. 7: 5e-7]", low=POSITIVE)
+    value_lr: float | None = arg(None, "value model learning rate [Tab. 7: 5e-6]", low=POSITIVE)
+    kl_coef: float = arg(0.005, "KL coefficient beta, a per-token penalty in the reward [Tab. 7: 0.005]", low=0.0)
+    gamma: float = arg(1.0, "GAE gamma within a node (OpenRLHF: 1)", low=0.0, high=1.0)
+    lam: float = arg(0.95, "GAE lambda (OpenRLHF: 0.95)", low=0.0, high=1.0)
+    clip: float = arg(0.2, "PPO clip epsilon [Eq. 9] (OpenRLHF: 0.2)", low=0.0)
+    vf_coef: float = arg(0.5, "c_v [Eq. 11] (OpenRLHF: 0.5)", low=0.0)
+    value_clip: float = arg(0.2, "value clip around the old values (OpenRLHF: 0.2); 0: Eq. 10 as printed", low=0.0)
+    max_grad_norm: float = arg(1.0, "gradient clipping (OpenRLHF: 1.0)", low=POSITIVE)
+    eval_every: int = arg(10, "checkpoint every this many PPO updates", low=1)
 
 
 PRESETS = {  # field: (toy, paper), for the fields left at None; any flag overrides them
@@ -160,17 +162,16 @@ PRESETS = {  # field: (toy, paper), for the fields left at None; any flag overri
 
 
 def apply_preset(args):
-    """Fill the fields left at None from the preset's column and check the choices."""
+    """Fill the fields left at None from the preset's column; the toy world of the preset's data; --eval's folder."""
     for key, values in PRESETS.items():
         if getattr(args, key) is None:
             setattr(args, key, values[args.preset == "paper"])
-    args.corpus = args.corpus or str(Path(args.data_dir) / "corpus.jsonl")
-    if args.llm == "toy":  # the toy reader of the world being trained on, never data/toy by default
-        args.llm = f"toy:{args.data_dir}"
-    if args.output_dir is None and args.eval:  # --eval writes next to the model, never over a training run's results
-        args.output_dir = str(Path(args.model) / "eval") if Path(args.model).is_dir() else "runs/c3po-eval"
-    if args.forced_weight < 0:
-        raise SystemExit(f"--forced_weight must be >= 0 (1: trained as sampled tokens), got {args.forced_weight}")
+    world = args.world or runs.toy_world(None, args.data_dir)  # the preset's --data_dir may hold one
+    args.world = world and str(Path(world).resolve())  # a checkpoint's world, found from any folder
+    corpus = Path(args.data_dir) / "corpus.jsonl"  # one's own questions without a corpus: the toy world's
+    args.corpus = args.corpus or str(corpus if corpus.is_file() or not args.world else Path(args.world) / corpus.name)
+    if args.output_dir is None and args.eval:  # a new folder per evaluation, never over a training run's results
+        args.output_dir = runs.eval_dir(args, "c3po")
     return args
 
 
@@ -687,9 +688,9 @@ def teacher_actor(args, llm):
         else:  # simplification: zero-shot (header 7); a forced prefix ends the user message (header 8)
             system = [{"role": "system", "content": args.system_prompt}] if args.system_prompt else []
             user = lambda r: {"role": "user", "content": (r["prompt"] + "\n" + r["prefix"]).strip()}
-            messages = [system + [user(r)] for r in free]
             sampling = dict(temperature=args.teacher_temperature, max_tokens=args.max_new_tokens)  # the proxy's cap
-            raw = map(visible, llm.chat(messages, **sampling))  # a thinking LLM's reasoning is not the output
+            # a thinking LLM's reasoning is not the output
+            raw = map(visible, llm.chat([system + [user(r)] for r in free], **sampling))
             # a reply that repeats the forced prefix (`[Retrieval] q` after `... [Retrieval]`) keeps it once
             replies = (f"{r['prefix']} {next(raw).strip().removeprefix(r['prefix']).strip()}".strip() for r in free)
         texts = [[r["fixed"]] if r["fixed"] else [next(replies) for _ in range(r["n"])] for r in requests]
@@ -727,7 +728,7 @@ def build_warmup(rows, llm, env, args, batch=128):
 
     def solve(part):  # per question: its examples
         found = []
-        for s in tqdm(range(0, len(part), batch), desc="warm-up trees", leave=False, disable=quiet):
+        for s in runs.progress(range(0, len(part), batch), "warm-up trees", disable=quiet, leave=False):
             for tree in rollout(part[s : s + batch], teacher_actor(args, llm), env, args, "tree"):
                 rng = question_rng(args.seed, tree["row"])
                 found.append(successful_paths(tree, args.warmup_keep, rng, args.warmup_select))
@@ -750,16 +751,16 @@ def sft_batch(pairs, tokenizer, args):
     return ids, labels, right_pad([[1] * len(s[0]) for s in seqs], 0)
 
 
-def sft(accelerator, model, tokenizer, examples, args, world):
-    """Cross-entropy on the outputs of the warm-up pairs (runs.sft_step); AdamW, 3% warm-up, cosine [Tab. 6]."""
+def sft(accelerator, model, tokenizer, examples, args, world, out):
+    """Cross-entropy on the warm-up outputs (runs.sft_step), AdamW, 3% warm-up, cosine [Tab. 6]; logs sft/loss."""
     rng = random.Random(args.seed)
-    steps = args.sft_steps or math.ceil(args.sft_epochs * len(examples) / args.sft_batch_size)
+    steps = (args.sft_steps or math.ceil(args.sft_epochs * len(examples) / args.sft_batch_size)) if examples else 0
     # simplification: betas and the cosine floor are ours (header 14)
     optimizer = torch.optim.AdamW(model.parameters(), lr=args.sft_lr, betas=(0.9, 0.98), weight_decay=0.0)
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: cosine(s, steps, max(1, int(0.03 * steps))))
     model, optimizer = accelerator.prepare(model, optimizer)
     model.train()
-    order, losses = [], []
+    order, losses, every = [], [], min(100, max(1, steps // 10))
     for step in range(steps):
         if len(order) < args.sft_batch_size:
             order += rng.sample(range(len(examples)), len(examples))
@@ -770,8 +771,9 @@ def sft(accelerator, model, tokenizer, examples, args, world):
         own, weight = runs.own_share(pairs, accelerator)  # this process's share of the batch
         step_args = (*sft_batch(own, tokenizer, args), args.micro_batch_size, 1.0, weight)
         losses.append(runs.sft_step(accelerator, model, optimizer, scheduler, *step_args))
-        if (step + 1) % 100 == 0 or step + 1 == steps:
-            accelerator.print(f"sft step {step + 1}/{steps} | loss={sum(losses[-100:]) / len(losses[-100:]):.4f}")
+        if (step + 1) % every == 0 or step + 1 == steps:  # the mean since the last line
+            runs.log_update(accelerator, out, {"sft/step": step + 1, "sft/loss": sum(losses) / len(losses)}, step + 1)
+            losses = []
     return accelerator.unwrap_model(model), steps
 
 
@@ -931,20 +933,17 @@ def ppo_update(accelerator, policy, value, ref, optimizers, schedulers, samples,
     out["rollout/kl"] = sum(kl) / max(len(kl), 1)
     ret, val = returns[mask.bool()].cpu(), v_old[mask.bool()].cpu()
     explained = (1 - (ret - val).var() / ret.var().clamp(min=1e-8)).item() if len(ret) > 1 else 0.0
-    out["losses/explained_variance"] = explained
-    return out
+    return out | {"losses/explained_variance": explained}
 
 
 # --------------------------------------------------------------------------- 8. evaluation [§6.1, §6.5]
 def tree_record(tree):
     """Outcome of a one-path (inference) tree: accuracy, EM, F1, strategy, calls, tokens, depth."""
-    nodes, golds = tree["nodes"], tree["row"]["golden_answers"]
-    leaf = next(n for n in nodes if n["kind"] == "leaf")
+    nodes, leaf = tree["nodes"], next(n for n in tree["nodes"] if n["kind"] == "leaf")
     tokens = sum(len(n["action_ids"] or []) for n in nodes if n["kind"] in AGENTS)
     strategy = next((n.get("strategy", "invalid") for n in nodes if n["kind"] == "router"), "invalid")
-    answer = leaf["answer"]
-    record = dict(accuracy=leaf["reward"], **answer_scores(answer, golds), invalid=float(leaf["why"] != "answer"))
-    record |= dict(retrievals=tree["retrievals"], llm_calls=tree["llm_calls"], proxy_calls=tree["proxy_calls"])
+    record = dict(accuracy=leaf["reward"], **answer_scores(leaf["answer"], tree["row"]["golden_answers"]))
+    record |= {k: tree[k] for k in ("retrievals", "llm_calls", "proxy_calls")} | dict(invalid=leaf["why"] != "answer")
     return record | dict(depth=leaf["depth"], strategy=strategy, generated_tokens=tokens)
 
 
@@ -965,7 +964,7 @@ def evaluate(model, tokenizer, env, rows, args, greedy=True, seed=0, batch=256, 
     """Alg. 1 on the rows (greedy or T = 1), batched; a list `predictions` gets each question's path and scores."""
     start, records, (mode, decoding) = time.time(), [], ("greedy", "greedy") if greedy else ("sample", "sampled")
     quiet = not PartialState().is_local_main_process
-    for s in tqdm(range(0, len(rows), batch), desc="eval", leave=False, disable=quiet):
+    for s in runs.progress(range(0, len(rows), batch), "eval", disable=quiet, leave=False):
         trees = rollout(rows[s : s + batch], proxy_actor(model, tokenizer, args, greedy), env, args, mode, seed + s)
         records += [tree_record(t) for t in trees]
         if predictions is not None:
@@ -991,15 +990,19 @@ def evaluate_stage(accelerator, out, stage, model, tokenizer, env, rows, args, s
 
 
 # --------------------------------------------------------------------------- 9. train / eval / ask
+# the end-of-run table: the judge's accuracy [Tab. 1], the answer's scores, the cost per question [Fig. 3]
+TABLE_ROWS = ("accuracy", "em", "f1", "acc", "retrievals", "llm_calls", "proxy_calls", "generated_tokens", "latency_s")
+
+
 def environment(args):
     """The frozen retriever and LLM, seen through each renamed question's names (header 3; others unchanged)."""
-    llm = make_llm(args.llm, **({"model": args.llm_model} if args.llm_model else {}))
+    llm = make_llm(args.llm, world=args.world, **({"model": args.llm_model} if args.llm_model else {}))
     return RenamingEnv(open_retriever(args.index, args.corpus, args.encoder), llm)
 
 
 def load_proxy(args, device):
     """The proxy LM and its tokenizer: fp32 master weights (bf16 only through autocast, never Adam on bf16)."""
-    return load_model_and_tokenizer(args.model, dtype=torch.float32, device=device, world=args.data_dir)
+    return load_model_and_tokenizer(args.model, dtype=torch.float32, device=device, world=args.world)
 
 
 def rollout_stats(trees, samples):
@@ -1015,22 +1018,24 @@ def rollout_stats(trees, samples):
 
 
 def warm_up(accelerator, args, out, train_rows, test_rows, env, world):
-    """The proxy after the warm-up SFT [§5.2], trained now or loaded from the run's sft/ checkpoint (--resume)."""
+    """The proxy after the warm-up SFT [§5.2] (trained, or the run's sft/ checkpoint: --resume), and its warnings."""
     sft_dir = out / "sft"
     if (state := runs.load_state(sft_dir)) is not None:
         policy, tokenizer = load_proxy(replace(args, model=str(sft_dir)), accelerator.device)
-        return policy, tokenizer, state["before_sft"], state["steps"]
+        return policy, tokenizer, state["before_sft"], {"sft": state["steps"], "ppo": 0}, state["warnings"]
     policy, tokenizer = load_proxy(args, accelerator.device)
     before_sft = evaluate_stage(accelerator, out, "raw", policy, tokenizer, env, test_rows, args)
     examples, solved = build_warmup(train_rows, env.llm, env, args)
     accelerator.print(f"warm-up: {dict(Counter(e['agent'] for e in examples))}; {solved:.2f} of the questions solved")
-    if not examples:
-        raise SystemExit("the teacher solved no training question: no warm-up data (check --llm, --teacher, the data)")
-    policy, steps = sft(accelerator, policy, tokenizer, examples, args, world)
+    policy, steps = sft(accelerator, policy, tokenizer, examples, args, world, out)
+    warnings = []
+    if not steps:  # PPO starts from the raw proxy
+        why = "no successful warm-up path: check --teacher" if not examples else "--sft_steps/--sft_epochs: 0 steps"
+        runs.nothing_to_train(accelerator, warnings, "sft", why)
     if accelerator.is_main_process:
-        state = dict(before_sft=before_sft, steps=steps, data_dir=args.data_dir, args=asdict(args))
-        runs.save_checkpoint(sft_dir, policy, tokenizer, state)
-    return policy, tokenizer, before_sft, steps
+        state = dict(method="c3po", world=args.world, before_sft=before_sft, steps=steps, warnings=warnings)
+        runs.save_checkpoint(sft_dir, policy, tokenizer, state | dict(data_dir=args.data_dir, args=asdict(args)))
+    return policy, tokenizer, before_sft, {"sft": steps, "ppo": 0}, warnings
 
 
 def train(args):
@@ -1039,10 +1044,12 @@ def train(args):
     accelerator, out = runs.start(args, "c3po")  # the run's folder; refuses a checkpoint without --resume
     train_rows = sample_rows(load_split(args.data_dir, "train", args.question_types), args.n_train, args.seed)
     test_rows = load_split(args.data_dir, "test", args.question_types)[: args.n_eval]
+    if args.teacher == "oracle":  # simplification: the toy oracle reads each question's hops (header 1)
+        fields = ("type", "entities", "sub_queries", "hops", "popular", "popular_hops")
+        require_metadata(train_rows, fields, Path(args.data_dir) / "train.jsonl", "the oracle teacher (--teacher)")
     env = environment(args)
-    world = world_or_none(args.data_dir) if args.augment_p or args.rl_augment_p else None  # toy renaming (header 3)
-    policy, tokenizer, before_sft, sft_steps = warm_up(accelerator, args, out, train_rows, test_rows, env, world)
-    steps = {"sft": sft_steps, "ppo": 0}
+    world = load_world(args.world) if args.world and (args.augment_p or args.rl_augment_p) else None  # header 3
+    policy, tokenizer, before_sft, steps, warnings = warm_up(accelerator, args, out, train_rows, test_rows, env, world)
     before = evaluate_stage(accelerator, out, "sft", policy, tokenizer, env, test_rows, args, step=0)
     # ---- PPO: policy and centralized critic with separate optimizers, reference frozen [App. A.1, Tab. 7]
     # simplification: policy, critic and reference start from the final SFT model (header 9)
@@ -1052,6 +1059,7 @@ def train(args):
     schedule = lambda s: cosine(s, args.ppo_iterations, 1)  # one step per PPO update
     schedulers = [torch.optim.lr_scheduler.LambdaLR(o, schedule) for o in optimizers]
     rng = random.Random(args.seed * 1000)  # the same draws on every process: one global batch of questions
+    # the unwrapped models and optimizers that accelerator.prepare wraps below: what a checkpoint saves
     objects = dict(policy=policy, value=value, optimizers=optimizers, schedulers=schedulers)
     if state := runs.load_training(accelerator, out / "ppo", objects, rng):  # --resume
         steps["ppo"] = state["iteration"]
@@ -1074,25 +1082,25 @@ def train(args):
         runs.log_update(accelerator, out, stats, step=it + 1)
         steps["ppo"] = it + 1
         if (it + 1) % args.eval_every == 0 or it + 1 == args.ppo_iterations:
-            objects = dict(policy=accelerator.unwrap_model(policy), value=accelerator.unwrap_model(value),
-                           optimizers=optimizers, schedulers=schedulers)  # fmt: skip
-            state = dict(iteration=it + 1, data_dir=args.data_dir, args=asdict(args))
+            state = dict(method="c3po", world=args.world, iteration=it + 1, data_dir=args.data_dir, args=asdict(args))
             runs.save_training(accelerator, out / "ppo", objects["policy"], tokenizer, state, objects, rng)
     policy = accelerator.unwrap_model(policy)
     after = evaluate_stage(accelerator, out, "ppo", policy, tokenizer, env, test_rows, args, step=steps["ppo"])
     accelerator.end_training()
     results = runs.result_record("c3po", args, before_sft, before, after, steps, time.time() - start)
-    runs.write_results(out, results, accelerator.is_main_process)
+    runs.write_results(out, results | {"warnings": warnings}, accelerator.is_main_process, TABLE_ROWS)
 
 
 def run_eval(args):
     """Evaluate --model (a checkpoint folder, or the untrained start) on the test split."""
-    start, (accelerator, out) = time.time(), runs.start_eval(args)
-    rows = load_split(args.data_dir, "test", args.question_types)[: args.n_eval]  # a bad data file fails first
+    # a bad data file fails before the evaluation's folder is made
+    start, rows = time.time(), load_split(args.data_dir, "test", args.question_types)[: args.n_eval]
+    accelerator, out = runs.start_eval(args)
+    accelerator.print(f"evaluation folder: {out}")
     policy, tokenizer = load_proxy(args, accelerator.device)
     result = evaluate_stage(accelerator, out, "eval", policy, tokenizer, environment(args), rows, args)
     results = runs.result_record("c3po", args, None, result, None, {"sft": 0, "ppo": 0}, time.time() - start)
-    runs.write_results(out, results, accelerator.is_main_process)
+    runs.write_results(out, results | {"warnings": []}, accelerator.is_main_process, TABLE_ROWS)
 
 
 def ask(args):
@@ -1108,7 +1116,8 @@ def ask(args):
 
 def main(argv=None):
     """Parse the flags, fill the preset, dispatch on the mode."""
-    args = apply_preset(runs.parse_args(Args, argv, "the untrained proxy writes no valid action"))
+    # --help shows each preset field's toy and paper values; another method's checkpoint is refused
+    args = apply_preset(runs.parse_args(Args, argv, "the untrained proxy writes no valid action", "c3po", PRESETS))
     (runs.dry_run if args.dry_run else train if args.train else run_eval if args.eval else ask)(args)
 
 

@@ -181,6 +181,8 @@ def parse_args(args_class, argv=None, untrained="the untrained start answers at 
     args = parse_flags(args_class, argv, presets)
     if not (args.train or args.eval or args.ask or getattr(args, "dry_run", False)):
         raise SystemExit('choose a mode: --train, --eval or --ask "question" (see --help)')
+    if sum(map(bool, (args.train, args.eval, args.ask))) > 1:  # never one of them silently ignored
+        raise SystemExit('choose one mode: --train, --eval or --ask "question", not several (see --help)')
     if args.ask and args.model is None:
         raise SystemExit(f"--ask needs --model: a trained checkpoint (e.g. runs/<run_name>/ppo); {untrained}")
     state = load_state(args.model) if args.model else None
@@ -522,7 +524,8 @@ def result_record(method, args, before_sft, before, after, steps, wall, llm_call
 
 
 TABLE = ("em", "f1", "acc", "reward", "retrievals", "llm_calls", "generated_tokens")  # the end-of-run table's rows
-HEADLINE = ("em", "f1", "acc", "reward")  # RESULT's metrics, where an evaluation has them (the rest: results.json)
+# RESULT's metrics, where an evaluation has them (the rest: results.json); accuracy: a judge's verdict (c3po)
+HEADLINE = ("accuracy", "em", "f1", "acc", "reward")
 
 
 def end_table(results, rows=TABLE):

@@ -223,6 +223,8 @@ def c3po_args(**kw):
 def c3po_sft(accelerator):
     """c3po.sft, one step on three pairs (process 0 holds two, process 1 one), then one on a single pair (process 1:
     own_share's stand-in, weight 0); AdamW swapped for SGD at learning rate 1."""
+    import tempfile
+
     import c3po
     from common import runs
 
@@ -234,7 +236,7 @@ def c3po_sft(accelerator):
         for pairs in (C3PO_SFT, C3PO_SFT[:1]):
             examples = [dict(prompt=p, output=o, agent="router", row={}) for p, o in pairs]
             args = c3po_args(sft_steps=1, sft_batch_size=len(pairs), sft_lr=1.0)
-            model, _ = c3po.sft(accelerator, model, tokenizer, examples, args, None)
+            model, _ = c3po.sft(accelerator, model, tokenizer, examples, args, None, tempfile.mkdtemp())
     finally:
         torch.optim.AdamW, runs.sft_step = adamw, sft_step
     return {"loss": sum(losses), "grad": before - trained(model)}

@@ -15,6 +15,8 @@ from conftest import check_contract
 
 import c3po
 from common import runs
+from common.data import DataError
+from common.llm import ModelLoadError
 from common.toy import RenamingEnv
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -1170,7 +1172,7 @@ def test_sft_batch_puts_labels_on_the_output_and_eos_only():
         assert attention[row].tolist() == [1] * n + [0] * (width - n)
 
 
-def test_length_sorted_micro_batches_give_the_full_batch_gradient():
+def test_length_sorted_micro_batches_give_the_full_batch_gradient(tmp_path):
     """Micro-batches cut to their own longest sequence change the padding, not the gradient of the SFT step."""
     from accelerate import Accelerator
 
@@ -1195,6 +1197,7 @@ def test_length_sorted_micro_batches_give_the_full_batch_gradient():
             examples,
             args_for(sft_steps=1, sft_batch_size=6, micro_batch_size=micro, augment_p=0.0, system_prompt=""),
             None,
+            tmp_path,
         )
     assert len(grads[6]) == len(grads[2]) > 0 and any(g.abs().sum() > 0 for g in grads[6])
     assert all(torch.allclose(a, b, atol=1e-6) for a, b in zip(grads[6], grads[2]))
@@ -1235,14 +1238,28 @@ def outcome(result):
     return [{k: v for k, v in r.items() if k not in ("latency_s", "sampled")} for r in (result, result["sampled"])]
 
 
-def test_toy_train_then_resume_then_eval_the_checkpoint(tmp_path, capsys):
-    out = tmp_path / "run"
+def test_toy_train_then_resume_then_eval_the_checkpoint(tmp_path, capsys, monkeypatch):
+    out, bars, progress = tmp_path / "run", [], runs.progress
+    monkeypatch.setattr(runs, "progress", lambda it, desc, **kw: bars.append(desc) or progress(it, desc, **kw))
     stdout = run(["--train", "--output_dir", str(out), *TINY], capsys)
     results = check_contract(out, stdout)
-    assert results["train_steps"] == {"sft": 8, "ppo": 2} and results["n_eval"] == 8
+    assert results["train_steps"] == {"sft": 8, "ppo": 2} and results["n_eval"] == 8 and results["warnings"] == []
+    assert {"eval", "warm-up trees"} <= set(bars)  # runs.progress: a line every 30 s at most in a log
+    # the run ends with the table (the judge's accuracy first), the paths, and RESULT with the accuracy before/after
+    end = stdout.strip().splitlines()
+    table = end[end.index(next(line for line in end if line.split() == ["start", "before", "after"])) :]
+    assert [row.split()[0] for row in table[1:10]] == list(c3po.TABLE_ROWS)
+    assert table[10:13] == [f"results: {out / 'results.json'}", f"checkpoint: {out / 'ppo'}",
+                            f"predictions: {out / 'predictions_ppo.jsonl'}"]  # fmt: skip
+    head = json.loads(end[-1][len("RESULT ") :])
+    assert head["after"]["accuracy"] == round(results["after"]["accuracy"], 4) and "accuracy" in head["before"]
+    for stage in ("sft", "ppo"):  # a checkpoint records its method and the toy world its toy-lm was built on
+        state = json.loads((out / stage / "run_state.json").read_text())
+        assert state["method"] == "c3po" and state["world"] == str((ROOT / "data" / "toy").resolve())
     assert {"accuracy", "strategies", "latency_s", "sampled"} <= set(results["after"])
     metrics = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
     assert [m["iteration"] for m in metrics if "iteration" in m] == [1, 2]
+    assert [m["sft/step"] for m in metrics if "sft/loss" in m] == list(range(1, 9))  # every step of 8 (a tenth: 0)
     assert all(m["rollout/samples"] > 0 for m in metrics if "iteration" in m)
     assert (out / "ppo" / "model.safetensors").is_file() and (out / "sft" / "model.safetensors").is_file()
     assert sorted(p.name for p in out.iterdir() if p.is_dir()) == ["ppo", "sft"]  # --report_to none: no tracker logs
@@ -1259,7 +1276,7 @@ def test_toy_train_then_resume_then_eval_the_checkpoint(tmp_path, capsys):
     with pytest.raises(SystemExit, match=r"other arguments \(seed: 0 -> 1\)"):  # never another run's checkpoint
         run(["--train", "--output_dir", str(out), "--resume", "--seed", "1", *TINY], capsys)
     again = run(["--train", "--output_dir", str(out), "--resume", *TINY], capsys)  # neither SFT nor PPO is redone
-    assert "sft step" not in again and "iteration=" not in again
+    assert "sft/step" not in again and "iteration=" not in again
     assert outcome(check_contract(out, again)["after"]) == outcome(results["after"])
     stdout = run(
         ["--eval", "--model", str(out / "ppo"), "--output_dir", str(tmp_path / "eval"), "--n_eval", "8"], capsys
@@ -1268,42 +1285,28 @@ def test_toy_train_then_resume_then_eval_the_checkpoint(tmp_path, capsys):
         results["after"]
     )  # greedy and sampled
     assert (tmp_path / "eval" / "predictions_eval.jsonl").read_text() == (out / "predictions_ppo.jsonl").read_text()
-    # --eval writes next to the model by default and never over a training run's results
-    trained = (out / "results.json").read_text()
-    stdout = run(["--eval", "--model", str(out / "ppo"), "--n_eval", "8"], capsys)
-    assert outcome(check_contract(out / "ppo" / "eval", stdout)["after"]) == outcome(results["after"])
+    # --eval writes next to the model by default, a new folder each time, never over a training run's results
+    trained, folders = (out / "results.json").read_text(), []
+    for n_eval in (8, 2):
+        stdout = run(["--eval", "--model", str(out / "ppo"), "--n_eval", str(n_eval)], capsys)
+        folders.append(Path(re.search(r"^evaluation folder: (.+)$", stdout, re.M).group(1)))
+        assert check_contract(folders[-1], stdout)["n_eval"] == n_eval and folders[-1].parent == out / "ppo" / "eval"
+    assert outcome(json.loads((folders[0] / "results.json").read_text())["after"]) == outcome(results["after"])
     with pytest.raises(SystemExit, match="training"):
         run(["--eval", "--model", str(out / "ppo"), "--output_dir", str(out), "--n_eval", "2"], capsys)
     assert (out / "results.json").read_text() == trained
-    # a FlashRAG folder whose rows have no metadata runs with the default flags
-    flashrag = tmp_path / "flashrag"
-    flashrag.mkdir()
-    rows = [json.loads(line) for line in (ROOT / "data/toy/test.jsonl").read_text().splitlines()[:4]]
-    (flashrag / "test.jsonl").write_text(
-        "".join(json.dumps({k: r[k] for k in ("id", "question", "golden_answers")}) + "\n" for r in rows)
-    )
-    with pytest.raises(ValueError, match="no toy world here"):  # the toy reader needs a world: named, not guessed
-        run(
-            ["--eval", "--model", str(out / "ppo"), "--data_dir", str(flashrag), "--output_dir", str(tmp_path / "x")],
-            capsys,
-        )
-    stdout = run(
-        [
-            "--eval",
-            "--model",
-            str(out / "ppo"),
-            "--data_dir",
-            str(flashrag),
-            "--corpus",
-            str(ROOT / "data/toy/corpus.jsonl"),
-            "--llm",
-            "toy:data/toy",
-            "--output_dir",
-            str(tmp_path / "flashrag_eval"),
-        ],
-        capsys,
-    )
-    assert check_contract(tmp_path / "flashrag_eval", stdout)["n_eval"] == 4
+    # a FlashRAG folder of one's own questions (no world.json, no metadata): the checkpoint's world (toy-lm, reader,
+    # corpus) evaluates it; --world names one for the raw toy-lm; the oracle teacher's fields are named, not guessed
+    flashrag = own_questions(tmp_path / "flashrag")
+    mine = ["--eval", "--data_dir", str(flashrag), "--output_dir"]
+    stdout = run([*mine, str(tmp_path / "mine_ckpt"), "--model", str(out / "ppo")], capsys)
+    assert check_contract(tmp_path / "mine_ckpt", stdout)["n_eval"] == 4
+    stdout = run([*mine, str(tmp_path / "mine_raw"), "--world", str(ROOT / "data" / "toy")], capsys)
+    assert check_contract(tmp_path / "mine_raw", stdout)["n_eval"] == 4
+    with pytest.raises(ModelLoadError, match="pass --world DIR"):  # toy-lm: which world's vocabulary
+        run([*mine, str(tmp_path / "mine_none")], capsys)
+    with pytest.raises(DataError, match=r"has no metadata 'type', 'entities', .*which the oracle teacher"):
+        run(["--train", "--data_dir", str(flashrag), "--output_dir", str(tmp_path / "mine_train"), *TINY], capsys)
     stdout = run(["--ask", "what is the birthplace of qqzzyx ?", "--model", str(out / "ppo")], capsys)
     assert "warning: words the proxy's tokenizer does not know (read as <unk>): qqzzyx" in stdout
     text = (ROOT / "docs" / "c3po.md").read_text(encoding="utf-8") + (ROOT / "c3po.py").read_text(encoding="utf-8")
@@ -1313,6 +1316,16 @@ def test_toy_train_then_resume_then_eval_the_checkpoint(tmp_path, capsys):
     for question in documented:  # and their commands run (docs/c3po.md gives what the default run answers)
         stdout = run(["--ask", question, "--model", str(out / "ppo")], capsys)
         assert "leaf" in stdout and "warning" not in stdout
+
+
+def own_questions(folder, n=4):
+    """A FlashRAG folder of one's own questions: train and test splits without metadata, no world.json, no corpus."""
+    folder.mkdir()
+    for split in ("train", "test"):
+        rows = [json.loads(line) for line in (ROOT / f"data/toy/{split}.jsonl").read_text().splitlines()[:n]]
+        lines = [json.dumps({k: r[k] for k in ("id", "question", "golden_answers")}) for r in rows]
+        (folder / f"{split}.jsonl").write_text("\n".join(lines) + "\n")
+    return folder
 
 
 def test_an_interrupted_run_resumes_with_the_losses_of_an_uninterrupted_one(tmp_path, capsys, monkeypatch):
@@ -1343,6 +1356,40 @@ def test_an_interrupted_run_resumes_with_the_losses_of_an_uninterrupted_one(tmp_
     assert whole[2]["losses/policy"] != whole[3]["losses/policy"]
 
 
+def test_a_warm_up_without_a_successful_path_warns_and_ppo_starts_from_the_raw_proxy(tmp_path, capsys, monkeypatch):
+    monkeypatch.setattr(c3po, "build_warmup", lambda rows, llm, env, args: ([], 0.0))  # the teacher solved nothing
+    flags = ["--train", "--output_dir", str(tmp_path / "run"), *TINY, "--ppo_iterations", "1", "--n_eval", "2"]
+    stdout = run(flags, capsys)
+    results = check_contract(tmp_path / "run", stdout)
+    assert "warning: sft trained on nothing (no successful warm-up path: check --teacher)" in stdout.splitlines()
+    assert results["warnings"] == ["sft: no successful warm-up path: check --teacher"]
+    assert results["train_steps"] == {"sft": 0, "ppo": 1}
+    assert check_contract(tmp_path / "run", run([*flags, "--resume"], capsys))["warnings"] == results["warnings"]
+
+
+def test_the_smoke_command_of_the_docs_shows_the_training_signal_move(tmp_path, capsys, monkeypatch):
+    """docs/c3po.md's "Smoke test" command as written (in a fresh folder that sees the repository's data): the SFT
+    loss falls, the teacher's warm-up paths are there, SFT lifts the raw proxy's accuracy off 0, PPO updates."""
+    import ast
+    import shlex
+
+    section = (ROOT / "docs" / "c3po.md").read_text(encoding="utf-8").split("## Smoke test", 1)[1]
+    command = shlex.split(re.search(r"```bash\n(python c3po\.py [^\n]+)\n", section).group(1))
+    (tmp_path / "data").symlink_to(ROOT / "data")
+    monkeypatch.chdir(tmp_path)
+    stdout = run(command[2:], capsys)
+    out = tmp_path / "runs" / command[command.index("--run_name") + 1]
+    results = check_contract(out, stdout)
+    metrics = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+    losses = [m["sft/loss"] for m in metrics if "sft/loss" in m]
+    assert len(losses) == 10 and losses[-1] < losses[0] / 5  # every tenth of the steps
+    assert (
+        sum(ast.literal_eval(re.search(r"^warm-up: (\{.*\});", stdout, re.M).group(1)).values()) > 50
+    )  # SFT examples
+    assert results["before_sft"]["accuracy"] == 0 and results["before"]["accuracy"] >= 0.1
+    assert [m["rollout/samples"] > 0 for m in metrics if "iteration" in m] == [True, True]
+
+
 def test_report_to_a_tracker_that_is_not_installed_is_one_line(tmp_path, monkeypatch):
     import importlib.util
 
@@ -1364,6 +1411,8 @@ def test_report_to_tensorboard_logs_the_updates_beside_metrics_jsonl(tmp_path, c
     policy = [(e.step, e.value) for e in events.Scalars("losses/policy")]
     assert policy == [(m["iteration"], pytest.approx(m["losses/policy"])) for m in logged if "iteration" in m]
     assert [e.step for e in events.Scalars("eval/accuracy")] == [0, 2]  # after SFT, after PPO
+    sft = [(e.step, e.value) for e in events.Scalars("sft/loss")]  # the SFT loss beside the PPO curves
+    assert sft == [(m["sft/step"], pytest.approx(m["sft/loss"])) for m in logged if "sft/loss" in m] and len(sft) == 8
 
 
 def test_paper_templates_run_a_few_steps(tmp_path, capsys):
@@ -1393,14 +1442,40 @@ def test_paper_templates_run_a_few_steps(tmp_path, capsys):
 @pytest.mark.parametrize(
     "flag, message",
     [
-        (["--train", "--forced_weight", "-1"], "--forced_weight must be >= 0"),
         ([], "choose a mode"),
         (["--ask", "who ?"], "--ask needs --model"),
+        (["--train", "--eval"], "choose one mode: --train, --eval or --ask"),
+        (["--eval", "--ask", "who ?", "--model", "toy-lm"], "choose one mode"),
     ],
 )
 def test_bad_flags_are_clear_errors(flag, message):
     with pytest.raises(SystemExit, match=message):
         c3po.main(flag)
+
+
+@pytest.mark.parametrize(
+    "flag, value, message",
+    [("--n_train", "-5", "-5: must be >= 1"), ("--n_eval", "0", "0: must be >= 1"),
+     ("--teacher_noise", "1.5", "1.5: must be in [0.0, 1.0]"), ("--forced_weight", "-1", "-1.0: must be >= 0.0"),
+     ("--sft_lr", "0", "0.0: must be >= 1e-12"), ("--ppo_batch_size", "0", "0: must be >= 1"),
+     ("--seed", "-1", "-1: must be >= 0"), ("--micro_batch_size", "0", "0: must be >= 1"),
+     ("--rl_augment_p", "2", "2.0: must be in [0.0, 1.0]"), ("--top_k", "0", "0: must be >= 1"),
+     ("--lam", "1.5", "1.5: must be in [0.0, 1.0]"), ("--max_grad_norm", "0", "0.0: must be >= 1e-12")],
+)  # fmt: skip
+def test_a_number_out_of_its_range_is_one_line_and_exit_2(flag, value, message, capsys):
+    """Counts >= 1, probabilities in [0, 1], learning rates > 0 ...: refused before any work, never a traceback."""
+    with pytest.raises(SystemExit) as exit_:
+        c3po.main(["--train", flag, value])
+    assert exit_.value.code == 2 and capsys.readouterr().err.splitlines() == [f"error: {flag} {message}"]
+
+
+def test_another_methods_checkpoint_is_refused_naming_both(tmp_path):
+    for method in ("sparkle", "tearag"):
+        (tmp_path / method).mkdir()
+        (tmp_path / method / runs.STATE).write_text(json.dumps({"method": method, "data_dir": "data/toy"}))
+        for mode in (["--eval"], ["--ask", "who ?"], ["--train", "--resume"]):
+            with pytest.raises(SystemExit, match=f"is a {method} checkpoint, not a c3po one"):
+                c3po.main([*mode, "--model", str(tmp_path / method)])
 
 
 @pytest.mark.parametrize(
@@ -1413,12 +1488,12 @@ def test_a_value_outside_a_flags_choices_is_an_argparse_error(flag, value, capsy
     with pytest.raises(SystemExit) as exit_:
         c3po.main(["--train", flag, value])
     assert exit_.value.code == 2
-    errors = [line for line in capsys.readouterr().err.splitlines() if "error:" in line]
+    errors = capsys.readouterr().err.splitlines()  # the one line, never argparse's usage
     assert len(errors) == 1 and re.search(f"error: argument {flag}(/[-a-z]+)?: invalid choice: '{value}'", errors[0])
 
 
 # ---------------------------------------------------------------- numerics: fp32 master weights, a critic, no LM head
-def test_bf16_mixed_precision_trains_fp32_weights_under_autocast(monkeypatch):
+def test_bf16_mixed_precision_trains_fp32_weights_under_autocast(monkeypatch, tmp_path):
     from accelerate import Accelerator
     from accelerate.state import AcceleratorState
 
@@ -1441,7 +1516,7 @@ def test_bf16_mixed_precision_trains_fp32_weights_under_autocast(monkeypatch):
         dict(prompt=f"decide : question : who is velbo {i} ?", output="[No Retrieval]", agent="router", row={})
         for i in range(4)
     ]
-    trained, _ = c3po.sft(accelerator, policy, tokenizer, examples, args, None)
+    trained, _ = c3po.sft(accelerator, policy, tokenizer, examples, args, None, tmp_path)
     assert stepped == [{torch.float32}] * 2  # Adam updates fp32 master weights ...
     assert logits_dtypes and set(logits_dtypes) == {torch.bfloat16}  # ... of a forward pass run in bf16
     assert all(p.dtype == torch.float32 for p in trained.parameters())
@@ -1489,6 +1564,6 @@ def test_trains_on_a_freshly_generated_world(tmp_path, capsys):
         capsys,
     )
     results = check_contract(out, stdout)
-    assert results["dataset"] == str(world) and results["args"]["llm"] == f"toy:{world}"
+    assert results["dataset"] == str(world) and results["args"]["world"] == str(world.resolve())  # reader, toy-lm
     assert results["before_sft"]["accuracy"] == 0.0 and results["before"]["accuracy"] >= 0.1  # raw start -> after SFT
-    assert json.loads((out / "sft" / "run_state.json").read_text())["data_dir"] == str(world)  # remembers its world
+    assert json.loads((out / "sft" / "run_state.json").read_text())["world"] == str(world.resolve())  # remembered

@@ -270,7 +270,7 @@ def test_c3po_oracle_scores_the_same_under_the_paper_preset(style, monkeypatch):
     assert paper["strategies"] == toy["strategies"] and paper["invalid"] == 0.0
 
 
-def test_c3po_losses_are_the_same_for_micro_batch_1_and_the_whole_batch(monkeypatch):
+def test_c3po_losses_are_the_same_for_micro_batch_1_and_the_whole_batch(monkeypatch, tmp_path):
     """c3po.sft (AdamW made SGD at learning rate 1) and c3po.ppo_update (the policy and the value model), one step on
     three sequences at --micro_batch_size 1 and 3: the same weight change."""
     import copy
@@ -287,7 +287,7 @@ def test_c3po_losses_are_the_same_for_micro_batch_1_and_the_whole_batch(monkeypa
         model, tokenizer = tiny_lm()
         before = trained(model)
         examples = [dict(prompt=p, output=o, agent="router", row={}) for p, o in C3PO_SFT]
-        model, _ = c3po.sft(Accelerator(cpu=True), model, tokenizer, examples, args, None)
+        model, _ = c3po.sft(Accelerator(cpu=True), model, tokenizer, examples, args, None, tmp_path)
         policy, ref = tiny_lm()[0], tiny_lm(seed=1)[0].requires_grad_(False)
         value = c3po.ValueModel(policy)
         torch.nn.init.normal_(value.head.weight, std=0.1, generator=torch.Generator().manual_seed(2))
