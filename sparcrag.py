@@ -14,7 +14,6 @@ a wrong stop weighted lambda = 2), trained by weighted DPO with LoRA against the
     python sparcrag.py --train --run_name sparcrag        # toy world: warm-up SFT, pair collection, DPO, evaluations
     python sparcrag.py --eval --model runs/sparcrag/dpo     # the tuned system (adaptive depth) on the toy test split
     python sparcrag.py --eval --model runs/sparcrag/sft --early_exit false --depth 4 --width 1   # untuned, fixed W x D
-    python bench/sparcrag_grid.py --model runs/sparcrag/sft     # W x D grid (untuned) beside the naive baselines
     python sparcrag.py --ask "what is the birthplace of the director of poli ?" --model runs/sparcrag/dpo
     accelerate launch sparcrag.py --train --preset paper --data_dir DATA --bm25_index IDX1 --dense_index IDX2
 
@@ -105,7 +104,7 @@ class Args:
     bootstrap_with_q0: bool = runs.arg(False, "round 1: a dense path on q0 (reading §5.2)")
     gen_batch_size: int = runs.arg(512, "prompts per generate call (memory only)", low=1)
     n_samples: int = runs.arg(4, "samples per state [§3.4; ours: 4]", low=1, group="preference pairs [§3.4]")
-    rewrite_pair_temperature: float | None = runs.arg(None, "rewrite samples [§3.4; ours: 1]", low=0.0)
+    rewrite_pair_temperature: float = runs.arg(1.0, "rewrite samples (ours: §3.4 gives none)", low=0.0)
     lam: float | None = runs.arg(None, "weight of continue over a wrong stop [§5.2: 2]", low=1.0)
     correct_by: str | None = runs.arg(None, "answer correctness: acc, em or f1 (>= 0.5)", choices=["acc", "em", "f1"])
     synthesize_missing: bool = runs.arg(False, "missing side -> canonical decision (ours)")
@@ -114,7 +113,7 @@ class Args:
     lora_r: int = runs.arg(16, "LoRA rank [App. A.4: 16]", low=1)
     lora_alpha: int = runs.arg(32, "LoRA alpha [App. A.4: 32]", low=1)
     lora_dropout: float = runs.arg(0.05, "LoRA dropout [App. A.4: 0.05]", low=0.0, high=1.0)
-    dpo_lr: float | None = runs.arg(None, "DPO learning rate [App. A.4: 5e-5 (LoRA)]", low=1e-9)
+    dpo_lr: float = runs.arg(5e-5, "DPO learning rate [App. A.4: 5e-5 (LoRA)]", low=1e-9)
     dpo_epochs: int | None = runs.arg(None, "DPO epochs (per role: the rewriter's) [A.4: 3]", low=1)
     rpo_alpha: float = runs.arg(0.0, "+ alpha x the chosen's NLL (RPO; the paper: 0)", low=0.0)
     role_adapters: bool | None = runs.arg(None, "one LoRA adapter per trained role (ours)")
@@ -151,12 +150,10 @@ PRESETS = {  # field: (toy, paper), for the fields left at None; any flag overri
     "evaluator_max_tokens": (8, 600),  # [App. A.4]
     "format_tokens": (True, False),  # simplification: single-token tags (header item 4)
     "correct_by": ("em", "acc"),  # simplification: header item 9
-    "dpo_lr": (5e-5, 5e-5),  # [App. A.4]
     "lam": (8.0, 2.0),  # [§5.2, Fig. 6]; simplification: header item 10
     "role_adapters": (True, False),  # simplification: per-role adapters in the toy (header item 11)
     "dpo_epochs": (1, 3),  # [App. A.4: 3]; simplification: the toy rewriter's adapter, 1 epoch (header item 11)
     "evaluator_epochs": (5, 3),  # [App. A.4: 3] with --role_adapters (header item 11)
-    "rewrite_pair_temperature": (1.0, 1.0),  # ours: the paper gives none
     "micro_batch_size": (16, 1),
     "warmup": ("teacher", "none"),  # simplification: the toy's warm-up (header item 2)
     "sft_steps": (800, 0),
@@ -176,12 +173,11 @@ def apply_preset(args):
     args.world = args.world or runs.toy_world(None, args.data_dir)  # the preset's data_dir may hold one
     if args.output_dir is None and args.eval:  # its own folder: never an earlier evaluation's, nor a training run's
         args.output_dir = runs.eval_dir(args, "sparcrag")
-    widths = WIDTHS.fullmatch(args.warmup_widths)
     checks = {
         "--train, --eval and --ask are separate modes: choose one": args.train + args.eval + bool(args.ask) > 1,
         "--resume continues a training run: use it with --train": args.resume and not args.train,
         f"--system {args.system} is evaluated (--eval), not trained": args.system != "sparcrag" and args.train,
-        f"--warmup_widths {args.warmup_widths!r}: widths >= 1, comma-separated": not widths,
+        f"--warmup_widths {args.warmup_widths!r}: widths >= 1": not WIDTHS.fullmatch(args.warmup_widths),
         "--warmup teacher needs --sft_steps >= 1 (or --warmup none)": args.warmup == "teacher" and args.sft_steps < 1,
         "--llm toy reads a toy world: pass --world DIR": args.llm == "toy" and not args.world,
     }
@@ -328,18 +324,7 @@ FORMAT_TOKENS = ["<queries>", "</queries>", "</item>", "<strategy>", "</strategy
 FORMAT_TOKENS += ["<decision>", "</decision>", "<think>", "</think>"] + [f'<item rank="{i}">' for i in range(1, 9)]
 TRAINED = ("rewrite", "evaluate")  # [§3.4] the roles the preference pairs tune
 TEXTS = ("prompt", "chosen", "rejected")  # a preference pair's texts
-TABLE = (
-    "em",
-    "f1",
-    "acc",
-    "avg",
-    "recall",
-    "rounds",
-    "llm_calls",
-    "tokens",
-    "generated_tokens",
-    "incorrect_acceptance",
-)
+TABLE = "em f1 acc avg recall rounds llm_calls tokens generated_tokens incorrect_acceptance".split()  # [§4.1, Fig. 7]
 
 
 def format_passages(hits):
@@ -804,8 +789,7 @@ def renamed(texts, world, rng, p):
 
 
 def sft(accelerator, model, tokenizer, examples, args, world, out):
-    """Cross-entropy on the output, [END] and EOS (runs.sft_step); AdamW, warm-up, linear decay; toy renaming; the
-    loss logged ten times (sft/loss)."""
+    """Cross-entropy on the output, [END] and EOS (runs.sft_step); AdamW, warm-up, linear decay; toy renaming."""
     rng, warm, every = random.Random(args.seed), max(1, args.sft_steps // 20), max(1, args.sft_steps // 10)
     optimizer = torch.optim.AdamW(model.parameters(), lr=args.sft_lr, betas=(0.9, 0.98), weight_decay=0.0)
     schedule = lambda s: min((s + 1) / warm, 1 - 0.9 * s / args.sft_steps)  # warm-up, then linear decay to 0.1
@@ -816,14 +800,15 @@ def sft(accelerator, model, tokenizer, examples, args, world, out):
     shares = [round(args.sft_batch_size * SFT_SHARES[role]) for role in TRAINED]
     for step in range(args.sft_steps):
         batch = [e for pool, n in zip(pools, shares) for e in rng.sample(pool, min(n, len(pool)))]
-        texts = [[e["prompt"], e["output"]] for e in batch]  # renamed whole on every process: the same draws
-        texts = [renamed(x, world, rng, args.augment_p) for x in texts]
+        texts = [
+            renamed([e["prompt"], e["output"]], world, rng, args.augment_p) for e in batch
+        ]  # same draws everywhere
         own, weight = runs.own_share(texts, accelerator)  # the batch split over the processes
         seqs = [encode(tokenizer, *x) for x in own]
         ids, mask, attention = batch_tensors(seqs, tokenizer.pad_token_id, accelerator.device)
         labels = ids.masked_fill(mask == 0, -100)  # (B, T): the loss on the output, [END] and EOS only
         loss = runs.sft_step(accelerator, model, optimizer, scheduler, ids, labels, attention, len(ids), weight=weight)
-        if step % every == 0 or step + 1 == args.sft_steps:
+        if step % every == 0 or step + 1 == args.sft_steps:  # sft/loss, ten times a warm-up
             runs.log_update(accelerator, out, {"sft/loss": loss, "sft/step": step + 1}, step + 1)
     return accelerator.unwrap_model(model)
 
@@ -980,12 +965,11 @@ def load_policy(args, device, model_name=None):
     return model.to(device), tokenizer
 
 
-def result_record(args, results, steps, wall, pairs=None, warnings=()):
+def result_record(args, results, steps, wall, pairs=None):
     """runs.result_record, tokens and pairs per question; `before` is the untuned system at fixed depth [§4.5]."""
     final = results.get("after") or results["before"]
     record = runs.result_record("sparcrag", args, results.get("before_sft"), results["before"], final, steps, wall)
-    extra = {"tokens_per_question": final["tokens"], "pairs": pairs, "warnings": list(warnings)}
-    return record | results | {"after": final} | extra
+    return record | results | {"after": final, "tokens_per_question": final["tokens"], "pairs": pairs}
 
 
 def saved_state(args, **state):
@@ -1034,7 +1018,6 @@ def train(args):
     accelerator.print("\n".join(f"untuned, {k} | {brief(results[k])}" for k in ("before", "before_adaptive")))
     if (state := runs.load_state(out / "dpo")) is not None:  # resume: tuned
         policy, tokenizer = load_policy(args, accelerator.device, str(out / "dpo"))
-        warnings = state.get("warnings", [])
     else:
         with accelerator.autocast():  # the base model's own runs on training questions [§3.4]
             mine = train_rows[accelerator.process_index :: accelerator.num_processes]
@@ -1054,12 +1037,11 @@ def train(args):
         ctx = make_ctx(policy, tokenizer, retrievers, llm, args)
         tuned = out / "predictions_dpo.jsonl"
         results["after"] = evaluate(ctx, test_rows, args.width, args.depth, True, predictions=tuned)
-    accelerator.print(f"tuned, adaptive (cap {args.depth}) | {brief(results['after'])}")
     evaluations = {"stage": "eval"} | {k: results[k] for k in ("before", "before_adaptive", "after")}
     runs.append_metrics(out / "metrics.jsonl", evaluations, accelerator.is_main_process)
     accelerator.end_training()
-    steps = {"sft": n_sft, "dpo": state["steps"]}
-    record = result_record(args, results, steps, time.time() - start, state["pairs"], warnings)
+    results["warnings"] = state.get("warnings", [])  # the stages that trained on nothing (runs.nothing_to_train)
+    record = result_record(args, results, {"sft": n_sft, "dpo": state["steps"]}, time.time() - start, state["pairs"])
     runs.write_results(out, record, accelerator.is_main_process, TABLE)
 
 
@@ -1074,7 +1056,7 @@ def run_eval(args):
         saved = out / "predictions_eval.jsonl"
         result = evaluate(ctx, rows, args.width, args.depth, args.early_exit, args.system, saved)
     accelerator.print(f"eval {result['setting']} | {brief(result)}")
-    record = result_record(args, {"before": result}, {"sft": 0, "dpo": 0}, time.time() - start)
+    record = result_record(args, {"before": result, "warnings": []}, {"sft": 0, "dpo": 0}, time.time() - start)
     runs.write_results(out, record, accelerator.is_main_process, TABLE)
 
 

@@ -923,7 +923,7 @@ def test_every_problem_of_a_flag_combination_in_one_line():
         sparcrag.main(["--train", "--eval", "--system", "vanilla", "--warmup_widths", "1,0", "--sft_steps", "0"])
     assert str(exit_info.value) == (
         "--train, --eval and --ask are separate modes: choose one; --system vanilla is evaluated (--eval), not "
-        "trained; --warmup_widths '1,0': widths >= 1, comma-separated; --warmup teacher needs --sft_steps >= 1 (or "
+        "trained; --warmup_widths '1,0': widths >= 1; --warmup teacher needs --sft_steps >= 1 (or "
         "--warmup none)"
     )
     with pytest.raises(SystemExit, match="^--resume continues a training run: use it with --train$"):
