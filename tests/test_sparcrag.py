@@ -995,3 +995,18 @@ def test_trains_on_a_freshly_generated_world_above_its_untrained_start(tmp_path,
 
     assert fallback_share("raw") == 1.0 and fallback_share("untuned") < 0.5 and fallback_share("dpo") < 0.5
     assert results["before_sft"]["rounds"] == 2 and results["before"]["incorrect_acceptance"] > 0.5
+
+
+def test_the_smoke_command_of_the_docs_shows_the_training_signal_move(tmp_path, capsys):
+    """docs/sparcrag.md's smoke test as written (its folder under tmp_path): the warm-up's SFT loss falls by more than
+    half, both trained roles get preference pairs, and DPO steps on them."""
+    import re
+
+    docs = (ROOT / "docs" / "sparcrag.md").read_text(encoding="utf-8")
+    command = re.search(r"^python sparcrag\.py (--train .*)$", docs[docs.index("## Smoke test") :], re.M).group(1)
+    stdout = run([*command.split(), "--output_dir", str(tmp_path / "smoke")], capsys)
+    results = check_contract(tmp_path / "smoke", stdout)
+    losses = [float(loss) for loss in re.findall(r"^sft/loss=([0-9.]+) \| sft/step=", stdout, re.M)]
+    assert len(losses) == 11 and losses[-1] < losses[0] / 2, losses
+    assert results["pairs"].get("rewrite", 0) > 0 and results["pairs"].get("evaluate", 0) > 0, results["pairs"]
+    assert results["train_steps"]["dpo"] > 0 and results["warnings"] == []
