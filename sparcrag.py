@@ -166,9 +166,8 @@ WIDTHS = re.compile(r" *[1-9][0-9]*( *, *[1-9][0-9]*)* *")  # --warmup_widths
 
 def apply_preset(args):
     """Fill the fields left at None from the preset's column; every problem the flags make together, in one line."""
-    for key, values in PRESETS.items():
-        if getattr(args, key) is None:
-            setattr(args, key, values[args.preset == "paper"])
+    for key in [key for key in PRESETS if getattr(args, key) is None]:
+        setattr(args, key, PRESETS[key][args.preset == "paper"])
     args.corpus = args.corpus or str(Path(args.data_dir) / "corpus.jsonl")
     args.world = args.world or runs.toy_world(None, args.data_dir)  # the preset's data_dir may hold one
     if args.output_dir is None and args.eval:  # its own folder: never an earlier evaluation's, nor a training run's
@@ -180,6 +179,8 @@ def apply_preset(args):
         f"--warmup_widths {args.warmup_widths!r}: widths >= 1": not WIDTHS.fullmatch(args.warmup_widths),
         "--warmup teacher needs --sft_steps >= 1 (or --warmup none)": args.warmup == "teacher" and args.sft_steps < 1,
         "--llm toy reads a toy world: pass --world DIR": args.llm == "toy" and not args.world,
+        f"--data_dir {args.data_dir}: no such folder": not args.dry_run and not Path(args.data_dir).is_dir(),
+        f"--model {args.model}: not found": not args.dry_run and runs.where_is(args.model) is None,
     }
     if problems := [problem for problem, found in checks.items() if found]:
         raise SystemExit("; ".join(problems))
@@ -800,9 +801,8 @@ def sft(accelerator, model, tokenizer, examples, args, world, out):
     shares = [round(args.sft_batch_size * SFT_SHARES[role]) for role in TRAINED]
     for step in range(args.sft_steps):
         batch = [e for pool, n in zip(pools, shares) for e in rng.sample(pool, min(n, len(pool)))]
-        texts = [
-            renamed([e["prompt"], e["output"]], world, rng, args.augment_p) for e in batch
-        ]  # same draws everywhere
+        # renamed whole on every process: the same draws
+        texts = [renamed([e["prompt"], e["output"]], world, rng, args.augment_p) for e in batch]
         own, weight = runs.own_share(texts, accelerator)  # the batch split over the processes
         seqs = [encode(tokenizer, *x) for x in own]
         ids, mask, attention = batch_tensors(seqs, tokenizer.pad_token_id, accelerator.device)
@@ -937,8 +937,7 @@ def prediction_of(run, record):
 
 def brief(result):
     """One log line of an evaluation."""
-    keys = ("f1", "em", "recall", "rounds", "tokens", "generated_tokens", "incorrect_acceptance", "overlap")
-    return " ".join(f"{k}={result[k]:.3f}" for k in keys if result.get(k) is not None)
+    return " ".join(f"{k}={result[k]:.3f}" for k in (*TABLE, "overlap") if result.get(k) is not None)
 
 
 # --------------------------------------------------------------------------- 12. train / eval / ask

@@ -918,9 +918,21 @@ def test_a_bad_flag_value_is_one_line_naming_it_and_exit_2(flags, message, capsy
     assert exit_info.value.code == 2 and line.startswith(f"error: {message}")
 
 
-def test_every_problem_of_a_flag_combination_in_one_line():
+def test_every_problem_of_a_flag_combination_in_one_line(tmp_path, monkeypatch):
     with pytest.raises(SystemExit) as exit_info:  # before any work: nothing is trained
-        sparcrag.main(["--train", "--eval", "--system", "vanilla", "--warmup_widths", "1,0", "--sft_steps", "0"])
+        flags = [
+            "--system",
+            "vanilla",
+            "--warmup_widths",
+            "1,0",
+            "--sft_steps",
+            "0",
+            "--n_train",
+            "1",
+            "--n_eval",
+            "1",
+        ]
+        sparcrag.main(["--train", "--eval", *flags])
     assert str(exit_info.value) == (
         "--train, --eval and --ask are separate modes: choose one; --system vanilla is evaluated (--eval), not "
         "trained; --warmup_widths '1,0': widths >= 1; --warmup teacher needs --sft_steps >= 1 (or "
@@ -928,6 +940,14 @@ def test_every_problem_of_a_flag_combination_in_one_line():
     )
     with pytest.raises(SystemExit, match="^--resume continues a training run: use it with --train$"):
         sparcrag.main(["--eval", "--resume", "--n_eval", "1"])
+    monkeypatch.chdir(tmp_path)
+    with pytest.raises(SystemExit) as exit_info:  # a folder that is not there: never Hugging Face's "Repo id" text
+        sparcrag.main(["--eval", "--model", "runs/nope/dpo", "--data_dir", "nope"])
+    assert str(exit_info.value) == (
+        "--llm toy reads a toy world: pass --world DIR; --data_dir nope: no such folder; --model runs/nope/dpo: "
+        "not found"
+    )
+    assert not (tmp_path / "runs").exists()  # and no evaluation folder left behind
 
 
 @pytest.mark.parametrize("flags, message", [([], "choose a mode"), (["--ask", "who ?"], "--ask needs --model")])
