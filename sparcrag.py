@@ -172,6 +172,7 @@ def apply_preset(args):
     args.world = args.world or runs.toy_world(None, args.data_dir)  # the preset's data_dir may hold one
     if args.output_dir is None and args.eval:  # its own folder: never an earlier evaluation's, nor a training run's
         args.output_dir = runs.eval_dir(args, "sparcrag")
+    reads = (args.train or args.eval) and not args.dry_run  # the data (a dry run checks every path itself)
     checks = {
         "--train, --eval and --ask are separate modes: choose one": args.train + args.eval + bool(args.ask) > 1,
         "--resume continues a training run: use it with --train": args.resume and not args.train,
@@ -179,7 +180,7 @@ def apply_preset(args):
         f"--warmup_widths {args.warmup_widths!r}: widths >= 1": not WIDTHS.fullmatch(args.warmup_widths),
         "--warmup teacher needs --sft_steps >= 1 (or --warmup none)": args.warmup == "teacher" and args.sft_steps < 1,
         "--llm toy reads a toy world: pass --world DIR": args.llm == "toy" and not args.world,
-        f"--data_dir {args.data_dir}: no such folder": not args.dry_run and not Path(args.data_dir).is_dir(),
+        f"--data_dir {args.data_dir}: no such folder": reads and not Path(args.data_dir).is_dir(),
         f"--model {args.model}: not found": not args.dry_run and runs.where_is(args.model) is None,
     }
     if problems := [problem for problem, found in checks.items() if found]:
@@ -913,7 +914,7 @@ def summarize(records, rows):
     return mean(records) | {"groups": {k: {m: v for m, v in mean(g).items() if m in keep} for k, g in groups.items()}}
 
 
-def evaluate(ctx, rows, width, depth, early_exit, system="sparcrag", predictions=None):
+def evaluate(ctx, rows, width, depth, early_exit, predictions=None, system="sparcrag"):
     """A system on the rows (split over the processes, gathered in order); `predictions`: a json line per question."""
     start, args = time.time(), ctx["args"]
     if system == "sparcrag":
@@ -987,7 +988,7 @@ def warm_up(accelerator, args, out, rows, test_rows, llm, retrievers, world, res
     with accelerator.autocast():
         ctx = make_ctx(policy, tokenizer, retrievers, llm, args)
         saved = out / "predictions_raw.jsonl"
-        results["before_sft"] = evaluate(ctx, test_rows, args.width, args.untuned_depth, False, predictions=saved)
+        results["before_sft"] = evaluate(ctx, test_rows, args.width, args.untuned_depth, False, saved)
         accelerator.print(f"raw start (fixed depth {args.untuned_depth}) | {brief(results['before_sft'])}")
         examples = warmup_examples(rows, policy, tokenizer, llm, retrievers, args)
     accelerator.print(f"warm-up: {len(examples)} teacher examples from {len(rows)} questions")
@@ -1012,7 +1013,7 @@ def train(args):
     ctx = make_ctx(policy, tokenizer, retrievers, llm, args)
     with accelerator.autocast():  # the untuned system: fixed depth [§4.5]; and with its own stop decisions (ours)
         fixed = out / "predictions_untuned.jsonl"
-        results["before"] = evaluate(ctx, test_rows, args.width, args.untuned_depth, False, predictions=fixed)
+        results["before"] = evaluate(ctx, test_rows, args.width, args.untuned_depth, False, fixed)
         results["before_adaptive"] = evaluate(ctx, test_rows, args.width, args.depth, True)
     accelerator.print("\n".join(f"untuned, {k} | {brief(results[k])}" for k in ("before", "before_adaptive")))
     if (state := runs.load_state(out / "dpo")) is not None:  # resume: tuned
@@ -1034,8 +1035,7 @@ def train(args):
             runs.save_checkpoint(out / "dpo", policy, tokenizer, state)
     with accelerator.autocast():  # the tuned system: adaptive depth, capped at D_max [§4.5]
         ctx = make_ctx(policy, tokenizer, retrievers, llm, args)
-        tuned = out / "predictions_dpo.jsonl"
-        results["after"] = evaluate(ctx, test_rows, args.width, args.depth, True, predictions=tuned)
+        results["after"] = evaluate(ctx, test_rows, args.width, args.depth, True, out / "predictions_dpo.jsonl")
     evaluations = {"stage": "eval"} | {k: results[k] for k in ("before", "before_adaptive", "after")}
     runs.append_metrics(out / "metrics.jsonl", evaluations, accelerator.is_main_process)
     accelerator.end_training()
@@ -1053,7 +1053,7 @@ def run_eval(args):
     ctx = make_ctx(policy, tokenizer, *frozen_parts(args), args)
     with accelerator.autocast():
         saved = out / "predictions_eval.jsonl"
-        result = evaluate(ctx, rows, args.width, args.depth, args.early_exit, args.system, saved)
+        result = evaluate(ctx, rows, args.width, args.depth, args.early_exit, saved, args.system)
     accelerator.print(f"eval {result['setting']} | {brief(result)}")
     record = result_record(args, {"before": result, "warnings": []}, {"sft": 0, "dpo": 0}, time.time() - start)
     runs.write_results(out, record, accelerator.is_main_process, TABLE)
