@@ -809,7 +809,7 @@ def sft(accelerator, model, tokenizer, examples, args, world, out):
         ids, mask, attention = batch_tensors(seqs, tokenizer.pad_token_id, accelerator.device)
         labels = ids.masked_fill(mask == 0, -100)  # (B, T): the loss on the output, [END] and EOS only
         loss = runs.sft_step(accelerator, model, optimizer, scheduler, ids, labels, attention, len(ids), weight=weight)
-        if step % every == 0 or step + 1 == args.sft_steps:  # sft/loss, ten times a warm-up
+        if step % every == 0 or step + 1 == args.sft_steps:  # sft/loss: the first, every tenth, the last
             runs.log_update(accelerator, out, {"sft/loss": loss, "sft/step": step + 1}, step + 1)
     return accelerator.unwrap_model(model)
 
