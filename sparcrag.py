@@ -14,7 +14,6 @@ a wrong stop weighted lambda = 2), trained by weighted DPO with LoRA against the
     python sparcrag.py --train --run_name sparcrag        # toy world: warm-up SFT, pair collection, DPO, evaluations
     python sparcrag.py --eval --model runs/sparcrag/dpo     # the tuned system (adaptive depth) on the toy test split
     python sparcrag.py --eval --model runs/sparcrag/sft --early_exit false --depth 4 --width 1   # untuned, fixed W x D
-    python bench/sparcrag_grid.py --model runs/sparcrag/sft     # W x D grid (untuned) beside the naive baselines
     python sparcrag.py --ask "what is the birthplace of the director of poli ?" --model runs/sparcrag/dpo
     accelerate launch sparcrag.py --train --preset paper --data_dir DATA --bm25_index IDX1 --dense_index IDX2
 
@@ -47,7 +46,7 @@ import random
 import re
 import time
 from collections import Counter, defaultdict
-from dataclasses import asdict, dataclass, field, replace
+from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 
 import torch
@@ -55,91 +54,85 @@ import torch.nn.functional as F
 from accelerate import PartialState
 from accelerate.utils import gather_object
 from tokenizers import AddedToken
-from tqdm import tqdm
-from transformers import set_seed
 
 from common import runs
-from common.data import load_split, sample_rows, write_jsonl
+from common.data import load_split, require_metadata, sample_rows, write_jsonl
 from common.llm import add_lora, chat_prompts, generate, right_pad, unknown_words
 from common.metrics import answer_scores, exact_match, f1_score, normalize_answer, sub_exact_match
 from common.models import load_model_and_tokenizer, make_llm
 from common.retrieval import open_retriever
 from common.toy import oracle_sparcrag, rename_entities, world_or_none  # toy renaming, teacher (header items 2-3)
 
+SYSTEMS = ("sparcrag", "vanilla", "parallel", "sequential")  # SPARC-RAG and the naive baselines [App. A.5]
+
 
 @dataclass
 class Args:
-    # experiment
-    preset: str = field(default="toy", metadata={"help": "toy (built-in toy world, tiny model, CPU) or paper"})
-    train: bool = field(default=False, metadata={"help": "warm-up (toy), preference pairs, DPO, evaluations"})
-    eval: bool = field(default=False, metadata={"help": "evaluate --model (a checkpoint or the untrained start)"})
-    ask: str = field(default="", metadata={"help": "answer one question with --model and print every agent call"})
-    output_dir: str | None = field(default=None, metadata={"help": "default: runs/<run_name>; --eval: <model>/eval"})
-    run_name: str | None = field(default=None, metadata={"help": "a training run's name: sparcrag__<seed>__<time>"})
-    resume: bool = field(default=False, metadata={"help": "continue the run --run_name / --output_dir"})
-    dry_run: bool = field(default=False, metadata={"help": "print the configuration, check its paths, load nothing"})
-    report_to: str = field(default="none", metadata={"help": "tracker", "choices": ["none", "tensorboard", "wandb"]})
-    seed: int = field(default=42, metadata={"help": "seed of models, sampling and data order [App. A.4: 42]"})
-    # data, retrievers, models
-    data_dir: str | None = field(default=None, metadata={"help": "folder with train/test jsonl (FlashRAG QA)"})
-    corpus: str | None = field(default=None, metadata={"help": "corpus jsonl (default: data_dir/corpus.jsonl)"})
-    bm25_index: str = field(default="", metadata={"help": "saved BM25 folder (empty: built over --corpus) [App. A.3]"})
-    dense_index: str = field(default="", metadata={"help": "saved dense retriever folder [App. A.2: BGE-large]"})
-    encoder: str | None = field(default=None, metadata={"help": "dense encoder when --dense_index is empty"})
-    model: str | None = field(default=None, metadata={"help": "the backbone [§4.2: Qwen2.5-7B-Instruct]"})
-    llm: str | None = field(default=None, metadata={"help": "untrained roles: policy [§4.2], toy, hf:<name> or a URL"})
-    llm_model: str = field(default="", metadata={"help": "served model name when --llm is an endpoint URL"})
-    templates: str | None = field(default=None, metadata={"help": "paper (App. D verbatim) or compact"})
-    n_train: int | None = field(default=None, metadata={"help": "training questions (None: all)"})
-    n_eval: int | None = field(default=None, metadata={"help": "test questions evaluated (None: all) [§4.1: 500]"})
-    question_types: str | None = field(default=None, metadata={"help": "comma-separated metadata types"})
-    # Algorithm 1 [§3.3, §4.5, App. A.3-A.4]
-    width: int = field(default=2, metadata={"help": "W, branches per round [§4.5: 2]"})
-    depth: int | None = field(default=None, metadata={"help": "D_max, rounds at most [§4.5: 8]"})
-    untuned_depth: int | None = field(default=None, metadata={"help": "fixed depth of the untuned system [§4.5: 6]"})
-    early_exit: bool = field(default=True, metadata={"help": "stop on the winner's STOP (false: fixed depth) [§4.5]"})
-    top_k: int | None = field(default=None, metadata={"help": "passages per retrieval [App. A.3: 6]"})
-    temperature: float | None = field(default=None, metadata={"help": "generation modules [App. A.4: 0.5]"})
-    max_new_tokens: int | None = field(default=None, metadata={"help": "tokens per agent call [App. A.4: 600]"})
-    evaluator_max_tokens: int | None = field(default=None, metadata={"help": "tokens per evaluator call [A.4: 600]"})
-    dense_only: bool = field(default=False, metadata={"help": "every query dense (the Tab. 6 ablation)"})
-    format_tokens: bool | None = field(default=None, metadata={"help": "the output formats' tags as single tokens"})
-    bootstrap_with_q0: bool = field(default=False, metadata={"help": "round 1: a dense path on q0 (reading §5.2)"})
-    gen_batch_size: int = field(default=512, metadata={"help": "prompts per generate call (memory only)"})
-    # preference pairs [§3.4]
-    n_samples: int = field(default=4, metadata={"help": "samples per state [§3.4; ours: 4]"})
-    rewrite_pair_temperature: float | None = field(default=None, metadata={"help": "rewrite samples [§3.4; ours: 1]"})
-    lam: float | None = field(default=None, metadata={"help": "weight of continue over a wrong stop [§5.2: 2]"})
-    correct_by: str | None = field(default=None, metadata={"help": "answer correctness: acc, em or f1 (>= 0.5)"})
-    synthesize_missing: bool = field(default=False, metadata={"help": "missing side -> canonical decision (ours)"})
-    # DPO with LoRA [App. A.4]
-    beta: float = field(default=0.1, metadata={"help": "DPO beta [App. A.4: 0.1]"})
-    reference_free: bool = field(default=False, metadata={"help": "the paper's equation as printed: no reference"})
-    lora_r: int = field(default=16, metadata={"help": "LoRA rank [App. A.4: 16]"})
-    lora_alpha: int = field(default=32, metadata={"help": "LoRA alpha [App. A.4: 32]"})
-    lora_dropout: float = field(default=0.05, metadata={"help": "LoRA dropout [App. A.4: 0.05]"})
-    dpo_lr: float | None = field(default=None, metadata={"help": "DPO learning rate [App. A.4: 5e-5 (LoRA)]"})
-    dpo_epochs: int | None = field(default=None, metadata={"help": "DPO epochs (per role: the rewriter's) [A.4: 3]"})
-    rpo_alpha: float = field(default=0.0, metadata={"help": "+ alpha x the chosen's NLL (RPO; the paper: 0)"})
-    role_adapters: bool | None = field(default=None, metadata={"help": "one LoRA adapter per trained role (ours)"})
-    evaluator_epochs: int | None = field(default=None, metadata={"help": "--role_adapters: the evaluator's epochs"})
-    dpo_batch_size: int = field(default=16, metadata={"help": "pairs per update [App. A.4: effective 16]"})
-    micro_batch_size: int | None = field(default=None, metadata={"help": "pairs per forward (accumulation)"})
-    max_length: int = field(default=8192, metadata={"help": "longest pair sequence kept [App. A.4: 8192]"})
-    # toy warm-up: the untuned start (header item 2)
-    warmup: str | None = field(default=None, metadata={"help": "none (the paper) or teacher (toy: oracle SFT)"})
-    warmup_widths: str = field(default="1,2,4", metadata={"help": "widths of the teacher's runs (W in the prompt)"})
-    teacher_accept_correct: float = field(default=0.9, metadata={"help": "teacher: P(STOP | correct answer)"})
-    teacher_accept_wrong: float = field(default=0.6, metadata={"help": "teacher: P(STOP | wrong answer)"})
-    teacher_duplicate: float = field(default=0.5, metadata={"help": "teacher: P(near-duplicate rewrite set)"})
-    sft_steps: int | None = field(default=None, metadata={"help": "warm-up SFT steps"})
-    sft_lr: float = field(default=2e-3, metadata={"help": "warm-up SFT learning rate"})
-    sft_batch_size: int = field(default=32, metadata={"help": "warm-up SFT batch size"})
-    augment_p: float | None = field(default=None, metadata={"help": "toy: renaming probability of an SFT example"})
-    dpo_augment_p: float | None = field(default=None, metadata={"help": "toy: renaming probability of a DPO pair"})
-    # the naive baselines [App. A.5]
-    system: str = field(default="sparcrag", metadata={"help": "sparcrag, vanilla, parallel or sequential (naive)"})
-    naive_n: int = field(default=3, metadata={"help": "answers (parallel) or attempts (sequential) [App. A.5: D=3]"})
+    preset: str = runs.arg("toy", "toy (toy world, tiny model, CPU) or paper", choices=["toy", "paper"], group="run")
+    train: bool = runs.arg(False, "warm-up (toy), preference pairs, DPO, evaluations")
+    eval: bool = runs.arg(False, "evaluate --model (a checkpoint or the untrained start)")
+    ask: str = runs.arg("", "answer one question with --model and print every agent call")
+    output_dir: str | None = runs.arg(None, "default: runs/<run_name>; --eval: <model>/eval/<data>-<time>")
+    run_name: str | None = runs.arg(None, "a training run's name: sparcrag__<seed>__<time>")
+    resume: bool = runs.arg(False, "continue the run --run_name / --output_dir")
+    dry_run: bool = runs.arg(False, "print the configuration, check its paths, load nothing")
+    report_to: str = runs.arg("none", "tracker", choices=["none", "tensorboard", "wandb"])
+    seed: int = runs.arg(42, "seed of models, sampling and data order [App. A.4: 42]")
+    data_dir: str | None = runs.arg(None, "folder with train/test jsonl (FlashRAG QA)", group="data and models")
+    world: str | None = runs.arg(None, runs.WORLD_HELP)
+    corpus: str | None = runs.arg(None, "corpus jsonl (default: data_dir/corpus.jsonl)")
+    bm25_index: str = runs.arg("", "saved BM25 folder (empty: built over --corpus) [App. A.3]")
+    dense_index: str = runs.arg("", "saved dense retriever folder [App. A.2: BGE-large]")
+    encoder: str | None = runs.arg(None, "dense encoder when --dense_index is empty")
+    model: str | None = runs.arg(None, "the backbone [§4.2: Qwen2.5-7B-Instruct]")
+    llm: str | None = runs.arg(None, "untrained roles: policy [§4.2], toy, hf:<name> or a URL")
+    llm_model: str = runs.arg("", "served model name when --llm is an endpoint URL")
+    templates: str | None = runs.arg(None, "paper (App. D verbatim) or compact", choices=["paper", "compact"])
+    n_train: int | None = runs.arg(None, "training questions (None: all)", low=1)
+    n_eval: int | None = runs.arg(None, "test questions evaluated (None: all) [§4.1: 500]", low=1)
+    question_types: str | None = runs.arg(None, "comma-separated metadata types")
+    width: int = runs.arg(2, "W, branches per round [§4.5: 2]", low=1, group="Algorithm 1 [§3.3, §4.5, App. A]")
+    depth: int | None = runs.arg(None, "D_max, rounds at most [§4.5: 8]", low=1)
+    untuned_depth: int | None = runs.arg(None, "fixed depth of the untuned system [§4.5: 6]", low=1)
+    early_exit: bool = runs.arg(True, "stop on the winner's STOP (false: fixed depth) [§4.5]")
+    top_k: int | None = runs.arg(None, "passages per retrieval [App. A.3: 6]", low=1)
+    temperature: float | None = runs.arg(None, "generation modules [App. A.4: 0.5]", low=0.0)
+    max_new_tokens: int | None = runs.arg(None, "tokens per agent call [App. A.4: 600]", low=1)
+    evaluator_max_tokens: int | None = runs.arg(None, "tokens per evaluator call [A.4: 600]", low=1)
+    dense_only: bool = runs.arg(False, "every query dense (the Tab. 6 ablation)")
+    format_tokens: bool | None = runs.arg(None, "the output formats' tags as single tokens")
+    bootstrap_with_q0: bool = runs.arg(False, "round 1: a dense path on q0 (reading §5.2)")
+    gen_batch_size: int = runs.arg(512, "prompts per generate call (memory only)", low=1)
+    n_samples: int = runs.arg(4, "samples per state [§3.4; ours: 4]", low=1, group="preference pairs [§3.4]")
+    rewrite_pair_temperature: float = runs.arg(1.0, "rewrite samples (ours: §3.4 gives none)", low=0.0)
+    lam: float | None = runs.arg(None, "weight of continue over a wrong stop [§5.2: 2]", low=1.0)
+    correct_by: str | None = runs.arg(None, "answer correctness: acc, em or f1 (>= 0.5)", choices=["acc", "em", "f1"])
+    synthesize_missing: bool = runs.arg(False, "missing side -> canonical decision (ours)")
+    beta: float = runs.arg(0.1, "DPO beta [App. A.4: 0.1]", low=1e-9, group="DPO with LoRA [App. A.4]")
+    reference_free: bool = runs.arg(False, "the paper's equation as printed: no reference")
+    lora_r: int = runs.arg(16, "LoRA rank [App. A.4: 16]", low=1)
+    lora_alpha: int = runs.arg(32, "LoRA alpha [App. A.4: 32]", low=1)
+    lora_dropout: float = runs.arg(0.05, "LoRA dropout [App. A.4: 0.05]", low=0.0, high=1.0)
+    dpo_lr: float = runs.arg(5e-5, "DPO learning rate [App. A.4: 5e-5 (LoRA)]", low=1e-9)
+    dpo_epochs: int | None = runs.arg(None, "DPO epochs (per role: the rewriter's) [A.4: 3]", low=1)
+    rpo_alpha: float = runs.arg(0.0, "+ alpha x the chosen's NLL (RPO; the paper: 0)", low=0.0)
+    role_adapters: bool | None = runs.arg(None, "one LoRA adapter per trained role (ours)")
+    evaluator_epochs: int | None = runs.arg(None, "--role_adapters: the evaluator's epochs", low=1)
+    dpo_batch_size: int = runs.arg(16, "pairs per update [App. A.4: effective 16]", low=1)
+    micro_batch_size: int | None = runs.arg(None, "pairs per forward (accumulation)", low=1)
+    max_length: int = runs.arg(8192, "longest pair sequence kept [App. A.4: 8192]", low=1)
+    warmup: str | None = runs.arg(None, "none (the paper) or teacher", choices=["none", "teacher"], group="warm-up")
+    warmup_widths: str = runs.arg("1,2,4", "widths of the teacher's runs (W in the prompt), comma-separated")
+    teacher_accept_correct: float = runs.arg(0.9, "teacher: P(STOP | correct answer)", low=0.0, high=1.0)
+    teacher_accept_wrong: float = runs.arg(0.6, "teacher: P(STOP | wrong answer)", low=0.0, high=1.0)
+    teacher_duplicate: float = runs.arg(0.5, "teacher: P(near-duplicate rewrite set)", low=0.0, high=1.0)
+    sft_steps: int | None = runs.arg(None, "warm-up SFT steps", low=0)
+    sft_lr: float = runs.arg(2e-3, "warm-up SFT learning rate", low=1e-9)
+    sft_batch_size: int = runs.arg(32, "warm-up SFT batch size", low=1)
+    augment_p: float | None = runs.arg(None, "toy: renaming probability of an SFT example", low=0.0, high=1.0)
+    dpo_augment_p: float | None = runs.arg(None, "toy: renaming probability of a DPO pair", low=0.0, high=1.0)
+    system: str = runs.arg("sparcrag", "--eval: it or a naive one [App. A.5]", choices=SYSTEMS, group="baselines")
+    naive_n: int = runs.arg(3, "answers (parallel) or attempts (sequential) [App. A.5: D=3]", low=1)
 
 
 PRESETS = {  # field: (toy, paper), for the fields left at None; any flag overrides them
@@ -157,12 +150,10 @@ PRESETS = {  # field: (toy, paper), for the fields left at None; any flag overri
     "evaluator_max_tokens": (8, 600),  # [App. A.4]
     "format_tokens": (True, False),  # simplification: single-token tags (header item 4)
     "correct_by": ("em", "acc"),  # simplification: header item 9
-    "dpo_lr": (5e-5, 5e-5),  # [App. A.4]
     "lam": (8.0, 2.0),  # [§5.2, Fig. 6]; simplification: header item 10
     "role_adapters": (True, False),  # simplification: per-role adapters in the toy (header item 11)
     "dpo_epochs": (1, 3),  # [App. A.4: 3]; simplification: the toy rewriter's adapter, 1 epoch (header item 11)
     "evaluator_epochs": (5, 3),  # [App. A.4: 3] with --role_adapters (header item 11)
-    "rewrite_pair_temperature": (1.0, 1.0),  # ours: the paper gives none
     "micro_batch_size": (16, 1),
     "warmup": ("teacher", "none"),  # simplification: the toy's warm-up (header item 2)
     "sft_steps": (800, 0),
@@ -170,25 +161,30 @@ PRESETS = {  # field: (toy, paper), for the fields left at None; any flag overri
     "dpo_augment_p": (1.0, 0.0),
 }
 
+WIDTHS = re.compile(r" *[1-9][0-9]*( *, *[1-9][0-9]*)* *")  # --warmup_widths
+
 
 def apply_preset(args):
-    """Fill the fields left at None from the preset's column and check the choices."""
-    if args.preset not in ("toy", "paper"):
-        raise SystemExit(f"--preset must be one of ['paper', 'toy'], got {args.preset!r}")
-    for key, values in PRESETS.items():
-        if getattr(args, key) is None:
-            setattr(args, key, values[args.preset == "paper"])
+    """Fill the fields left at None from the preset's column; every problem the flags make together, in one line."""
+    for key in [key for key in PRESETS if getattr(args, key) is None]:
+        setattr(args, key, PRESETS[key][args.preset == "paper"])
     args.corpus = args.corpus or str(Path(args.data_dir) / "corpus.jsonl")
-    args.llm = f"toy:{args.data_dir}" if args.llm == "toy" else args.llm  # the toy reader of the world trained on
-    if args.output_dir is None and args.eval:  # next to the model, never over a training run
-        args.output_dir = str(Path(args.model) / "eval") if Path(args.model).is_dir() else "runs/sparcrag-eval"
-    choices = {"templates": TEMPLATES, "correct_by": ("acc", "em", "f1"), "warmup": ("none", "teacher")}
-    for name, allowed in (choices | {"system": ("sparcrag", "vanilla", "parallel", "sequential")}).items():
-        if getattr(args, name) not in allowed:
-            raise SystemExit(f"--{name} must be one of {sorted(allowed)}, got {getattr(args, name)!r}")
-    for name in ("width", "depth", "untuned_depth", "lam"):  # lambda > 1 up-weights a wrong stop [§3.4]
-        if getattr(args, name) < 1:
-            raise SystemExit(f"--{name} must be >= 1, got {getattr(args, name)}")
+    args.world = args.world or runs.toy_world(None, args.data_dir)  # the preset's data_dir may hold one
+    if args.output_dir is None and args.eval:  # its own folder: never an earlier evaluation's, nor a training run's
+        args.output_dir = runs.eval_dir(args, "sparcrag")
+    reads = (args.train or args.eval) and not args.dry_run  # the data (a dry run checks every path itself)
+    checks = {
+        "--train, --eval and --ask are separate modes: choose one": args.train + args.eval + bool(args.ask) > 1,
+        "--resume continues a training run: use it with --train": args.resume and not args.train,
+        f"--system {args.system} is evaluated (--eval), not trained": args.system != "sparcrag" and args.train,
+        f"--warmup_widths {args.warmup_widths!r}: widths >= 1": not WIDTHS.fullmatch(args.warmup_widths),
+        "--warmup teacher needs --sft_steps >= 1 (or --warmup none)": args.warmup == "teacher" and args.sft_steps < 1,
+        "--llm toy reads a toy world: pass --world DIR": args.llm == "toy" and not args.world,
+        f"--data_dir {args.data_dir}: no such folder": reads and not Path(args.data_dir).is_dir(),
+        f"--model {args.model}: not found": not args.dry_run and runs.where_is(args.model) is None,
+    }
+    if problems := [problem for problem, found in checks.items() if found]:
+        raise SystemExit("; ".join(problems))
     return args
 
 
@@ -330,6 +326,7 @@ FORMAT_TOKENS = ["<queries>", "</queries>", "</item>", "<strategy>", "</strategy
 FORMAT_TOKENS += ["<decision>", "</decision>", "<think>", "</think>"] + [f'<item rank="{i}">' for i in range(1, 9)]
 TRAINED = ("rewrite", "evaluate")  # [§3.4] the roles the preference pairs tune
 TEXTS = ("prompt", "chosen", "rejected")  # a preference pair's texts
+TABLE = "em f1 acc avg recall rounds llm_calls tokens generated_tokens incorrect_acceptance".split()  # [§4.1, Fig. 7]
 
 
 def format_passages(hits):
@@ -543,17 +540,17 @@ def new_run(row):
 def sparc_rag(rows, ctx, width, depth, early_exit=True, seed=0):
     """Algorithm 1 for questions advancing together, one call per role per round for all live branches. One run per
     row: answer, rounds, cost, the trace of every agent call, a snapshot per round (depth t of a fixed-depth run)."""
-    runs = [new_run(r) for r in rows]  # m^(0) = "" [Alg. 1 L1]
-    live = list(runs)
+    played = [new_run(r) for r in rows]  # m^(0) = "" [Alg. 1 L1]
+    live = list(played)
     quiet = not PartialState().is_local_main_process or len(rows) < 50
-    for t in tqdm(range(1, depth + 1), desc="rounds", leave=False, disable=quiet):  # [L2]
+    for t in runs.progress(range(1, depth + 1), "rounds", disable=quiet, leave=False):  # [L2]
         branches = distribute(ctx, live, width, t, seed + 10 * t)  # Phase 1 [L3-4]
         explore(ctx, branches, t, seed + 10 * t)  # Phase 2 [L5-10]
         aggregate(ctx, live, branches, t, seed + 10 * t)  # Phase 3 [L11-13]
         live = [run for run in live if not (early_exit and run["stopped"])]  # exit on e_k* = STOP [L14-15]
         if not live:
             break
-    return runs  # a run still live at D_max returns its last winner's answer [§3.3]
+    return played  # a run still live at D_max returns its last winner's answer [§3.3]
 
 
 def distribute(ctx, live, width, t, seed):
@@ -754,6 +751,9 @@ def batch_tensors(seqs, pad_id, device):
 
 
 # --------------------------------------------------------------------------- 9. the toy warm-up (header item 2)
+TEACHER_READS = ("type", "entities", "sub_queries", "sub_answers")  # the toy teacher's metadata (common.toy)
+
+
 def teacher_role(role, args, seed):
     """The warm-up teacher as a trained role's backbone in its templates' format (the paper's: <think> before rewrites,
     a reason before a decision): the toy oracle's rewrites, or STOP at header item 2's rates on EM (the toy truth)."""
@@ -790,9 +790,9 @@ def renamed(texts, world, rng, p):
     return rename_entities(texts, world, rng, popular="keep") if world and rng.random() < p else texts
 
 
-def sft(accelerator, model, tokenizer, examples, args, world):
+def sft(accelerator, model, tokenizer, examples, args, world, out):
     """Cross-entropy on the output, [END] and EOS (runs.sft_step); AdamW, warm-up, linear decay; toy renaming."""
-    rng, warm = random.Random(args.seed), max(1, args.sft_steps // 20)
+    rng, warm, every = random.Random(args.seed), max(1, args.sft_steps // 20), max(1, args.sft_steps // 10)
     optimizer = torch.optim.AdamW(model.parameters(), lr=args.sft_lr, betas=(0.9, 0.98), weight_decay=0.0)
     schedule = lambda s: min((s + 1) / warm, 1 - 0.9 * s / args.sft_steps)  # warm-up, then linear decay to 0.1
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, schedule)
@@ -802,15 +802,15 @@ def sft(accelerator, model, tokenizer, examples, args, world):
     shares = [round(args.sft_batch_size * SFT_SHARES[role]) for role in TRAINED]
     for step in range(args.sft_steps):
         batch = [e for pool, n in zip(pools, shares) for e in rng.sample(pool, min(n, len(pool)))]
-        texts = [[e["prompt"], e["output"]] for e in batch]  # renamed whole on every process: the same draws
-        texts = [renamed(x, world, rng, args.augment_p) for x in texts]
+        # renamed whole on every process: the same draws
+        texts = [renamed([e["prompt"], e["output"]], world, rng, args.augment_p) for e in batch]
         own, weight = runs.own_share(texts, accelerator)  # the batch split over the processes
         seqs = [encode(tokenizer, *x) for x in own]
         ids, mask, attention = batch_tensors(seqs, tokenizer.pad_token_id, accelerator.device)
         labels = ids.masked_fill(mask == 0, -100)  # (B, T): the loss on the output, [END] and EOS only
         loss = runs.sft_step(accelerator, model, optimizer, scheduler, ids, labels, attention, len(ids), weight=weight)
-        if step % 100 == 0 or step + 1 == args.sft_steps:
-            accelerator.print(f"sft step {step + 1}/{args.sft_steps} | loss={loss:.4f}")
+        if step % every == 0 or step + 1 == args.sft_steps:  # sft/loss: the first, every tenth, the last
+            runs.log_update(accelerator, out, {"sft/loss": loss, "sft/step": step + 1}, step + 1)
     return accelerator.unwrap_model(model)
 
 
@@ -914,7 +914,7 @@ def summarize(records, rows):
     return mean(records) | {"groups": {k: {m: v for m, v in mean(g).items() if m in keep} for k, g in groups.items()}}
 
 
-def evaluate(ctx, rows, width, depth, early_exit, system="sparcrag", predictions=None):
+def evaluate(ctx, rows, width, depth, early_exit, predictions=None, system="sparcrag"):
     """A system on the rows (split over the processes, gathered in order); `predictions`: a json line per question."""
     start, args = time.time(), ctx["args"]
     if system == "sparcrag":
@@ -938,8 +938,7 @@ def prediction_of(run, record):
 
 def brief(result):
     """One log line of an evaluation."""
-    keys = ("f1", "em", "recall", "rounds", "tokens", "generated_tokens", "incorrect_acceptance", "overlap")
-    return " ".join(f"{k}={result[k]:.3f}" for k in keys if result.get(k) is not None)
+    return " ".join(f"{k}={result[k]:.3f}" for k in (*TABLE, "overlap") if result.get(k) is not None)
 
 
 # --------------------------------------------------------------------------- 12. train / eval / ask
@@ -947,7 +946,8 @@ def frozen_parts(args):
     """The BM25 and dense retrievers [App. A.3], and the frozen LLM of the untrained roles (None: the backbone)."""
     dense = open_retriever(args.dense_index, args.corpus, args.encoder)
     bm25 = dense if args.dense_only else open_retriever(args.bm25_index, args.corpus, "bm25")
-    llm = None if args.llm == "policy" else make_llm(args.llm, **({"model": args.llm_model} if args.llm_model else {}))
+    served = {"model": args.llm_model} if args.llm_model else {}
+    llm = None if args.llm == "policy" else make_llm(args.llm, world=args.world, **served)
     return {"dense": dense, "bm25": bm25}, llm
 
 
@@ -955,7 +955,7 @@ def load_policy(args, device, model_name=None):
     """The backbone and tokenizer; format_tokens: the formats' tags as single tokens (a toy-lm has no `item`)."""
     # fp32 master weights; without a warm-up only LoRA trains, so a GPU run keeps the frozen base in bf16
     dtype = torch.bfloat16 if device.type == "cuda" and args.warmup == "none" else torch.float32
-    model, tokenizer = load_model_and_tokenizer(model_name or args.model, dtype=dtype, world=args.data_dir)
+    model, tokenizer = load_model_and_tokenizer(model_name or args.model, dtype=dtype, world=args.world)
     new = [t for t in FORMAT_TOKENS if t not in tokenizer.get_vocab()] if args.format_tokens else []
     if new:  # simplification: single-token tags for a model trained from scratch (header item 4)
         tokenizer.add_tokens([AddedToken(w, single_word=w.isalpha(), normalized=False) for w in new])
@@ -972,6 +972,11 @@ def result_record(args, results, steps, wall, pairs=None):
     return record | results | {"after": final, "tokens_per_question": final["tokens"], "pairs": pairs}
 
 
+def saved_state(args, **state):
+    """A checkpoint's run_state.json: its method, data, toy world (--world) and arguments, and `state`."""
+    return {"method": "sparcrag", "data_dir": args.data_dir, "world": args.world, "args": asdict(args)} | state
+
+
 def warm_up(accelerator, args, out, rows, test_rows, llm, retrievers, world, results):
     """The toy's untuned start (header item 2): raw evaluation, teacher runs, SFT, sft/ (resumed: loaded)."""
     state = runs.load_state(out / "sft") if args.warmup == "teacher" else None
@@ -979,39 +984,36 @@ def warm_up(accelerator, args, out, rows, test_rows, llm, retrievers, world, res
     if args.warmup == "none" or state:  # simplification: the toy's warm-up follows (header item 2)
         results["before_sft"] = state and state["before_sft"]
         return policy, tokenizer, state["steps"] if state else 0
+    require_metadata(rows, TEACHER_READS, Path(args.data_dir) / "train.jsonl", "the toy teacher (--warmup teacher)")
     with accelerator.autocast():
         ctx = make_ctx(policy, tokenizer, retrievers, llm, args)
         saved = out / "predictions_raw.jsonl"
-        results["before_sft"] = evaluate(ctx, test_rows, args.width, args.untuned_depth, False, predictions=saved)
+        results["before_sft"] = evaluate(ctx, test_rows, args.width, args.untuned_depth, False, saved)
         accelerator.print(f"raw start (fixed depth {args.untuned_depth}) | {brief(results['before_sft'])}")
         examples = warmup_examples(rows, policy, tokenizer, llm, retrievers, args)
     accelerator.print(f"warm-up: {len(examples)} teacher examples from {len(rows)} questions")
-    policy = sft(accelerator, policy, tokenizer, examples, args, world)
+    policy = sft(accelerator, policy, tokenizer, examples, args, world, out)
     if accelerator.is_main_process:
-        state = {"before_sft": results["before_sft"], "steps": args.sft_steps, "data_dir": args.data_dir}
-        runs.save_checkpoint(out / "sft", policy, tokenizer, state | {"args": asdict(args)})
+        state = saved_state(args, before_sft=results["before_sft"], steps=args.sft_steps)
+        runs.save_checkpoint(out / "sft", policy, tokenizer, state)
     accelerator.wait_for_everyone()
     return policy, tokenizer, args.sft_steps
 
 
 def train(args):
     """Warm-up, the untuned system's evaluations, pairs from its runs, weighted DPO, the tuned evaluation."""
-    start, out = time.time(), runs.start_run(args, "sparcrag", stages=("sft", "dpo"))  # (runs.start: sft/, ppo/)
-    accelerator = runs.make_accelerator(args.report_to, out)
-    out.mkdir(parents=True, exist_ok=True)
-    accelerator.init_trackers(args.run_name, {k: "None" if v is None else v for k, v in asdict(args).items()})
-    set_seed(args.seed)
+    start, (accelerator, out) = time.time(), runs.start(args, "sparcrag", stages=("sft", "dpo"))
     train_rows = sample_rows(load_split(args.data_dir, "train", args.question_types), args.n_train, args.seed)
     test_rows = load_split(args.data_dir, "test", args.question_types)[: args.n_eval]
-    (retrievers, llm), results = frozen_parts(args), {}
+    (retrievers, llm), results, warnings = frozen_parts(args), {}, []
     # simplification: toy renaming (header item 3)
-    world = world_or_none(args.data_dir) if args.augment_p or args.dpo_augment_p else None
+    world = world_or_none(args.world) if args.world and (args.augment_p or args.dpo_augment_p) else None
     policy, tokenizer, n_sft = warm_up(accelerator, args, out, train_rows, test_rows, llm, retrievers, world, results)
     policy.name_or_path = str((out / "sft").resolve()) if args.warmup == "teacher" else args.model  # the LoRA base
     ctx = make_ctx(policy, tokenizer, retrievers, llm, args)
     with accelerator.autocast():  # the untuned system: fixed depth [§4.5]; and with its own stop decisions (ours)
         fixed = out / "predictions_untuned.jsonl"
-        results["before"] = evaluate(ctx, test_rows, args.width, args.untuned_depth, False, predictions=fixed)
+        results["before"] = evaluate(ctx, test_rows, args.width, args.untuned_depth, False, fixed)
         results["before_adaptive"] = evaluate(ctx, test_rows, args.width, args.depth, True)
     accelerator.print("\n".join(f"untuned, {k} | {brief(results[k])}" for k in ("before", "before_adaptive")))
     if (state := runs.load_state(out / "dpo")) is not None:  # resume: tuned
@@ -1024,37 +1026,37 @@ def train(args):
             pairs = [p for ps in gather_object([pairs]) for p in ps]
         counts = dict(Counter(p["role"] for p in pairs) + Counter(f"weight_{p['weight']:g}" for p in pairs))
         accelerator.print(f"pairs: {counts} from {len(train_rows)} training questions")
-        if not pairs:
-            raise SystemExit("no preference pair: every sampled rewrite set tied and every sampled decision agreed")
+        for role in [r for r in TRAINED if r not in counts] if args.role_adapters else ["any role's"] * (not pairs):
+            # every sampled rewrite set tied (or no gold paragraphs to score them), every sampled decision agreed
+            runs.nothing_to_train(accelerator, warnings, "dpo", f"0 {role} preference pairs")
         policy, steps = tune(accelerator, policy, tokenizer, pairs, args, world, out)
-        state = {"pairs": counts, "steps": steps, "data_dir": args.data_dir, "args": asdict(args)}
+        state = saved_state(args, pairs=counts, steps=steps, warnings=warnings)
         if accelerator.is_main_process:
             runs.save_checkpoint(out / "dpo", policy, tokenizer, state)
     with accelerator.autocast():  # the tuned system: adaptive depth, capped at D_max [§4.5]
         ctx = make_ctx(policy, tokenizer, retrievers, llm, args)
-        tuned = out / "predictions_dpo.jsonl"
-        results["after"] = evaluate(ctx, test_rows, args.width, args.depth, True, predictions=tuned)
-    accelerator.print(f"tuned, adaptive (cap {args.depth}) | {brief(results['after'])}")
+        results["after"] = evaluate(ctx, test_rows, args.width, args.depth, True, out / "predictions_dpo.jsonl")
     evaluations = {"stage": "eval"} | {k: results[k] for k in ("before", "before_adaptive", "after")}
     runs.append_metrics(out / "metrics.jsonl", evaluations, accelerator.is_main_process)
     accelerator.end_training()
-    steps = {"sft": n_sft, "dpo": state["steps"]}
-    record = result_record(args, results, steps, time.time() - start, state["pairs"])
-    runs.write_results(out, record, accelerator.is_main_process)
+    results["warnings"] = state.get("warnings", [])  # the stages that trained on nothing (runs.nothing_to_train)
+    record = result_record(args, results, {"sft": n_sft, "dpo": state["steps"]}, time.time() - start, state["pairs"])
+    runs.write_results(out, record, accelerator.is_main_process, TABLE)
 
 
 def run_eval(args):
     """Evaluate --model as one system (--system, --width, --depth, --early_exit) on the test split."""
     start, (accelerator, out) = time.time(), runs.start_eval(args)
+    accelerator.print(f"evaluation folder: {out}")
     rows = load_split(args.data_dir, "test", args.question_types)[: args.n_eval]  # a bad data file fails first
     policy, tokenizer = load_policy(args, accelerator.device)
     ctx = make_ctx(policy, tokenizer, *frozen_parts(args), args)
     with accelerator.autocast():
         saved = out / "predictions_eval.jsonl"
-        result = evaluate(ctx, rows, args.width, args.depth, args.early_exit, args.system, saved)
+        result = evaluate(ctx, rows, args.width, args.depth, args.early_exit, saved, args.system)
     accelerator.print(f"eval {result['setting']} | {brief(result)}")
-    record = result_record(args, {"before": result}, {"sft": 0, "dpo": 0}, time.time() - start)
-    runs.write_results(out, record, accelerator.is_main_process)
+    record = result_record(args, {"before": result, "warnings": []}, {"sft": 0, "dpo": 0}, time.time() - start)
+    runs.write_results(out, record, accelerator.is_main_process, TABLE)
 
 
 def ask(args):
@@ -1074,7 +1076,7 @@ def ask(args):
 def main(argv=None):
     """Parse the flags, fill the preset, dispatch on the mode."""
     untrained = "the raw toy-lm writes no valid rewrite (the tuned model: runs/<run_name>/dpo)"
-    args = apply_preset(runs.parse_args(Args, argv, untrained))
+    args = apply_preset(runs.parse_args(Args, argv, untrained, "sparcrag", PRESETS))
     (runs.dry_run if args.dry_run else train if args.train else run_eval if args.eval else ask)(args)
 
 

@@ -303,11 +303,12 @@ def dry_run(args):
     print("dry run: configuration resolved, every path found, nothing loaded")
 
 
-def start(args, method):
-    """A training run's accelerator and folder: start_run, make_accelerator, the trackers, the global seed."""
+def start(args, method, stages=("sft", "ppo")):
+    """A training run's accelerator and folder: start_run (`stages`: its checkpoint folders), make_accelerator, the
+    trackers, the global seed."""
     from transformers import set_seed
 
-    out = start_run(args, method)
+    out = start_run(args, method, stages)
     accelerator = make_accelerator(args.report_to, out)
     out.mkdir(parents=True, exist_ok=True)
     config = {k: "None" if v is None else v for k, v in asdict(args).items()}

@@ -492,8 +492,8 @@ def sparcrag_args(**flags):
     import sparcrag
 
     world = str(Path(__file__).resolve().parents[1] / "data" / "toy")
-    flags = dict(preset="paper", model=TINY_LM, data_dir=world, encoder="tfidf", llm="toy", lora_dropout=0.0) | flags
-    return sparcrag.apply_preset(sparcrag.Args(**flags))
+    base = dict(preset="paper", model=TINY_LM, data_dir=world, world=world, encoder="tfidf", llm="toy", lora_dropout=0)
+    return sparcrag.apply_preset(sparcrag.Args(**base | flags))
 
 
 def sparcrag_dpo(accelerator, **flags):
@@ -532,6 +532,7 @@ def sparcrag_dpo_stage(accelerator):
 def sparcrag_sft(accelerator):
     """The toy warm-up's SFT (sparcrag.sft) with SGD at lr 1: a batch of 3 examples (shares of 2 and 1), then one of 1
     (the second process a stand-in at weight 0)."""
+    import tempfile
     from dataclasses import replace
 
     import sparcrag
@@ -545,8 +546,9 @@ def sparcrag_sft(accelerator):
     sparcrag.runs.sft_step = lambda *a, **kw: losses.append(sft_step(*a, **kw)) or losses[-1]
     try:
         args = sparcrag_args(preset="toy", sft_steps=1, sft_batch_size=4)  # the toy's warm-up, its shares 3 and 1
-        model = sparcrag.sft(accelerator, model, tokenizer, examples, args, None)
-        model = sparcrag.sft(accelerator, model, tokenizer, examples, replace(args, sft_batch_size=1), None)
+        with tempfile.TemporaryDirectory() as out:  # its metrics.jsonl (sft/loss)
+            model = sparcrag.sft(accelerator, model, tokenizer, examples, args, None, out)
+            model = sparcrag.sft(accelerator, model, tokenizer, examples, replace(args, sft_batch_size=1), None, out)
     finally:
         torch.optim.AdamW, sparcrag.runs.sft_step = adamw, sft_step
     return {"loss": torch.tensor(losses, dtype=torch.float64), "grad": before - trained(model)}

@@ -751,7 +751,7 @@ def test_sparcrag_paper_preset_prints_every_value_pinned_to_the_paper(capsys):
         "evaluator_epochs": 3,  # [App. A.4: 3] (used with --role_adapters only)
     }
     assert {k: config[k] for k in paper} == paper
-    ignored = """preset train eval ask output_dir run_name resume dry_run report_to data_dir corpus bm25_index
+    ignored = """preset train eval ask output_dir run_name resume dry_run report_to data_dir world corpus bm25_index
     dense_index llm_model question_types gen_batch_size synthesize_missing sft_lr sft_batch_size warmup_widths
     teacher_accept_correct teacher_accept_wrong teacher_duplicate""".split()  # modes, paths, memory, the toy warm-up
     assert set(config) == set(paper) | set(ignored)  # every printed value pinned or named here

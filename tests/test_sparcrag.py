@@ -792,52 +792,68 @@ TINY = [
 ]
 
 
+def own_questions(folder, n, splits=("test",), keep=("id", "question", "golden_answers")):
+    """A FlashRAG folder of one's own: the first n toy questions of each split without metadata, no world.json."""
+    folder.mkdir()
+    for split in splits:
+        rows = [json.loads(line) for line in (ROOT / f"data/toy/{split}.jsonl").read_text().splitlines()[:n]]
+        (folder / f"{split}.jsonl").write_text("".join(json.dumps({k: r[k] for k in keep}) + "\n" for r in rows))
+    return folder
+
+
 def test_toy_train_then_resume_then_eval_and_ask(tmp_path, capsys):
     out = tmp_path / "run"
-    stdout = run(["--train", "--output_dir", str(out), *TINY], capsys)
+    stdout = run(["--train", "--output_dir", str(out), "--report_to", "tensorboard", *TINY], capsys)
     results = check_contract(out, stdout)
     assert results["train_steps"]["sft"] == 6 and results["train_steps"]["dpo"] >= 1 and results["n_eval"] == 6
     assert {"before_sft", "before", "before_adaptive", "after"} <= set(results)
     assert results["before"]["setting"] == {"system": "sparcrag", "width": 2, "depth": 2, "early_exit": False}
     assert results["after"]["setting"]["early_exit"] and results["pairs"]
     assert results["tokens_per_question"] == results["after"]["tokens"] > results["after"]["generated_tokens"] > 0
+    # a role without pairs trains its adapter on nothing: one warning line, kept in results.json
+    empty = [role for role in ("rewrite", "evaluate") if role not in results["pairs"]]
+    assert results["warnings"] == [f"dpo: 0 {role} preference pairs" for role in empty]
+    assert all(f"warning: dpo trained on nothing (0 {role} preference pairs)" in stdout for role in empty)
     metrics = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
     assert [m["step"] for m in metrics if "step" in m] == list(range(1, results["train_steps"]["dpo"] + 1))
+    assert [m["sft/step"] for m in metrics if "sft/loss" in m] == [1, 2, 3, 4, 5, 6]  # the SFT loss, each step
+    assert list((out / "tensorboard").rglob("events.out.tfevents*"))  # the curves under the run folder
     assert (out / "dpo" / "adapter_config.json").is_file() and (out / "sft" / "model.safetensors").is_file()
+    for stage in ("sft", "dpo"):  # a checkpoint records its method and the toy world its toy-lm was built on
+        state = json.loads((out / stage / "run_state.json").read_text())
+        assert (state["method"], state["world"], state["data_dir"]) == ("sparcrag", "data/toy", "data/toy")
     base = json.loads((out / "dpo" / "adapter_config.json").read_text())["base_model_name_or_path"]
     assert Path(base) == (out / "sft").resolve()  # the adapter's base is the warmed-up model, not the raw toy-lm
     for stage, key in (("raw", "before_sft"), ("untuned", "before"), ("dpo", "after")):
         lines = [json.loads(line) for line in (out / f"predictions_{stage}.jsonl").read_text().splitlines()]
         assert len(lines) == 6 and sum(r["f1"] for r in lines) / 6 == pytest.approx(results[key]["f1"])
         assert {"id", "question", "golden_answers", "prediction", "trajectory", "rounds", "tokens"} <= set(lines[0])
+    # the run ends with the table of the paper's headline rows, then the paths, then RESULT
+    end = stdout.strip().splitlines()[-15:]
+    assert [line.split()[0] for line in end[:11]] == ["start", *sparcrag.TABLE], end
+    assert end[11:14] == [f"results: {out / 'results.json'}", f"checkpoint: {out / 'dpo'}",
+                          f"predictions: {out / 'predictions_dpo.jsonl'}"]  # fmt: skip
     with pytest.raises(SystemExit, match="pass --resume or another --run_name"):
         run(["--train", "--output_dir", str(out), *TINY], capsys)
     again = run(["--train", "--output_dir", str(out), "--resume", *TINY], capsys)  # neither SFT nor DPO redone
-    assert "sft step" not in again and "losses/dpo" not in again
+    assert "sft/loss" not in again and "losses/dpo" not in again
     assert check_contract(out, again)["after"]["f1"] == results["after"]["f1"]
-    evaluated = tmp_path / "eval"
-    stdout = run(
-        [
-            "--eval",
-            "--model",
-            str(out / "dpo"),
-            "--output_dir",
-            str(evaluated),
-            "--n_eval",
-            "6",
-            "--depth",
-            "2",
-            "--max_new_tokens",
-            "96",
-            "--seed",
-            "0",
-        ],
-        capsys,
-    )
-    after = check_contract(evaluated, stdout)["after"]
-    assert (after["f1"], after["tokens"]) == (results["after"]["f1"], results["after"]["tokens"])
+    assert check_contract(out, again)["warnings"] == results["warnings"]
+    flags = ["--eval", "--model", str(out / "dpo"), "--n_eval", "6", "--depth", "2", "--max_new_tokens", "96"]
+    folders = []
+    for _ in range(2):  # each evaluation its own folder, printed; never the earlier one's
+        stdout = run([*flags, "--seed", "0"], capsys)
+        folders.append(Path(stdout.split("evaluation folder: ")[1].split()[0]))
+        after = check_contract(folders[-1], stdout)["after"]
+        assert (after["f1"], after["tokens"]) == (results["after"]["f1"], results["after"]["tokens"])
+    assert folders[0] != folders[1] and folders[0].parent == folders[1].parent == out / "dpo" / "eval"
+    assert (folders[0] / "predictions_eval.jsonl").is_file() and stdout.count("evaluation folder") == 1
     with pytest.raises(SystemExit, match="training"):
         run(["--eval", "--model", str(out / "dpo"), "--output_dir", str(out)], capsys)
+    # one's own questions (no world.json, no metadata): the checkpoint's world serves its toy-lm and the toy reader
+    mine = own_questions(tmp_path / "mine", 3)
+    stdout = run([*flags[:3], "--data_dir", str(mine), "--corpus", str(ROOT / "data/toy/corpus.jsonl")], capsys)
+    assert check_contract(Path(stdout.split("evaluation folder: ")[1].split()[0]), stdout)["n_eval"] == 3
     stdout = run(["--ask", "what is the birthplace of qqzzyx ?", "--model", str(out / "dpo"), "--depth", "1"], capsys)
     assert "warning: words the model's tokenizer does not know (read as <unk>): qqzzyx" in stdout
     assert (
@@ -848,54 +864,112 @@ def test_toy_train_then_resume_then_eval_and_ask(tmp_path, capsys):
 
 
 def test_eval_of_the_naive_baselines_and_a_flashrag_folder_without_metadata(tmp_path, capsys):
-    folder = tmp_path / "flashrag"
-    folder.mkdir()
-    rows = [json.loads(line) for line in (ROOT / "data/toy/test.jsonl").read_text().splitlines()[:4]]
-    keep = ("id", "question", "golden_answers")
-    (folder / "test.jsonl").write_text("".join(json.dumps({k: r[k] for k in keep}) + "\n" for r in rows))
-    from common.toy_lm import load_toy_lm
-
-    model, tokenizer = load_toy_lm(TINY_LM, world=ROOT / "data/toy")  # a saved model carries its vocabulary
-    model.save_pretrained(tmp_path / "model")
-    tokenizer.save_pretrained(tmp_path / "model")
-    flags = [
-        "--model",
-        str(tmp_path / "model"),
-        "--corpus",
-        str(ROOT / "data/toy/corpus.jsonl"),
-        "--llm",
-        "toy:data/toy",
-    ]
+    folder = own_questions(tmp_path / "flashrag", 4)
+    flags = ["--model", TINY_LM, "--corpus", str(ROOT / "data/toy/corpus.jsonl"), "--data_dir", str(folder)]
+    with pytest.raises(SystemExit, match="^--llm toy reads a toy world: pass --world DIR$"):
+        sparcrag.main(["--eval", *flags])  # the toy reader and the toy-lm need the world of their vocabulary
+    flags += ["--world", "data/toy"]
     for system, calls in (("vanilla", 1), ("parallel", 3), ("sequential", None)):
         out = tmp_path / system
-        stdout = run(
-            ["--eval", "--data_dir", str(folder), "--system", system, "--output_dir", str(out), *flags], capsys
-        )
+        stdout = run(["--eval", "--system", system, "--output_dir", str(out), *flags], capsys)
         results = check_contract(out, stdout)
         assert results["n_eval"] == 4 and results["after"]["recall"] is None  # no gold paragraphs: no recall
         assert results["retrievals_per_question"] == 1 and (
             calls is None or results["llm_calls_per_question"] == calls
         )
     out = tmp_path / "sparc"
-    stdout = run(["--eval", "--data_dir", str(folder), "--output_dir", str(out), "--depth", "1", *flags], capsys)
+    stdout = run(["--eval", "--output_dir", str(out), "--depth", "1", *flags], capsys)
     assert check_contract(out, stdout)["llm_calls_per_question"] == 9
+
+
+def test_own_questions_train_without_a_warm_up_and_the_teacher_names_the_metadata_it_reads(tmp_path, capsys):
+    from common.data import DataError
+
+    mine = own_questions(tmp_path / "mine", 4, ("train", "test"))
+    flags = ["--data_dir", str(mine), "--world", "data/toy", "--corpus", str(ROOT / "data/toy/corpus.jsonl")]
+    flags += ["--model", TINY_LM, "--n_eval", "2", "--depth", "1", "--untuned_depth", "1", "--max_new_tokens", "24"]
+    reads = "'type', 'entities', 'sub_queries', 'sub_answers', which the toy teacher \\(--warmup teacher\\) needs"
+    with pytest.raises(DataError, match=f"train.jsonl: row .* has no metadata {reads}"):
+        sparcrag.main(["--train", "--output_dir", str(tmp_path / "teacher"), *flags])
+    out = tmp_path / "run"
+    stdout = run(["--train", "--warmup", "none", "--output_dir", str(out), *flags], capsys)
+    results = check_contract(out, stdout)  # no gold paragraphs: no rewrite pair, and a warning that says so
+    assert results["train_steps"]["sft"] == 0 and "dpo: 0 rewrite preference pairs" in results["warnings"]
 
 
 @pytest.mark.parametrize(
     "flags, message",
     [
-        (["--train", "--preset", "nope"], "--preset must be one of"),
-        (["--train", "--correct_by", "x"], "--correct_by must be one of"),
-        (["--eval", "--system", "x"], "--system must be one of"),
-        (["--eval", "--width", "0"], "--width must be >= 1"),
-        (["--train", "--lam", "0.5"], "--lam must be >= 1"),
-        ([], "choose a mode"),
-        (["--ask", "who ?"], "--ask needs --model"),
+        (["--train", "--preset", "nope"], "argument --preset: invalid choice: 'nope' (choose from 'toy', 'paper')"),
+        (["--train", "--correct_by", "x"], "argument --correct_by/--correct-by: invalid choice: 'x'"),
+        (["--eval", "--system", "x"], "argument --system: invalid choice: 'x' (choose from 'sparcrag', 'vanilla'"),
+        (["--eval", "--width", "0"], "--width 0: must be >= 1"),
+        (["--train", "--lam", "0.5"], "--lam 0.5: must be >= 1.0"),
+        (["--train", "--n_train", "-5"], "--n_train -5: must be >= 1"),
+        (["--train", "--teacher_accept_wrong", "1.5"], "--teacher_accept_wrong 1.5: must be in [0.0, 1.0]"),
+        (["--train", "--dpo_lr", "0"], "--dpo_lr 0.0: must be >= 1e-09"),
+        (["--train", "--depth", "two"], "argument --depth: invalid int value: 'two'"),
     ],
 )
-def test_bad_flags_are_clear_errors(flags, message):
+def test_a_bad_flag_value_is_one_line_naming_it_and_exit_2(flags, message, capsys):
+    with pytest.raises(SystemExit) as exit_info:
+        sparcrag.main(flags)
+    (line,) = capsys.readouterr().err.splitlines()  # one line, never the whole usage
+    assert exit_info.value.code == 2 and line.startswith(f"error: {message}")
+
+
+def test_every_problem_of_a_flag_combination_in_one_line(tmp_path, monkeypatch):
+    with pytest.raises(SystemExit) as exit_info:  # before any work: nothing is trained
+        flags = [
+            "--system",
+            "vanilla",
+            "--warmup_widths",
+            "1,0",
+            "--sft_steps",
+            "0",
+            "--n_train",
+            "1",
+            "--n_eval",
+            "1",
+        ]
+        sparcrag.main(["--train", "--eval", *flags])
+    assert str(exit_info.value) == (
+        "--train, --eval and --ask are separate modes: choose one; --system vanilla is evaluated (--eval), not "
+        "trained; --warmup_widths '1,0': widths >= 1; --warmup teacher needs --sft_steps >= 1 (or "
+        "--warmup none)"
+    )
+    with pytest.raises(SystemExit, match="^--resume continues a training run: use it with --train$"):
+        sparcrag.main(["--eval", "--resume", "--n_eval", "1"])
+    monkeypatch.chdir(tmp_path)
+    with pytest.raises(SystemExit) as exit_info:  # a folder that is not there: never Hugging Face's "Repo id" text
+        sparcrag.main(["--eval", "--model", "runs/nope/dpo", "--data_dir", "nope"])
+    assert str(exit_info.value) == (
+        "--llm toy reads a toy world: pass --world DIR; --data_dir nope: no such folder; --model runs/nope/dpo: "
+        "not found"
+    )
+    assert not (tmp_path / "runs").exists()  # and no evaluation folder left behind
+
+
+@pytest.mark.parametrize("flags, message", [([], "choose a mode"), (["--ask", "who ?"], "--ask needs --model")])
+def test_a_missing_mode_or_model_is_one_line(flags, message):
     with pytest.raises(SystemExit, match=message):
         sparcrag.main(flags)
+
+
+def test_another_methods_checkpoint_is_refused_naming_both(tmp_path):
+    (tmp_path / "run_state.json").write_text(json.dumps({"method": "tearag", "data_dir": "data/toy"}))
+    with pytest.raises(SystemExit, match=f"^--model {tmp_path} is a tearag checkpoint, not a sparcrag one$"):
+        sparcrag.main(["--eval", "--model", str(tmp_path)])
+    (tmp_path / "run_state.json").write_text(json.dumps({"args": {"model": "x", "ppo_iterations": 3}}))  # unmarked
+    with pytest.raises(SystemExit, match="is another method's checkpoint, not a sparcrag one"):
+        sparcrag.main(["--ask", "who ?", "--model", str(tmp_path)])
+
+
+def test_progress_bars_are_the_projects_which_write_to_a_log_rarely(monkeypatch):
+    bars = []
+    monkeypatch.setattr(sparcrag.runs, "progress", lambda it, desc, **kw: bars.append(desc) or it)
+    sparcrag.sparc_rag([ROW], scripted_ctx([]), 2, 1)
+    assert bars == ["rounds"] and "tqdm" not in (ROOT / "sparcrag.py").read_text()
 
 
 def test_a_malformed_data_file_is_one_line_and_exit_code_2(tmp_path, capsys):
@@ -903,7 +977,8 @@ def test_a_malformed_data_file_is_one_line_and_exit_code_2(tmp_path, capsys):
 
     (tmp_path / "test.jsonl").write_text('{"id": 1, "question": "q", "golden_answers": ["a"]}\n{"id": 2,\n')
     with pytest.raises(SystemExit) as exit_info:
-        run_main(sparcrag.main, ["--eval", "--data_dir", str(tmp_path), "--output_dir", str(tmp_path / "o")])
+        flags = ["--eval", "--data_dir", str(tmp_path), "--world", "data/toy", "--output_dir", str(tmp_path / "o")]
+        run_main(sparcrag.main, flags)
     assert exit_info.value.code == 2
     assert (
         capsys.readouterr().err.strip() == f"error: {tmp_path / 'test.jsonl'}:2: not valid JSON (Expecting property "
@@ -919,7 +994,7 @@ def test_paper_templates_run_a_few_steps(tmp_path, capsys):
 
 
 def test_trains_on_a_freshly_generated_world_above_its_untrained_start(tmp_path, capsys):
-    """The tokenizer, the toy reader and the renaming come from --data_dir: a world of another seed trains."""
+    """The tokenizer, the toy reader and the renaming come from the world in --data_dir: one of another seed trains."""
     from common.toy import write_world
 
     world = write_world(tmp_path / "world", seed=3, size=0.5)
@@ -927,8 +1002,8 @@ def test_trains_on_a_freshly_generated_world_above_its_untrained_start(tmp_path,
     flags = ["--n_train", "60", "--n_eval", "40", "--sft_steps", "150", "--untuned_depth", "2", "--depth", "2"]
     stdout = run(["--train", "--data_dir", str(world), "--output_dir", str(out), "--seed", "0", *flags], capsys)
     results = check_contract(out, stdout)
-    assert results["dataset"] == str(world) and results["args"]["llm"] == f"toy:{world}"
-    assert json.loads((out / "sft" / "run_state.json").read_text())["data_dir"] == str(world)
+    assert results["dataset"] == str(world) and results["args"]["world"] == str(world)
+    assert json.loads((out / "sft" / "run_state.json").read_text())["world"] == str(world)
 
     # the raw model writes no valid rewrite: every query falls back to the question (dense), and it never stops; the
     # warmed-up one writes its own sub-queries and decisions (150 steps teach the formats, not yet the copying of
@@ -940,3 +1015,18 @@ def test_trains_on_a_freshly_generated_world_above_its_untrained_start(tmp_path,
 
     assert fallback_share("raw") == 1.0 and fallback_share("untuned") < 0.5 and fallback_share("dpo") < 0.5
     assert results["before_sft"]["rounds"] == 2 and results["before"]["incorrect_acceptance"] > 0.5
+
+
+def test_the_smoke_command_of_the_docs_shows_the_training_signal_move(tmp_path, capsys):
+    """docs/sparcrag.md's smoke test as written (its folder under tmp_path): the warm-up's SFT loss falls by more than
+    half, both trained roles get preference pairs, and DPO steps on them."""
+    import re
+
+    docs = (ROOT / "docs" / "sparcrag.md").read_text(encoding="utf-8")
+    command = re.search(r"^python sparcrag\.py (--train .*)$", docs[docs.index("## Smoke test") :], re.M).group(1)
+    stdout = run([*command.split(), "--output_dir", str(tmp_path / "smoke")], capsys)
+    results = check_contract(tmp_path / "smoke", stdout)
+    losses = [float(loss) for loss in re.findall(r"^sft/loss=([0-9.]+) \| sft/step=", stdout, re.M)]
+    assert len(losses) == 11 and losses[-1] < losses[0] / 2, losses
+    assert results["pairs"].get("rewrite", 0) > 0 and results["pairs"].get("evaluate", 0) > 0, results["pairs"]
+    assert results["train_steps"]["dpo"] > 0 and results["warnings"] == []
