@@ -746,7 +746,7 @@ def sft(accelerator, model, tokenizer, examples, args, world, out):
         tensors = sft_batch([(examples[i], f"{args.seed} {step} {i}") for i in own], tokenizer, args, world)
         losses.append(runs.sft_step(accelerator, model, optimizer, scheduler, *tensors, args.micro_batch_size,
                                     args.max_grad_norm, weight))  # fmt: skip
-        if (step + 1) % 100 == 0 or step + 1 == steps:  # the mean loss of the last 100 steps
+        if (step + 1) % 100 == 0 or step + 1 in (1, steps):  # the first step's loss, then the last 100 steps' mean
             stats = {"sft/loss": sum(losses[-100:]) / len(losses[-100:]), "sft/step": step + 1}
             runs.log_update(accelerator, out, stats, step=step + 1)
     return accelerator.unwrap_model(model), steps
@@ -1017,7 +1017,7 @@ def train(args):
     start, (accelerator, out) = time.time(), runs.start(args, "sparkle")  # refuses a checkpoint without --resume
     train_rows = sample_rows(load_split(args.data_dir, "train", args.question_types), args.n_train, args.seed)
     if args.teacher == "oracle":  # simplification: the toy teacher reads the questions' metadata (header 1)
-        require_metadata(train_rows, ("type", "entities", "relations"), f"{args.data_dir}/train.jsonl", "the oracle")
+        require_metadata(train_rows, ("type", "entities", "relations"), args.data_dir, "--teacher oracle")
     test_rows, env = load_split(args.data_dir, "test", args.question_types)[: args.n_eval], environment(args)
     # what every checkpoint records beside its stage's state; warnings: the stages that trained on nothing
     record = dict(warnings=[], method="sparkle", data_dir=args.data_dir, world=args.world, args=asdict(args))
