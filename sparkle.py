@@ -1106,9 +1106,9 @@ def extract_triples(args, batch=64):
 
 def main(argv=None):
     """Parse the flags, fill the preset, dispatch on the mode."""
-    if (flags := runs.parse_flags(Args, argv)).extract_triples:
+    if (flags := runs.parse_flags(Args, argv, PRESETS)).extract_triples:
         return extract_triples(apply_preset(flags))
-    args = apply_preset(runs.parse_args(Args, argv, "the untrained proxy writes no valid action", "sparkle"))
+    args = apply_preset(runs.parse_args(Args, argv, "the untrained proxy writes no valid action", "sparkle", PRESETS))
     (runs.dry_run if args.dry_run else train if args.train else run_eval if args.eval else ask)(args)
 
 

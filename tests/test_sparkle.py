@@ -758,22 +758,26 @@ def test_the_llm_teacher_is_its_own_model_not_the_frozen_llm(toy, tmp_path, monk
     args, env, rows = toy
     made, seen = [], []
     monkeypatch.setattr(sparkle, "make_llm", lambda spec, **kw: made.append((spec, kw)) or "the teacher")
-    monkeypatch.setattr(sparkle, "build_warmup", lambda rows, llm, *_: seen.append(llm) or ([], 0.0))
+    monkeypatch.setattr(sparkle, "build_warmup", lambda rows, llm, *_: seen.append(llm) or stop())
     monkeypatch.setattr(sparkle, "load_proxy", lambda *_: (None, None))
     monkeypatch.setattr(sparkle, "evaluate_stage", lambda *_, **__: {})
     args = replace_args(args, teacher="llm", teacher_model="http://h/v1", teacher_llm_model="Qwen2.5-72B-Instruct")
-    with pytest.raises(SystemExit, match="no warm-up data"):
-        sparkle.warm_up(SimpleNamespace(device="cpu", print=print), args, tmp_path, rows, rows[:2], env, None)
+    with pytest.raises(Stop):
+        sparkle.warm_up(SimpleNamespace(device="cpu"), args, tmp_path, rows, rows[:2], env, None, {"warnings": []})
     assert made == [("http://h/v1", {"model": "Qwen2.5-72B-Instruct"})] and seen == ["the teacher"]
     assert sparkle.PRESETS["teacher_model"] == ("", "hf:Qwen/Qwen2.5-72B-Instruct")  # [§D.3]
-    with pytest.raises(SystemExit, match="no warm-up data"):  # --teacher_model empty: the frozen LLM plays it
-        sparkle.warm_up(SimpleNamespace(device="cpu", print=print), replace_args(args, teacher_model=""), tmp_path,
-                        rows, rows[:2], env, None)  # fmt: skip
+    with pytest.raises(Stop):  # --teacher_model empty: the frozen LLM plays it
+        sparkle.warm_up(SimpleNamespace(device="cpu"), replace_args(args, teacher_model=""), tmp_path, rows, rows[:2],
+                        env, None, {"warnings": []})  # fmt: skip
     assert seen[-1] is env.llm and len(made) == 1
 
 
 class Stop(Exception):
     pass
+
+
+def stop():
+    raise Stop
 
 
 @pytest.mark.parametrize("types", ["", "one_hop,two_hop", "comparison, yes_no", "untyped"])
@@ -793,7 +797,14 @@ def test_the_warm_up_data_comes_from_the_warmup_types_only(toy, types, tmp_path,
     monkeypatch.setattr(sparkle, "build_warmup", build_warmup)
     with pytest.raises(Stop):
         sparkle.warm_up(
-            SimpleNamespace(device="cpu"), replace_args(args, warmup_types=types), tmp_path, rows, rows[:2], env, None
+            SimpleNamespace(device="cpu"),
+            replace_args(args, warmup_types=types),
+            tmp_path,
+            rows,
+            rows[:2],
+            env,
+            None,
+            {},
         )
     if not rows[0]["metadata"]:
         assert seen == rows
