@@ -182,7 +182,7 @@ def apply_preset(args):
     args.world = args.world or runs.toy_world(None, args.data_dir)  # the preset's --data_dir may hold one
     toys = [f"--{k} {v}" for k, v in (("model", args.model), ("llm", args.llm)) if v == "toy" or is_toy_lm(v)]
     if toys and not args.world and not args.extract_triples:
-        raise SystemExit(f"{' and '.join(toys)} read a toy world: pass --world DIR (a folder with world.json)")
+        raise SystemExit(f"{' and '.join(toys)}: no toy world in --data_dir {args.data_dir}; pass --world DIR")
     if args.output_dir is None and args.eval:  # a folder of its own, never over a training run or an evaluation
         args.output_dir = runs.eval_dir(args, "sparkle")
     return args

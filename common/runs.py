@@ -181,6 +181,8 @@ def parse_args(args_class, argv=None, untrained="the untrained start answers at 
     args = parse_flags(args_class, argv, presets)
     if not (args.train or args.eval or args.ask or getattr(args, "dry_run", False)):
         raise SystemExit('choose a mode: --train, --eval or --ask "question" (see --help)')
+    if sum(map(bool, (args.train, args.eval, args.ask))) > 1:
+        raise SystemExit('choose one mode: --train, --eval or --ask "question" (see --help)')
     if args.ask and args.model is None:
         raise SystemExit(f"--ask needs --model: a trained checkpoint (e.g. runs/<run_name>/ppo); {untrained}")
     state = load_state(args.model) if args.model else None

@@ -918,7 +918,7 @@ def test_ones_own_questions_with_the_toy_models_of_world(tmp_path, capsys):
     flags = ["--model", TINY_LM, "--data_dir", str(mine), *kg]
     stdout = run(["--eval", *flags, "--world", "data/toy", "--output_dir", str(tmp_path / "e")], capsys)
     assert check_contract(tmp_path / "e", stdout)["n_eval"] == 4
-    with pytest.raises(SystemExit, match=f"^--model {TINY_LM} and --llm toy read a toy world: pass --world DIR"):
+    with pytest.raises(SystemExit, match=f"^--model {TINY_LM} and --llm toy: no toy world in --data_dir {mine}; pass"):
         run(["--eval", *flags, "--output_dir", str(tmp_path / "e2")], capsys)
     with pytest.raises(SystemExit) as stop:
         runs.run_main(sparkle.main, ["--train", *flags, "--world", "data/toy", "--output_dir", str(tmp_path / "t")])
@@ -970,6 +970,8 @@ def test_a_missing_kg_corpus_and_bad_flags_are_one_line_errors(tmp_path, capsys)
         runs.run_main(sparkle.main, ["--eval", "--model", TINY_LM, "--triples", str(tmp_path / "none.jsonl"),
                                      "--output_dir", str(tmp_path / "e"), "--n_eval", "2"])  # fmt: skip
     assert stop.value.code == 2 and "no KG corpus" in capsys.readouterr().err
+    with pytest.raises(SystemExit, match="^choose one mode: --train, --eval or --ask"):  # never silently one of them
+        sparkle.main(["--train", "--eval"])
     with pytest.raises(SystemExit) as stop:
         sparkle.main(["--train", "--ablation", "no_such"])
     assert stop.value.code == 2 and len(capsys.readouterr().err.splitlines()) == 1
