@@ -42,19 +42,19 @@ from pathlib import Path
 import torch
 from accelerate import PartialState
 from accelerate.utils import gather_object
-from tqdm import tqdm
 
 from common import runs
-from common.data import DataError, load_split, read_jsonl, sample_rows, write_jsonl
+from common.data import DataError, load_split, read_jsonl, require_metadata, sample_rows, write_jsonl
 from common.llm import backbone_of, chat_prompts, generate, right_pad, unknown_words
 from common.metrics import answer_scores, doc_recall, f1_score, summarize
-from common.models import load_model_and_tokenizer, make_llm
+from common.models import is_toy_lm, load_model_and_tokenizer, make_llm
 from common.retrieval import TfidfEncoder, load_corpus, open_retriever
 from common.runs import arg, cosine
-from common.toy import RenamingEnv, rename_entities, rename_rows, world_or_none
+from common.toy import RenamingEnv, load_world, rename_entities, rename_rows
 from common.toy import sparkle_oracle_text as oracle_text
 
 ABLATIONS = ["none", "no_rd", "no_qf", "direct_qf", "no_ki", "direct_ki"]
+TABLE = ("em", "f1", "acc", "reward", "recall", "retrievals", "steps", "llm_calls", "generated_tokens", "latency_s")
 
 
 @dataclass
@@ -65,7 +65,7 @@ class Args:
     eval: bool = arg(False, "evaluate --model (a checkpoint or the untrained start)")
     ask: str = arg("", "answer one question with --model and print the trajectory")
     extract_triples: bool = arg(False, "write the KG corpus --triples of --corpus with --llm (real corpora) [§D.3]")
-    output_dir: str | None = arg(None, "results, metrics, checkpoints (default: runs/<run_name> or <model>/eval)")
+    output_dir: str | None = arg(None, "results, metrics, checkpoints (default: runs/<run_name>, <model>/eval/...)")
     run_name: str | None = arg(None, "a training run's name (default: sparkle__<seed>__<time>)")
     resume: bool = arg(False, "continue the run --run_name / --output_dir from its last checkpoint")
     dry_run: bool = arg(False, "print the resolved configuration, check its paths and models, load nothing")
@@ -73,6 +73,7 @@ class Args:
     seed: int = arg(0, "seed of models, sampling and data order")
     # data, retriever, models
     data_dir: str | None = arg(None, "folder with train/test jsonl (FlashRAG QA)")
+    world: str | None = arg(None, runs.WORLD_HELP)
     corpus: str | None = arg(None, "FlashRAG corpus jsonl (default: data_dir/corpus.jsonl)")
     triples: str | None = arg(None, "KG corpus jsonl {doc_id, head, relation, tail} (default: data_dir/triples.jsonl)")
     index: str = arg("", "saved retriever folder (python -m common.retrieval build) [§4.1: E5, wiki-18]")
@@ -82,62 +83,62 @@ class Args:
     llm_model: str = arg("", "served model name when --llm is an endpoint URL")
     reasoning_llm: bool = arg(False, "a reasoning LLM: Fig. 7's prompt, steps split at blank lines, \\boxed{} answers")
     templates: str | None = arg(None, "the App. A figures, or compact", choices=["paper", "compact"])
-    n_train: int | None = arg(None, "training questions (None: all) [§D.3: 7,500]")
-    n_eval: int | None = arg(None, "test questions evaluated (None: all) [§4.1: 1,000]")
+    n_train: int | None = arg(None, "training questions (None: all) [§D.3: 7,500]", low=1)
+    n_eval: int | None = arg(None, "test questions evaluated (None: all) [§4.1: 1,000]", low=1)
     question_types: str = arg("", "comma-separated metadata types to keep (empty: all)")
     # agents, loop, tree rollout [§2.2, §3.1, Alg. 1]
-    top_k: int | None = arg(None, "documents per retrieval [§D.3: 10]")
-    n_triples: int | None = arg(None, "candidate triples for KI [§D.3: 20] (impl: 25)")
-    max_context: int = arg(5, "documents in the context: the best new ones, the oldest evicted (impl: 5; header 14)")
-    max_steps: int = arg(12, "LLM reasoning steps in training (impl: 12)")
-    max_steps_eval: int = arg(20, "LLM reasoning steps at test (impl: 20)")
-    max_retrievals: int = arg(5, "retrievals per trajectory (impl: 5)")
-    max_rd_calls: int = arg(8, "Retrieval Decision calls per trajectory in training (impl: 8; at test: max steps)")
-    tree_depth: int | None = arg(None, "L: steps with both RD branches [§D.3: 4]")
+    top_k: int | None = arg(None, "documents per retrieval [§D.3: 10]", low=1)
+    n_triples: int | None = arg(None, "candidate triples for KI [§D.3: 20] (impl: 25)", low=1)
+    max_context: int = arg(5, "documents in the context: the best new ones, oldest out (impl: 5; header 14)", low=1)
+    max_steps: int = arg(12, "LLM reasoning steps in training (impl: 12)", low=1)
+    max_steps_eval: int = arg(20, "LLM reasoning steps at test (impl: 20)", low=1)
+    max_retrievals: int = arg(5, "retrievals per trajectory (impl: 5)", low=0)
+    max_rd_calls: int = arg(8, "RD calls per trajectory in training (impl: 8; at test: the step cap)", low=0)
+    tree_depth: int | None = arg(None, "L: steps with both RD branches [§D.3: 4]", low=0)
     prune: str = arg("context", "prune retrieval branches that leave c_t unchanged [§3.1]", choices=["context", "no"])
     standard_rollout: bool = arg(False, "the w/ Standard Rollout ablation: RD sampled from the first step [Tab. 4]")
-    samples_per_question: int = arg(1, "trajectories (trees) per question and update (impl: 1)")
+    samples_per_question: int = arg(1, "trajectories (trees) per question and update (impl: 1)", low=1)
     ablation: str = arg("none", "w/o RD, QF; w/ Direct QF; w/o KI; w/ Direct KI [Tab. 4]", choices=ABLATIONS)
-    alpha: float = arg(0.3, "R = alpha Recall(c_T) + (1 - alpha) F1(y) [§3.2, §D.3: 0.3] (impl: 0.7)")
-    max_new_tokens: int | None = arg(None, "proxy tokens per action (impl: 160 in training)")
-    max_length: int = arg(2048, "proxy prompt + action tokens, a longer prompt cut (header 15) [Tab. 5, 6: 2048]")
-    llm_max_tokens: int = arg(256, "LLM tokens per step (impl: 256)")
-    gen_batch_size: int = arg(512, "prompts per proxy generate call (memory only)")
+    alpha: float = arg(0.3, "R = alpha Recall(c_T) + (1 - alpha) F1(y) [§3.2, §D.3: 0.3] (impl: 0.7)", low=0, high=1)
+    max_new_tokens: int | None = arg(None, "proxy tokens per action (impl: 160 in training)", low=1)
+    max_length: int = arg(2048, "prompt + action tokens, a longer prompt cut [Tab. 5, 6: 2048] (header 15)", low=2)
+    llm_max_tokens: int = arg(256, "LLM tokens per step (impl: 256)", low=1)
+    gen_batch_size: int = arg(512, "prompts per proxy generate call (memory only)", low=1)
     # warm-up [§D.3, Tab. 5]
     teacher: str | None = arg(None, "the toy oracle, or --teacher_model in the proxy roles", choices=["oracle", "llm"])
     teacher_model: str | None = arg(None, "the llm teacher, as --llm (empty: --llm) [§D.3: Qwen2.5-72B-Instruct]")
     teacher_llm_model: str = arg("", "served model name when --teacher_model is an endpoint URL")
-    teacher_noise: float = arg(0.2, "the toy oracle teacher's probability of a wrong decision")
-    teacher_temperature: float = arg(0.6, "llm teacher sampling temperature")
-    warmup_keep: int = arg(4, "teacher trajectories per question, the successful ones kept [§D.3]")
+    teacher_noise: float = arg(0.2, "the toy oracle teacher's probability of a wrong decision", low=0, high=1)
+    teacher_temperature: float = arg(0.6, "llm teacher sampling temperature", low=0)
+    warmup_keep: int = arg(4, "teacher trajectories per question, the successful ones kept [§D.3]", low=1)
     warmup_select: str | None = arg(None, "all successes, or the cheapest ones", choices=["uniform", "cheapest"])
     warmup_types: str | None = arg(None, "types of the warm-up data, comma-separated (empty: all; header 13)")
-    sft_epochs: float | None = arg(None, "SFT epochs [Tab. 5: 1] (when --sft_steps is 0)")
-    sft_steps: int | None = arg(None, "SFT steps; overrides epochs when > 0")
-    sft_lr: float | None = arg(None, "SFT learning rate [Tab. 5: 5e-6]")
-    sft_batch_size: int | None = arg(None, "SFT batch size [Tab. 5: 64]")
-    micro_batch_size: int | None = arg(None, "sequences per forward pass (gradient accumulation)")
-    augment_p: float | None = arg(None, "toy: entity-renaming probability of an SFT example")
-    rl_augment_p: float = arg(0.0, "toy: renaming probability of a not-popular PPO tree (both presets: 0)")
+    sft_epochs: float | None = arg(None, "SFT epochs [Tab. 5: 1] (when --sft_steps is 0)", low=0)
+    sft_steps: int | None = arg(None, "SFT steps; overrides epochs when > 0", low=0)
+    sft_lr: float | None = arg(None, "SFT learning rate [Tab. 5: 5e-6]", low=0)
+    sft_batch_size: int | None = arg(None, "SFT batch size [Tab. 5: 64]", low=1)
+    micro_batch_size: int | None = arg(None, "sequences per forward pass (gradient accumulation)", low=1)
+    augment_p: float | None = arg(None, "toy: entity-renaming probability of an SFT example", low=0, high=1)
+    rl_augment_p: float = arg(0.0, "toy: renaming probability of a not-popular PPO tree (presets: 0)", low=0, high=1)
     # PPO [§3, App. C, Tab. 6]
-    ppo_iterations: int | None = arg(None, "PPO updates [App. E.1: rewards converge after about 60]")
-    rollout_batch: int | None = arg(None, "questions (trees) per PPO update, over all processes (impl: 64)")
-    ppo_batch_size: int | None = arg(None, "operation samples per minibatch, over all processes [Tab. 6: 1024]")
-    ppo_epochs: int = arg(1, "epochs over each rollout (impl: 1)")
-    policy_lr: float | None = arg(None, "policy learning rate [Tab. 6: 5e-7]")
-    value_lr: float | None = arg(None, "value model learning rate [Tab. 6: 5e-6]")
-    kl_coef: float = arg(0.002, "KL coefficient beta, a per-token penalty in the reward [Tab. 6: 0.002]")
-    gamma: float = arg(1.0, "GAE gamma within an operation (impl: 1)")
-    lam: float = arg(0.95, "GAE lambda (impl: 0.95)")
-    clip: float = arg(0.2, "PPO clip epsilon (impl: 0.2)")
+    ppo_iterations: int | None = arg(None, "PPO updates [App. E.1: rewards converge after about 60]", low=0)
+    rollout_batch: int | None = arg(None, "questions (trees) per PPO update, over all processes (impl: 64)", low=1)
+    ppo_batch_size: int | None = arg(None, "operation samples per minibatch, over all processes [Tab. 6: 1024]", low=1)
+    ppo_epochs: int = arg(1, "epochs over each rollout (impl: 1)", low=1)
+    policy_lr: float | None = arg(None, "policy learning rate [Tab. 6: 5e-7]", low=0)
+    value_lr: float | None = arg(None, "value model learning rate [Tab. 6: 5e-6]", low=0)
+    kl_coef: float = arg(0.002, "KL coefficient beta, a per-token penalty in the reward [Tab. 6: 0.002]", low=0)
+    gamma: float = arg(1.0, "GAE gamma within an operation (impl: 1)", low=0, high=1)
+    lam: float = arg(0.95, "GAE lambda (impl: 0.95)", low=0, high=1)
+    clip: float = arg(0.2, "PPO clip epsilon (impl: 0.2)", low=0)
     code_shaping: bool | None = arg(None, "the authors' code's credit shaping of Eq. 2 (impl; header 12)")
     rd_subsample: bool = arg(False, "the authors' code's RD subsampling: per tree, RD samples down to #QF + #KI")
-    forced_weight: float | None = arg(None, "policy-loss weight of the forced RD answers of Eq. 1 (App. E.4: 1)")
-    vf_coef: float = arg(0.5, "value loss coefficient (impl: 0.5)")
-    value_clip: float = arg(0.2, "value clip around the old values (impl: 0.2); 0: plain MSE")
-    max_grad_norm: float = arg(1.0, "gradient clipping (impl: 1.0)")
+    forced_weight: float | None = arg(None, "policy-loss weight of Eq. 1's forced RD answers (App. E.4: 1)", low=0)
+    vf_coef: float = arg(0.5, "value loss coefficient (impl: 0.5)", low=0)
+    value_clip: float = arg(0.2, "value clip around the old values (impl: 0.2); 0: plain MSE", low=0)
+    max_grad_norm: float = arg(1.0, "gradient clipping (impl: 1.0)", low=0)
     critic_init: str | None = arg(None, "critic backbone: base (impl) or sft", choices=["base", "sft"])
-    eval_every: int = arg(10, "checkpoint every this many PPO updates")
+    eval_every: int = arg(10, "checkpoint every this many PPO updates", low=1)
 
 
 PRESETS = {  # field: (toy, paper), for the fields left at None; any flag overrides them
@@ -172,18 +173,18 @@ PRESETS = {  # field: (toy, paper), for the fields left at None; any flag overri
 
 
 def apply_preset(args):
-    """Fill the fields left at None from the preset's column and check the choices."""
+    """Fill the fields left at None from the preset's column; the toy world of a toy model or reader (--world)."""
     for key, values in PRESETS.items():
         if getattr(args, key) is None:
             setattr(args, key, values[args.preset == "paper"])
     args.corpus = args.corpus or str(Path(args.data_dir) / "corpus.jsonl")
     args.triples = args.triples or str(Path(args.data_dir) / "triples.jsonl")
-    if args.llm == "toy":  # the toy reader of the world being trained on, never data/toy by default
-        args.llm = f"toy:{args.data_dir}"
-    if args.output_dir is None and args.eval:  # --eval writes next to the model, never over a training run's results
-        args.output_dir = str(Path(args.model) / "eval") if Path(args.model).is_dir() else "runs/sparkle-eval"
-    if not 0 <= args.alpha <= 1 or args.samples_per_question < 1 or args.tree_depth < 0:
-        raise SystemExit("--alpha must be in [0, 1], --samples_per_question >= 1 and --tree_depth >= 0")
+    args.world = args.world or runs.toy_world(None, args.data_dir)  # the preset's --data_dir may hold one
+    toys = [f"--{k} {v}" for k, v in (("model", args.model), ("llm", args.llm)) if v == "toy" or is_toy_lm(v)]
+    if toys and not args.world and not args.extract_triples:
+        raise SystemExit(f"{' and '.join(toys)}: no toy world in --data_dir {args.data_dir}; pass --world DIR")
+    if args.output_dir is None and args.eval:  # a folder of its own, never over a training run or an evaluation
+        args.output_dir = runs.eval_dir(args, "sparkle")
     return args
 
 
@@ -537,8 +538,7 @@ def rd_requests(tree, node, path, step, tpl, ablation, both):
 
 
 def rollout(rows, act, env, args, mode, seed=0):
-    """Trajectories of questions, step by step [Alg. 1], a step one LLM, proxy (`act`, per agent) and retriever call.
-    mode: tree (Eq. 1 for the first L steps: RL), standard (RD sampled: warm-up, Tab. 4), greedy / sample (tests)."""
+    """Trajectories [Alg. 1]; mode: tree (Eq. 1 for the first L steps), standard (warm-up, Tab. 4), greedy, sample."""
     testing, tpl, ablation = mode in ("greedy", "sample"), TEMPLATES[args.templates], args.ablation
     depth = args.tree_depth if mode == "tree" and ablation != "no_rd" else 0  # [§3.1] the first L steps (w/o RD: 0)
     max_steps, max_rd = (args.max_steps_eval,) * 2 if testing else (args.max_steps, args.max_rd_calls)  # impl
@@ -704,7 +704,7 @@ def build_warmup(rows, llm, env, args, batch=128):
 
     def per_question(part):
         got, keep, quiet = [], args.warmup_keep, not PartialState().is_local_main_process
-        for s in tqdm(range(0, len(part), batch), desc="warm-up", leave=False, disable=quiet):
+        for s in runs.progress(range(0, len(part), batch), "warm-up", disable=quiet, leave=False):
             rows_s = [dict(r, sample=k) for r in part[s : s + batch] for k in range(keep)]
             trees = rollout(rows_s, teacher_actor(args, llm, args.seed), env, args, "standard", args.seed + s)
             got += [successful_paths(trees[i : i + keep], args.warmup_select) for i in range(0, len(trees), keep)]
@@ -729,7 +729,7 @@ def sft_batch(examples, tokenizer, args, world):
     return ids, labels, right_pad([[1] * len(s[0]) for s in seqs], 0)
 
 
-def sft(accelerator, model, tokenizer, examples, args, world):
+def sft(accelerator, model, tokenizer, examples, args, world, out):
     """Cross-entropy on the warm-up pairs' outputs (runs.sft_step, own shares); Adam (0.9, 0.95), warm-up, cosine."""
     rng = random.Random(args.seed)  # the order, the same on every process
     steps = args.sft_steps or math.ceil(args.sft_epochs * len(examples) / args.sft_batch_size)
@@ -746,8 +746,9 @@ def sft(accelerator, model, tokenizer, examples, args, world):
         tensors = sft_batch([(examples[i], f"{args.seed} {step} {i}") for i in own], tokenizer, args, world)
         losses.append(runs.sft_step(accelerator, model, optimizer, scheduler, *tensors, args.micro_batch_size,
                                     args.max_grad_norm, weight))  # fmt: skip
-        if (step + 1) % 100 == 0 or step + 1 == steps:
-            accelerator.print(f"sft step {step + 1}/{steps} | loss={sum(losses[-100:]) / len(losses[-100:]):.4f}")
+        if (step + 1) % 100 == 0 or step + 1 in (1, steps):  # the first step's loss, then the last 100 steps' mean
+            stats = {"sft/loss": sum(losses[-100:]) / len(losses[-100:]), "sft/step": step + 1}
+            runs.log_update(accelerator, out, stats, step=step + 1)
     return accelerator.unwrap_model(model), steps
 
 
@@ -788,8 +789,7 @@ def gae(rewards, values, gamma, lam):
     """GAE within one operation's action tokens, V after the last token = 0: (A, G = A + V) (impl)."""
     advantages, last, next_values = [0.0] * len(rewards), 0.0, list(values[1:]) + [0.0]
     for m in reversed(range(len(rewards))):
-        last = rewards[m] + gamma * next_values[m] - values[m] + gamma * lam * last
-        advantages[m] = last
+        advantages[m] = last = rewards[m] + gamma * next_values[m] - values[m] + gamma * lam * last
     return advantages, [a + v for a, v in zip(advantages, values)]
 
 
@@ -941,7 +941,7 @@ def evaluate(model, tokenizer, env, rows, args, greedy=True, seed=0, batch=256, 
     """Alg. 1 on the rows (greedy [App. C] or T = 1), batched; a list `predictions` gets each question's path."""
     start, records, trees = time.time(), [], []
     mode, decoding = ("greedy", "greedy") if greedy else ("sample", "sampled")
-    for s in tqdm(range(0, len(rows), batch), desc="eval", leave=False, disable=not PartialState().is_main_process):
+    for s in runs.progress(range(0, len(rows), batch), "eval", not PartialState().is_main_process, leave=False):
         trees += rollout(rows[s : s + batch], proxy_actor(model, tokenizer, args, greedy), env, args, mode, seed + s)
         records += [tree_record(t) for t in trees[s:]]
         if predictions is not None:
@@ -958,8 +958,7 @@ def evaluate_stage(accelerator, out, stage, model, tokenizer, env, rows, args, s
         sampled = evaluate(model, tokenizer, env, rows, args, greedy=False, seed=args.seed + 10_000, predictions=kept)
     if accelerator.is_main_process:
         write_jsonl(out / f"predictions_{stage}.jsonl", kept)
-    accelerator.print(f"{stage} | greedy f1={greedy['f1']:.3f} em={greedy['em']:.3f} recall={greedy['recall']:.3f} "
-                      f"retrievals={greedy['retrievals']:.2f} | sampled f1={sampled['f1']:.3f}")  # fmt: skip
+    accelerator.print(f"{stage}: f1={greedy['f1']:.3f} recall={greedy['recall']:.3f} | sampled f1={sampled['f1']:.3f}")
     if step is not None:
         runs.log_eval(accelerator, out, stage, greedy | {"sampled": sampled}, step)
     return greedy | {"sampled": sampled}
@@ -968,14 +967,14 @@ def evaluate_stage(accelerator, out, stage, model, tokenizer, env, rows, args, s
 # --------------------------------------------------------------------------- 9. train / eval / ask / triples
 def environment(args):
     """The frozen retriever (with the KG corpus) and LLM, seen through each renamed question's names (header 3)."""
-    llm = make_llm(args.llm, **({"model": args.llm_model} if args.llm_model else {}))
+    llm = make_llm(args.llm, world=args.world, **({"model": args.llm_model} if args.llm_model else {}))
     triples = {} if args.ablation in ("no_ki", "direct_ki") else load_triples(args.triples)
     return RenamingEnv(KGRetriever(open_retriever(args.index, args.corpus, args.encoder), triples), llm)
 
 
 def load_proxy(args, device):
     """The proxy LM and its tokenizer: fp32 master weights (bf16 only through autocast, never Adam on bf16)."""
-    return load_model_and_tokenizer(args.model, dtype=torch.float32, device=device, world=args.data_dir)
+    return load_model_and_tokenizer(args.model, dtype=torch.float32, device=device, world=args.world)
 
 
 def rollout_stats(trees, samples):
@@ -990,12 +989,13 @@ def rollout_stats(trees, samples):
     return out | {f"credit/{a}": mean([s["credit"] for s in samples if s["agent"] == a]) for a in AGENTS}  # [Eq. 2]
 
 
-def warm_up(accelerator, args, out, train_rows, test_rows, env, world):
-    """The proxy after the warm-up SFT [§D.3], trained now or loaded from the run's sft/ checkpoint (--resume)."""
+def warm_up(accelerator, args, out, train_rows, test_rows, env, world, record):
+    """The proxy after the warm-up SFT [§D.3] (trained, or loaded from sft/ with --resume) and the run's steps."""
     sft_dir = out / "sft"
     if (state := runs.load_state(sft_dir)) is not None:
         policy, tokenizer = load_proxy(replace(args, model=str(sft_dir)), accelerator.device)
-        return policy, tokenizer, state["before_sft"], state["steps"]
+        record["warnings"] += state["warnings"]
+        return policy, tokenizer, state["before_sft"], {"sft": state["steps"], "ppo": 0}
     policy, tokenizer = load_proxy(args, accelerator.device)
     before_sft = evaluate_stage(accelerator, out, "raw", policy, tokenizer, env, test_rows, args)
     types = {t.strip() for t in args.warmup_types.split(",") if t.strip()}  # simplification: header 13
@@ -1004,24 +1004,25 @@ def warm_up(accelerator, args, out, train_rows, test_rows, env, world):
     teacher = make_llm(args.teacher_model, **served) if args.teacher == "llm" and args.teacher_model else env.llm
     examples, solved = build_warmup(rows, teacher, env, args)
     accelerator.print(f"warm-up: {dict(Counter(e['agent'] for e in examples))}; {solved:.2f} of the questions solved")
-    if not examples:
-        raise SystemExit("the teacher solved no training question: no warm-up data (check --llm, --teacher, the data)")
-    policy, steps = sft(accelerator, policy, tokenizer, examples, args, world)
+    if not examples:  # the raw proxy goes on to PPO
+        runs.nothing_to_train(accelerator, record["warnings"], "sft", "the teacher solved no question (check --llm)")
+    policy, steps = sft(accelerator, policy, tokenizer, examples, args, world, out) if examples else (policy, 0)
     if accelerator.is_main_process:
-        state = dict(before_sft=before_sft, steps=steps, data_dir=args.data_dir, args=asdict(args))
-        runs.save_checkpoint(sft_dir, policy, tokenizer, state)
-    return policy, tokenizer, before_sft, steps
+        runs.save_checkpoint(sft_dir, policy, tokenizer, dict(record, before_sft=before_sft, steps=steps))
+    return policy, tokenizer, before_sft, {"sft": steps, "ppo": 0}
 
 
 def train(args):
     """Teacher warm-up data, SFT, PPO on binary tree rollouts, evaluation before and after; --resume continues."""
     start, (accelerator, out) = time.time(), runs.start(args, "sparkle")  # refuses a checkpoint without --resume
     train_rows = sample_rows(load_split(args.data_dir, "train", args.question_types), args.n_train, args.seed)
-    test_rows = load_split(args.data_dir, "test", args.question_types)[: args.n_eval]
-    env = environment(args)
-    world = world_or_none(args.data_dir) if args.augment_p or args.rl_augment_p else None  # toy renaming (header 3)
-    policy, tokenizer, before_sft, sft_steps = warm_up(accelerator, args, out, train_rows, test_rows, env, world)
-    steps = {"sft": sft_steps, "ppo": 0}
+    if args.teacher == "oracle":  # simplification: the toy teacher reads the questions' metadata (header 1)
+        require_metadata(train_rows, ("type", "entities", "relations"), args.data_dir, "--teacher oracle")
+    test_rows, env = load_split(args.data_dir, "test", args.question_types)[: args.n_eval], environment(args)
+    # what every checkpoint records beside its stage's state; warnings: the stages that trained on nothing
+    record = dict(warnings=[], method="sparkle", data_dir=args.data_dir, world=args.world, args=asdict(args))
+    world = load_world(args.world) if args.world and (args.augment_p or args.rl_augment_p) else None  # header 3
+    policy, tokenizer, before_sft, steps = warm_up(accelerator, args, out, train_rows, test_rows, env, world, record)
     before = evaluate_stage(accelerator, out, "sft", policy, tokenizer, env, test_rows, args, step=0)
     # ---- PPO: policy and critic with separate optimizers, reference = the SFT proxy, frozen [Tab. 6; impl]
     ref = copy.deepcopy(policy).eval().requires_grad_(False)
@@ -1035,8 +1036,7 @@ def train(args):
     objects = lambda: dict(policy=accelerator.unwrap_model(policy), value=accelerator.unwrap_model(value),
                            optimizers=optimizers, schedulers=schedulers)  # fmt: skip
     if state := runs.load_training(accelerator, out / "ppo", objects(), rng):  # --resume
-        steps["ppo"] = state["iteration"]
-        accelerator.print(f"resumed PPO at iteration {steps['ppo']}")
+        steps["ppo"], record["warnings"] = state["iteration"], state["warnings"]  # the log goes on at iteration + 1
     policy, value, *optimizers = accelerator.prepare(policy, value, *optimizers)
     mode = "standard" if args.standard_rollout else "tree"  # w/ Standard Rollout [Tab. 4]; binary tree [§3.1]
     rd = lambda k: tokenizer.encode(TEMPLATES[args.templates][k], add_special_tokens=False) + [tokenizer.eos_token_id]
@@ -1051,19 +1051,20 @@ def train(args):
         with accelerator.autocast():
             trees = rollout(rows, actor, env, args, mode, args.seed * 100_003 + it * 7919 + accelerator.process_index)
         samples = op_samples(trees, canonical, args.code_shaping, rng if args.rd_subsample else None)
-        stats = rollout_stats(trees, samples) | ppo_update(accelerator, policy, value, ref, optimizers, schedulers,
-                                                           samples, tokenizer.pad_token_id, args)  # fmt: skip
-        stats |= {"iteration": it + 1, "charts/seconds": time.time() - t0}
+        if not (update := ppo_update(accelerator, policy, value, ref, optimizers, schedulers, samples,
+                                     tokenizer.pad_token_id, args)):  # fmt: skip
+            runs.nothing_to_train(accelerator, record["warnings"], f"ppo update {it + 1}", "no credited operation")
+        stats = rollout_stats(trees, samples) | update | {"iteration": it + 1, "charts/seconds": time.time() - t0}
         runs.log_update(accelerator, out, stats, step=it + 1)
         steps["ppo"] = it + 1
         if (it + 1) % args.eval_every == 0 or it + 1 == args.ppo_iterations:
-            state = dict(iteration=it + 1, data_dir=args.data_dir, args=asdict(args))
+            state = dict(record, iteration=it + 1)
             runs.save_training(accelerator, out / "ppo", objects()["policy"], tokenizer, state, objects(), rng)
     policy = accelerator.unwrap_model(policy)
     after = evaluate_stage(accelerator, out, "ppo", policy, tokenizer, env, test_rows, args, step=steps["ppo"])
     accelerator.end_training()
     results = runs.result_record("sparkle", args, before_sft, before, after, steps, time.time() - start)
-    runs.write_results(out, results, accelerator.is_main_process)
+    runs.write_results(out, results | {"warnings": record["warnings"]}, accelerator.is_main_process, TABLE)
 
 
 def run_eval(args):
@@ -1073,7 +1074,7 @@ def run_eval(args):
     policy, tokenizer = load_proxy(args, accelerator.device)
     result = evaluate_stage(accelerator, out, "eval", policy, tokenizer, environment(args), rows, args)
     results = runs.result_record("sparkle", args, None, result, None, {"sft": 0, "ppo": 0}, time.time() - start)
-    runs.write_results(out, results, accelerator.is_main_process)
+    runs.write_results(out, results | {"warnings": []}, accelerator.is_main_process, TABLE)
 
 
 def ask(args):
@@ -1089,9 +1090,9 @@ def ask(args):
 
 def extract_triples(args, batch=64):
     """The KG corpus of --corpus by --llm (impl prompt, zero-shot, greedy), written to --triples [§4.1, §D.3]."""
-    llm = make_llm(args.llm, **({"model": args.llm_model} if args.llm_model else {}))
+    llm = make_llm(args.llm, world=args.world, **({"model": args.llm_model} if args.llm_model else {}))
     docs, rows = load_corpus(args.corpus), []
-    for s in tqdm(range(0, len(docs), batch), desc="triples"):
+    for s in runs.progress(range(0, len(docs), batch), "triples"):
         user = lambda d: {"role": "user", "content": f"Title: {d['title']}\nText: {d['text']}"}
         messages = [[{"role": "system", "content": EXTRACTION_PROMPT}, user(d)] for d in docs[s : s + batch]]
         for doc, reply in zip(docs[s : s + batch], llm.chat(messages, temperature=0.0, max_tokens=512)):
@@ -1105,9 +1106,9 @@ def extract_triples(args, batch=64):
 
 def main(argv=None):
     """Parse the flags, fill the preset, dispatch on the mode."""
-    if (flags := runs.parse_flags(Args, argv)).extract_triples:
+    if (flags := runs.parse_flags(Args, argv, PRESETS)).extract_triples:
         return extract_triples(apply_preset(flags))
-    args = apply_preset(runs.parse_args(Args, argv, "the untrained proxy writes no valid action"))
+    args = apply_preset(runs.parse_args(Args, argv, "the untrained proxy writes no valid action", "sparkle", PRESETS))
     (runs.dry_run if args.dry_run else train if args.train else run_eval if args.eval else ask)(args)
 
 

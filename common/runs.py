@@ -288,7 +288,8 @@ def dry_run(args):
     corpus_read = not (saved and all(saved))  # no corpus is read when every retriever is a saved folder
     files = ("triples", "index", "entity_index", "bm25_index", "dense_index") + (("corpus",) if corpus_read else ())
     paths |= {k: Path(config[k]) for k in files if config.get(k)}
-    where = {k: where_is(config.get(k)) for k in ("model", "llm", "encoder", "reranker", "rewriter", "base_llm")}
+    roles = ("model", "llm", "encoder", "reranker", "rewriter", "base_llm", "teacher_model")  # the specs to find
+    where = {k: where_is(config.get(k)) for k in roles}
     offline = os.environ.get("HF_HUB_OFFLINE", "0").lower() in ("1", "true", "yes", "on")
     for flag, place in [(k, p.exists() and str(p)) for k, p in paths.items()] + [(k, w) for k, w in where.items()]:
         if place and not (offline and place.startswith("hub id, not in")):

@@ -347,17 +347,19 @@ def sparkle_setup(**overrides):
 def sparkle_sft(accelerator, micro=1):
     """sparkle.sft (its loop over runs.sft_step) on the three pairs: one step of a batch of 3 (2 + 1 over two
     processes), then one of a batch of 1 (process 1: a stand-in of weight 0); plain SGD at lr 1, no clipping."""
+    import tempfile
+
     import sparkle
     from common import runs
 
-    model, tokenizer = tiny_lm()
+    model, tokenizer, out = *tiny_lm(), Path(tempfile.mkdtemp())  # out: the SFT loss's metrics.jsonl
     before, losses, step, adam = trained(model), [], runs.sft_step, torch.optim.Adam
     runs.sft_step = lambda *a, **k: losses.append(step(*a, **k)) or losses[-1]
     torch.optim.Adam = lambda params, **_: sgd(params)
     try:
         for size in (3, 1):
             args, examples = sparkle_setup(sft_batch_size=size, sft_steps=1, micro_batch_size=micro, max_grad_norm=1e9)
-            model, _ = sparkle.sft(accelerator, model, tokenizer, examples, args, None)
+            model, _ = sparkle.sft(accelerator, model, tokenizer, examples, args, None, out)
     finally:
         runs.sft_step, torch.optim.Adam = step, adam
     return {"loss": torch.tensor(losses, dtype=torch.float64), "grad": before - trained(model)}

@@ -758,22 +758,26 @@ def test_the_llm_teacher_is_its_own_model_not_the_frozen_llm(toy, tmp_path, monk
     args, env, rows = toy
     made, seen = [], []
     monkeypatch.setattr(sparkle, "make_llm", lambda spec, **kw: made.append((spec, kw)) or "the teacher")
-    monkeypatch.setattr(sparkle, "build_warmup", lambda rows, llm, *_: seen.append(llm) or ([], 0.0))
+    monkeypatch.setattr(sparkle, "build_warmup", lambda rows, llm, *_: seen.append(llm) or stop())
     monkeypatch.setattr(sparkle, "load_proxy", lambda *_: (None, None))
     monkeypatch.setattr(sparkle, "evaluate_stage", lambda *_, **__: {})
     args = replace_args(args, teacher="llm", teacher_model="http://h/v1", teacher_llm_model="Qwen2.5-72B-Instruct")
-    with pytest.raises(SystemExit, match="no warm-up data"):
-        sparkle.warm_up(SimpleNamespace(device="cpu", print=print), args, tmp_path, rows, rows[:2], env, None)
+    with pytest.raises(Stop):
+        sparkle.warm_up(SimpleNamespace(device="cpu"), args, tmp_path, rows, rows[:2], env, None, {"warnings": []})
     assert made == [("http://h/v1", {"model": "Qwen2.5-72B-Instruct"})] and seen == ["the teacher"]
     assert sparkle.PRESETS["teacher_model"] == ("", "hf:Qwen/Qwen2.5-72B-Instruct")  # [§D.3]
-    with pytest.raises(SystemExit, match="no warm-up data"):  # --teacher_model empty: the frozen LLM plays it
-        sparkle.warm_up(SimpleNamespace(device="cpu", print=print), replace_args(args, teacher_model=""), tmp_path,
-                        rows, rows[:2], env, None)  # fmt: skip
+    with pytest.raises(Stop):  # --teacher_model empty: the frozen LLM plays it
+        sparkle.warm_up(SimpleNamespace(device="cpu"), replace_args(args, teacher_model=""), tmp_path, rows, rows[:2],
+                        env, None, {"warnings": []})  # fmt: skip
     assert seen[-1] is env.llm and len(made) == 1
 
 
 class Stop(Exception):
     pass
+
+
+def stop():
+    raise Stop
 
 
 @pytest.mark.parametrize("types", ["", "one_hop,two_hop", "comparison, yes_no", "untyped"])
@@ -793,7 +797,14 @@ def test_the_warm_up_data_comes_from_the_warmup_types_only(toy, types, tmp_path,
     monkeypatch.setattr(sparkle, "build_warmup", build_warmup)
     with pytest.raises(Stop):
         sparkle.warm_up(
-            SimpleNamespace(device="cpu"), replace_args(args, warmup_types=types), tmp_path, rows, rows[:2], env, None
+            SimpleNamespace(device="cpu"),
+            replace_args(args, warmup_types=types),
+            tmp_path,
+            rows,
+            rows[:2],
+            env,
+            None,
+            {},
         )
     if not rows[0]["metadata"]:
         assert seen == rows
@@ -835,13 +846,39 @@ def test_train_hands_the_code_flags_to_the_samples(tmp_path, capsys, monkeypatch
     assert seen == [(shaped, subsampled)] * 2  # one rollout per PPO update (TINY: 2)
 
 
-def test_toy_train_then_eval_and_ask(tmp_path, capsys):
+def own_questions(folder, splits=("test",), n=4):
+    """A FlashRAG folder of one's own questions: the first n toy rows of each split, without metadata."""
+    folder.mkdir()
+    for split in splits:
+        rows = [json.loads(line) for line in (ROOT / f"data/toy/{split}.jsonl").read_text().splitlines()[:n]]
+        kept = [{k: r[k] for k in ("id", "question", "golden_answers")} for r in rows]
+        (folder / f"{split}.jsonl").write_text("".join(json.dumps(r) + "\n" for r in kept))
+    return folder
+
+
+def test_toy_train_then_eval_and_ask(tmp_path, capsys, monkeypatch):
+    from common import runs
+
+    bars, progress = [], runs.progress  # every bar is runs.progress's: at most a line every 30 s in a log
+    monkeypatch.setattr(
+        runs, "progress", lambda items, desc, *a, **k: bars.append(desc) or progress(items, desc, *a, **k)
+    )
     out = tmp_path / "run"
     stdout = run(["--train", "--output_dir", str(out), *TINY], capsys)
     results = check_contract(out, stdout)
     assert results["method"] == "sparkle" and results["train_steps"] == {"sft": 8, "ppo": 2}
     assert {"f1", "em", "recall", "recall_by_step", "queries_by_step", "latency_s", "sampled"} <= set(results["after"])
+    assert results["warnings"] == [] and {"eval", "warm-up"} <= set(bars)
+    # the run ends with the table (headline rows: Recall(c_T), steps and latency beside the answer scores) and paths
+    table = stdout[stdout.rindex("start    before     after") :].splitlines()
+    assert [line.split()[0] for line in table[1:11]] == list(sparkle.TABLE)
+    assert table[11:14] == [f"results: {out / 'results.json'}", f"checkpoint: {out / 'ppo'}",
+                            f"predictions: {out / 'predictions_ppo.jsonl'}"]  # fmt: skip
+    for stage in ("sft", "ppo"):  # a checkpoint names its method and the toy world of its toy-lm and toy reader
+        state = json.loads((out / stage / "run_state.json").read_text())
+        assert (state["method"], state["world"], state["data_dir"]) == ("sparkle", "data/toy", "data/toy")
     metrics = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+    assert [(m["sft/step"], m["sft/loss"] > 0) for m in metrics if "sft/loss" in m] == [(1, True), (8, True)]
     updates = [m for m in metrics if "iteration" in m]
     assert [m["iteration"] for m in updates] == [1, 2] and all(m["rollout/samples"] > 0 for m in updates)
     for stage, result in (("raw", results["before_sft"]), ("sft", results["before"]), ("ppo", results["after"])):
@@ -852,23 +889,78 @@ def test_toy_train_then_eval_and_ask(tmp_path, capsys):
     with pytest.raises(SystemExit, match="pass --resume"):
         run(["--train", "--output_dir", str(out), *TINY], capsys)
     again = run(["--train", "--output_dir", str(out), "--resume", *TINY], capsys)  # neither SFT nor PPO is redone
-    assert "sft step" not in again and "iteration=" not in again
-    stdout = run(
-        ["--eval", "--model", str(out / "ppo"), "--output_dir", str(tmp_path / "eval"), "--n_eval", "8"], capsys
-    )
-    assert outcome(check_contract(tmp_path / "eval", stdout)["after"]) == outcome(results["after"])
-    flashrag = tmp_path / "flashrag"  # a FlashRAG folder whose rows have no metadata: recall 0, F1 still scored
-    flashrag.mkdir()
-    rows = [json.loads(line) for line in (ROOT / "data/toy/test.jsonl").read_text().splitlines()[:4]]
-    (flashrag / "test.jsonl").write_text("".join(json.dumps({k: r[k] for k in ("id", "question", "golden_answers")})
-                                                 + "\n" for r in rows))  # fmt: skip
-    stdout = run(["--eval", "--model", str(out / "ppo"), "--data_dir", str(flashrag), "--corpus",
-                  str(ROOT / "data/toy/corpus.jsonl"), "--triples", str(ROOT / "data/toy/triples.jsonl"), "--llm",
-                  "toy:data/toy", "--output_dir", str(tmp_path / "flashrag_eval")], capsys)  # fmt: skip
-    flash = check_contract(tmp_path / "flashrag_eval", stdout)
-    assert flash["n_eval"] == 4 and flash["after"]["recall"] == 0.0
+    assert "sft/loss" not in again and "iteration=" not in again
+    # two evaluations of one checkpoint: two folders, <model>/eval/<data>-<time>, each printed, neither overwritten
+    evals = [run(["--eval", "--model", str(out / "ppo"), "--n_eval", "8"], capsys) for _ in range(2)]
+    folders = sorted((out / "ppo" / "eval").iterdir())
+    assert len(folders) == 2 and all(f.name.startswith("toy-") for f in folders)
+    for folder, stdout in zip(folders, evals):
+        assert f"results: {folder / 'results.json'}" in stdout
+        assert outcome(check_contract(folder, stdout)["after"]) == outcome(results["after"])
+    # one's own questions (no world.json, no metadata): the checkpoint's world, recall 0, F1 still scored
+    mine = own_questions(tmp_path / "mine")
+    kg = ["--corpus", str(ROOT / "data/toy/corpus.jsonl"), "--triples", str(ROOT / "data/toy/triples.jsonl")]
+    stdout = run(["--eval", "--model", str(out / "ppo"), "--data_dir", str(mine), *kg, "--output_dir",
+                  str(tmp_path / "mine_eval")], capsys)  # fmt: skip
+    flash = check_contract(tmp_path / "mine_eval", stdout)
+    assert flash["n_eval"] == 4 and flash["after"]["recall"] == 0.0 and flash["args"]["world"] == "data/toy"
     stdout = run(["--ask", "what is the birthplace of the director of zekil ?", "--model", str(out / "ppo")], capsys)
     assert "step 0 llm:" in stdout and "leaf" in stdout
+
+
+def test_ones_own_questions_with_the_toy_models_of_world(tmp_path, capsys):
+    """A FlashRAG folder without world.json or metadata: --world names the toy world of the toy-lm and the toy
+    reader; without it one line names --world; --train, whose toy teacher reads metadata, names the fields."""
+    from common import runs
+
+    mine = own_questions(tmp_path / "mine", ("train", "test"))
+    kg = ["--corpus", str(ROOT / "data/toy/corpus.jsonl"), "--triples", str(ROOT / "data/toy/triples.jsonl")]
+    flags = ["--model", TINY_LM, "--data_dir", str(mine), *kg]
+    stdout = run(["--eval", *flags, "--world", "data/toy", "--output_dir", str(tmp_path / "e")], capsys)
+    assert check_contract(tmp_path / "e", stdout)["n_eval"] == 4
+    with pytest.raises(SystemExit, match=f"^--model {TINY_LM} and --llm toy: no toy world in --data_dir {mine}; pass"):
+        run(["--eval", *flags, "--output_dir", str(tmp_path / "e2")], capsys)
+    with pytest.raises(SystemExit) as stop:
+        runs.run_main(sparkle.main, ["--train", *flags, "--world", "data/toy", "--output_dir", str(tmp_path / "t")])
+    err = capsys.readouterr().err.strip()
+    assert stop.value.code == 2 and len(err.splitlines()) == 1
+    assert err.startswith(f"error: {mine}: row 'toy-train-")  # the folder and the first row of the sample
+    assert "has no metadata 'type', 'entities', 'relations', which --teacher oracle needs" in err
+
+
+def test_a_stage_that_trains_on_nothing_warns_and_results_record_it(tmp_path, capsys, monkeypatch):
+    # a teacher that solves no question: no SFT (the raw proxy goes on); rollouts whose operations get no credit
+    monkeypatch.setattr(sparkle, "build_warmup", lambda rows, teacher, env, args: ([], 0.0))
+    monkeypatch.setattr(sparkle, "op_samples", lambda *a: [])
+    out = tmp_path / "run"
+    stdout = run(["--train", "--output_dir", str(out), *TINY, "--n_eval", "2"], capsys)
+    results = check_contract(out, stdout)
+    assert results["train_steps"] == {"sft": 0, "ppo": 2} and results["warnings"] == [
+        "sft: the teacher solved no question (check --llm)",
+        "ppo update 1: no credited operation",
+        "ppo update 2: no credited operation",
+    ]
+    assert "warning: sft trained on nothing (the teacher solved no question (check --llm))" in stdout
+    assert json.loads((out / "sft" / "run_state.json").read_text())["warnings"] == results["warnings"][:1]
+
+
+def test_another_methods_checkpoint_is_refused_in_one_line(tmp_path):
+    folder = tmp_path / "tearag_dpo"
+    folder.mkdir()
+    (folder / "run_state.json").write_text(json.dumps({"method": "tearag", "data_dir": "data/toy", "args": {}}))
+    with pytest.raises(SystemExit, match=f"^--model {folder} is a tearag checkpoint, not a sparkle one$"):
+        sparkle.main(["--eval", "--model", str(folder)])
+
+
+@pytest.mark.parametrize(
+    "flag, value, accepted",
+    [("alpha", "1.5", "in [0, 1]"), ("n_train", "-5", ">= 1"), ("top_k", "0", ">= 1"), ("teacher_noise", "1.5",
+     "in [0, 1]"), ("sft_lr", "-0.001", ">= 0"), ("tree_depth", "-1", ">= 0"), ("rollout_batch", "0", ">= 1")],
+)  # fmt: skip
+def test_a_number_out_of_its_range_is_one_line_exit_2(flag, value, accepted, capsys):
+    with pytest.raises(SystemExit) as stop:
+        sparkle.main(["--train", f"--{flag}", value])
+    assert stop.value.code == 2 and capsys.readouterr().err == f"error: --{flag} {value}: must be {accepted}\n"
 
 
 def test_a_missing_kg_corpus_and_bad_flags_are_one_line_errors(tmp_path, capsys):
@@ -878,10 +970,41 @@ def test_a_missing_kg_corpus_and_bad_flags_are_one_line_errors(tmp_path, capsys)
         runs.run_main(sparkle.main, ["--eval", "--model", TINY_LM, "--triples", str(tmp_path / "none.jsonl"),
                                      "--output_dir", str(tmp_path / "e"), "--n_eval", "2"])  # fmt: skip
     assert stop.value.code == 2 and "no KG corpus" in capsys.readouterr().err
-    with pytest.raises(SystemExit, match="--alpha must be in"):
-        sparkle.main(["--eval", "--model", TINY_LM, "--alpha", "1.5"])
-    with pytest.raises(SystemExit):
+    with pytest.raises(SystemExit, match="^choose one mode: --train, --eval or --ask"):  # never silently one of them
+        sparkle.main(["--train", "--eval"])
+    with pytest.raises(SystemExit) as stop:
         sparkle.main(["--train", "--ablation", "no_such"])
+    assert stop.value.code == 2 and len(capsys.readouterr().err.splitlines()) == 1
+
+
+def test_dry_run_lists_an_uncached_teacher_under_hf_hub_offline(monkeypatch, capsys):
+    from common import runs
+
+    if runs.where_is("Qwen/Qwen2.5-72B-Instruct") == "hub id, in the local cache":
+        pytest.skip("the paper's teacher is cached here")
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    with pytest.raises(SystemExit, match="not found: .*--teacher_model hf:Qwen/Qwen2.5-72B-Instruct \\(a hub id not"):
+        sparkle.main(["--preset", "paper", "--dry_run"])
+
+
+def test_the_docs_smoke_command(tmp_path, capsys):
+    """docs/sparkle.md's smoke command, as written there: the warm-up builds pairs for every agent, the SFT loss falls
+    from its first step, and every PPO update's rollout credits operations."""
+    import ast
+    import re
+    import shlex
+
+    page = (ROOT / "docs/sparkle.md").read_text()
+    command = re.search(r"## Smoke test\n.*?```bash\n(python sparkle\.py [^\n]*)\n```", page, re.S)[1]
+    stdout = run([*shlex.split(command)[2:], "--output_dir", str(tmp_path / "smoke")], capsys)
+    check_contract(tmp_path / "smoke", stdout)
+    pairs = ast.literal_eval(re.search(r"^warm-up: (\{.*?\});", stdout, re.M)[1])
+    assert set(pairs) == {"rd", "qf", "ki"} and min(pairs.values()) > 0
+    metrics = [json.loads(line) for line in (tmp_path / "smoke/metrics.jsonl").read_text().splitlines()]
+    losses = [m["sft/loss"] for m in metrics if "sft/loss" in m]
+    assert len(losses) == 3 and losses[0] > losses[1] > losses[2] and losses[2] < losses[0] / 2, losses
+    updates = [m for m in metrics if "iteration" in m]
+    assert len(updates) == 2 and all(m["rollout/samples"] > 0 and m["ops/qf"] > 0 for m in updates)
 
 
 def test_extract_triples_with_any_llm(tmp_path, monkeypatch, capsys):
@@ -917,5 +1040,5 @@ def test_trains_on_a_freshly_generated_world(tmp_path, capsys):
                   "--sft_steps", "150", "--ppo_iterations", "1", "--rollout_batch", "4",
                   "--question_types", "one_hop,two_hop"], capsys)  # fmt: skip  # the world's plumbing, on easy types
     results = check_contract(out, stdout)
-    assert results["dataset"] == str(world) and results["args"]["llm"] == f"toy:{world}"
+    assert results["dataset"] == str(world) and results["args"]["world"] == str(world)
     assert results["before"]["f1"] > results["before_sft"]["f1"] and results["before"]["recall"] > 0
