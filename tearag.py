@@ -62,8 +62,7 @@ from common.toy import load_world, rename_entities
 
 @dataclass
 class Args:
-    # experiment
-    preset: str = arg("toy", "toy (built-in toy world, tiny model, CPU) or paper", choices=["toy", "paper"])
+    preset: str = arg("toy", "toy (toy world, tiny model, CPU) or paper", choices=["toy", "paper"], group="run")
     train: bool = arg(False, "SFT, then the IP-DPO rounds, then evaluation")
     eval: bool = arg(False, "evaluate --model (a checkpoint or the untrained start)")
     ask: str = arg("", "answer one question with --model and print the reasoning path")
@@ -74,8 +73,7 @@ class Args:
     report_to: str = arg("none", "tracker beside metrics.jsonl", choices=["none", "tensorboard", "wandb"])
     seed: int = arg(0, "seed of models, sampling and data order")
     world: str | None = arg(None, runs.WORLD_HELP)
-    # data, retrieval system, model
-    data_dir: str | None = arg(None, "folder of the QA splits (FlashRAG jsonl)")
+    data_dir: str | None = arg(None, "folder of the QA splits (FlashRAG jsonl)", group="data, retrieval system, model")
     corpus: str | None = arg(None, "chunk corpus jsonl (default: data_dir/corpus.jsonl)")
     triples: str | None = arg(None, "graph: jsonl of {doc_id, head, relation, tail} (default: data_dir/triples.jsonl)")
     index: str = arg("", "saved chunk retriever folder (python -m common.retrieval build)")
@@ -91,8 +89,8 @@ class Args:
     dpo_types: str = arg("", "metadata types of the IP-DPO questions (empty: all)")
     n_dpo: int | None = arg(None, "IP-DPO questions, the same each round (None: all) [Tab. 2: 10,000]", low=1)
     n_eval: int | None = arg(None, "test questions evaluated (None: all)", low=1)
-    # retrieval [§4.2.3-4.2.5, §5.1.3]
-    retrieval: str = arg("ppr", "ppr (TeaRAG) or a Table 7 variant", choices=["ppr", "semantic", "graph", "concat"])
+    retrieval: str = arg("ppr", "ppr (TeaRAG) or a Table 7 variant", choices=["ppr", "semantic", "graph", "concat"],
+                         group="retrieval [§4.2.3-4.2.5, §5.1.3]")  # fmt: skip
     chunk_candidates: int = arg(20, "dense chunk candidates before reranking [§5.1.3: 20]", low=1)
     k_d: int = arg(5, "chunks kept after reranking [§5.1.3: 5]", low=1)
     entity_candidates: int = arg(10, "entities per entity query [§5.1.3: 10]", low=1)
@@ -105,8 +103,7 @@ class Args:
     ppr_iterations: int = arg(200, "PPR iterations N [§5.1.3: 200]", low=1)
     max_steps: int = arg(5, "reasoning steps per path [§5.1.3: k <= 5]", low=1)
     max_new_tokens: int | None = arg(None, "tokens per generate call (summary + step header, or the answer)", low=1)
-    # SFT [§4.3.1, §5.1.3]
-    sft_steps: int | None = arg(None, "SFT steps (0: one epoch [§5.1.3])", low=0)
+    sft_steps: int | None = arg(None, "SFT steps (0: one epoch [§5.1.3])", low=0, group="SFT [§4.3.1, §5.1.3]")
     sft_lr: float | None = arg(None, "SFT learning rate [§5.1.3: 5e-4]")
     sft_batch_size: int | None = arg(None, "SFT batch size [§5.1.3: 128]", low=1)
     sft_single_steps: bool | None = arg(None, "add each step of a path as a 1-hop question [§4.3.1, Tab. 1]")
@@ -116,8 +113,7 @@ class Args:
     weight_decay: float = arg(0.001, "AdamW weight decay of SFT and DPO [§5.1.3: 0.001]", low=0.0)
     micro_batch_size: int | None = arg(None, "SFT paths or DPO pairs per forward pass", low=1)
     augment_p: float | None = arg(None, "toy world: entity-renaming probability of an SFT path", low=0.0, high=1.0)
-    # IP-DPO [§4.3.2, §5.1.3]
-    rounds: int = arg(3, "IP-DPO rounds [§5.5.1: TeaRAG-1..3]", low=0)
+    rounds: int = arg(3, "IP-DPO rounds [§5.5.1: TeaRAG-1..3]", low=0, group="IP-DPO [§4.3.2, §5.1.3]")
     n_rollouts: int = arg(8, "sampled paths per question R [§5.1.3: 8]", low=1)
     temperature: float = arg(1.0, "sampling temperature of the rollouts (not in the paper; ours: 1.0)")
     dpo_epochs: str | None = arg(None, "epochs of each round, the first --rounds of them [§5.1.3: 2,2,1]")
