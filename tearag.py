@@ -186,6 +186,8 @@ def apply_preset(args):
     args.world = args.world or runs.toy_world(None, args.data_dir)  # the preset's data folder may hold the world
     positive = ("sft_lr", "dpo_lr", "beta", "temperature")
     problems = [f"--{k} {getattr(args, k)}: must be > 0" for k in positive if getattr(args, k) <= 0]
+    if args.train + args.eval + bool(args.ask) > 1:
+        problems.append("--train, --eval and --ask: choose one")
     for name, accepts, ok in (("dpo_epochs", "whole numbers >= 1", lambda v: v >= 1 and v == int(v)),
                               ("eta", "numbers >= 0", lambda v: v >= 0)):  # fmt: skip
         try:
@@ -1027,9 +1029,9 @@ def train(args):
 
 def run_eval(args):
     """Evaluate --model (a checkpoint folder, or the untrained start) on the test split, in a folder of its own."""
-    start, (accelerator, out) = time.time(), runs.start_eval(args)
+    start, rows = time.time(), load_split(args.data_dir, "test")[: args.n_eval]  # a bad data file fails first
+    accelerator, out = runs.start_eval(args)
     accelerator.print(f"evaluation folder: {out}")
-    rows = load_split(args.data_dir, "test")[: args.n_eval]  # a bad data file fails first
     system = RetrievalSystem(args, accelerator.device)  # a bad corpus or graph fails before the model loads
     model, tokenizer = load_policy(args, accelerator.device)
     result = evaluate_stage(accelerator, out, "eval", model, tokenizer, system, rows, args)
@@ -1052,7 +1054,7 @@ def ask(args):
 def main(argv=None):
     """Parse the flags, fill the preset, dispatch on the mode."""
     presets = {k: (v, PRESETS["paper"][k]) for k, v in PRESETS["toy"].items()}  # --help shows both
-    args = runs.parse_args(Args, argv, "the untrained start writes no reasoning path", "tearag", presets)
+    args = runs.parse_args(Args, argv, "tearag's is runs/<run_name>/dpo", "tearag", presets)
     args = apply_preset(args)
     (runs.dry_run if args.dry_run else train if args.train else run_eval if args.eval else ask)(args)
 
