@@ -49,7 +49,6 @@ import torch
 import torch.nn.functional as F
 from accelerate import PartialState
 from accelerate.utils import gather_object
-from tqdm import tqdm
 
 from common import runs
 from common.data import UserError, load_split, read_jsonl, sample_rows, write_jsonl
@@ -58,24 +57,23 @@ from common.metrics import answer_scores, f1_score, summarize
 from common.models import load_model_and_tokenizer
 from common.retrieval import DenseRetriever, load_retriever, make_encoder, open_retriever, tokenize_words
 from common.runs import arg
-from common.toy import rename_entities, world_or_none
+from common.toy import load_world, rename_entities
 
 
 @dataclass
 class Args:
-    # experiment
-    preset: str = arg("toy", "toy (built-in toy world, tiny model, CPU) or paper")
+    preset: str = arg("toy", "toy (toy world, tiny model, CPU) or paper", choices=["toy", "paper"], group="run")
     train: bool = arg(False, "SFT, then the IP-DPO rounds, then evaluation")
     eval: bool = arg(False, "evaluate --model (a checkpoint or the untrained start)")
     ask: str = arg("", "answer one question with --model and print the reasoning path")
-    output_dir: str | None = arg(None, "run folder (default: runs/<run_name>; --eval: <model>/eval)")
+    output_dir: str | None = arg(None, "run folder (default: runs/<run_name>; --eval: <model>/eval/<data>-<time>)")
     run_name: str | None = arg(None, "a training run's name (default tearag__<seed>__<time>)")
     resume: bool = arg(False, "continue the run --run_name / --output_dir")
     dry_run: bool = arg(False, "print the resolved configuration, check its paths and models, load nothing")
     report_to: str = arg("none", "tracker beside metrics.jsonl", choices=["none", "tensorboard", "wandb"])
     seed: int = arg(0, "seed of models, sampling and data order")
-    # data, retrieval system, model
-    data_dir: str | None = arg(None, "folder of the QA splits (FlashRAG jsonl)")
+    world: str | None = arg(None, runs.WORLD_HELP)
+    data_dir: str | None = arg(None, "folder of the QA splits (FlashRAG jsonl)", group="data, retrieval system, model")
     corpus: str | None = arg(None, "chunk corpus jsonl (default: data_dir/corpus.jsonl)")
     triples: str | None = arg(None, "graph: jsonl of {doc_id, head, relation, tail} (default: data_dir/triples.jsonl)")
     index: str = arg("", "saved chunk retriever folder (python -m common.retrieval build)")
@@ -84,48 +82,46 @@ class Args:
     reranker: str | None = arg(None, "cross-encoder (hub id / folder) or lexical [§5.1.3: BGE-reranker-v2]")
     model: str | None = arg(None, "policy LLM: hub id, local folder or toy-lm spec")
     lora_r: int | None = arg(None, "LoRA rank, 0: full fine-tuning [§5.1.3: 8, alpha 32, dropout 0.1]")
-    templates: str | None = arg(None, "paper (instruction as system turn) or compact (the question alone)")
+    templates: str | None = arg(None, "paper (instruction as system turn) or compact", choices=["paper", "compact"])
     sft_split: str = arg("train", "SFT questions with a decomposition: data_dir/<split>.jsonl [§4.3.1]")
     sft_types: str = arg("", "metadata types of the SFT questions (empty: all)")
     dpo_split: str = arg("train", "IP-DPO sampling questions: data_dir/<split>.jsonl [Tab. 2]")
     dpo_types: str = arg("", "metadata types of the IP-DPO questions (empty: all)")
-    n_dpo: int | None = arg(None, "IP-DPO questions, the same each round (None: all) [Tab. 2: 10,000]")
-    n_eval: int | None = arg(None, "test questions evaluated (None: all)")
-    # retrieval [§4.2.3-4.2.5, §5.1.3]
-    retrieval: str = arg("ppr", "ppr (TeaRAG) or a Table 7 variant", choices=["ppr", "semantic", "graph", "concat"])
-    chunk_candidates: int = arg(20, "dense chunk candidates before reranking [§5.1.3: 20]")
-    k_d: int = arg(5, "chunks kept after reranking [§5.1.3: 5]")
-    entity_candidates: int = arg(10, "entities per entity query [§5.1.3: 10]")
-    k_entities: int = arg(5, "entities kept after reranking [§5.1.3: 5]")
-    triplet_candidates: int = arg(20, "dense triplet candidates before reranking [§5.1.3: 20]")
-    k_t: int = arg(10, "triplets kept after reranking [§5.1.3: 10]")
-    k_f: int = arg(5, "context items per retrieval [§5.1.3: 5]")
-    tau: float = arg(0.2, "triplet relevance threshold [Eq. 2; §5.1.3: 0.2]")
-    alpha: float = arg(0.5, "PPR weight of the graph term [Eq. 3; §5.1.3: 0.5]")
-    ppr_iterations: int = arg(200, "PPR iterations N [§5.1.3: 200]")
-    max_steps: int = arg(5, "reasoning steps per path [§5.1.3: k <= 5]")
-    max_new_tokens: int | None = arg(None, "tokens per generate call (a summary and a step header, or the answer)")
-    # SFT [§4.3.1, §5.1.3]
-    sft_steps: int | None = arg(None, "SFT steps (0: one epoch [§5.1.3])")
+    n_dpo: int | None = arg(None, "IP-DPO questions, the same each round (None: all) [Tab. 2: 10,000]", low=1)
+    n_eval: int | None = arg(None, "test questions evaluated (None: all)", low=1)
+    retrieval: str = arg("ppr", "ppr (TeaRAG) or a Table 7 variant", choices=["ppr", "semantic", "graph", "concat"],
+                         group="retrieval [§4.2.3-4.2.5, §5.1.3]")  # fmt: skip
+    chunk_candidates: int = arg(20, "dense chunk candidates before reranking [§5.1.3: 20]", low=1)
+    k_d: int = arg(5, "chunks kept after reranking [§5.1.3: 5]", low=1)
+    entity_candidates: int = arg(10, "entities per entity query [§5.1.3: 10]", low=1)
+    k_entities: int = arg(5, "entities kept after reranking [§5.1.3: 5]", low=1)
+    triplet_candidates: int = arg(20, "dense triplet candidates before reranking [§5.1.3: 20]", low=1)
+    k_t: int = arg(10, "triplets kept after reranking [§5.1.3: 10]", low=1)
+    k_f: int = arg(5, "context items per retrieval [§5.1.3: 5]", low=1)
+    tau: float = arg(0.2, "triplet relevance threshold [Eq. 2; §5.1.3: 0.2]", low=0.0, high=1.0)
+    alpha: float = arg(0.5, "PPR weight of the graph term [Eq. 3; §5.1.3: 0.5]", low=0.0, high=1.0)
+    ppr_iterations: int = arg(200, "PPR iterations N [§5.1.3: 200]", low=1)
+    max_steps: int = arg(5, "reasoning steps per path [§5.1.3: k <= 5]", low=1)
+    max_new_tokens: int | None = arg(None, "tokens per generate call (summary + step header, or the answer)", low=1)
+    sft_steps: int | None = arg(None, "SFT steps (0: one epoch [§5.1.3])", low=0, group="SFT [§4.3.1, §5.1.3]")
     sft_lr: float | None = arg(None, "SFT learning rate [§5.1.3: 5e-4]")
-    sft_batch_size: int | None = arg(None, "SFT batch size [§5.1.3: 128]")
+    sft_batch_size: int | None = arg(None, "SFT batch size [§5.1.3: 128]", low=1)
     sft_single_steps: bool | None = arg(None, "add each step of a path as a 1-hop question [§4.3.1, Tab. 1]")
-    sft_distractors: int | None = arg(None, "retrieved items added to each SFT context (ours; paper: 0)")
-    sft_redundant_p: float | None = arg(None, "toy: share of one-hop SFT paths that repeat their step (paper: 0)")
-    sft_summaries: int | None = arg(None, "SFT summary templates used, the first N of SUMMARIES [§4.3.1 (5): all]")
-    weight_decay: float = arg(0.001, "AdamW weight decay of SFT and DPO [§5.1.3: 0.001]")
-    micro_batch_size: int | None = arg(None, "SFT paths or DPO pairs per forward pass")
-    augment_p: float | None = arg(None, "toy world: entity-renaming probability of an SFT path")
-    # IP-DPO [§4.3.2, §5.1.3]
-    rounds: int = arg(3, "IP-DPO rounds [§5.5.1: TeaRAG-1..3]")
-    n_rollouts: int = arg(8, "sampled paths per question R [§5.1.3: 8]")
+    sft_distractors: int | None = arg(None, "retrieved items added to each SFT context (ours; paper: 0)", low=0)
+    sft_redundant_p: float | None = arg(None, "toy: share of 1-hop SFT paths repeating a step", low=0.0, high=1.0)
+    sft_summaries: int | None = arg(None, "SFT summary templates: the first N [§4.3.1 (5): all 3]", low=1, high=3)
+    weight_decay: float = arg(0.001, "AdamW weight decay of SFT and DPO [§5.1.3: 0.001]", low=0.0)
+    micro_batch_size: int | None = arg(None, "SFT paths or DPO pairs per forward pass", low=1)
+    augment_p: float | None = arg(None, "toy world: entity-renaming probability of an SFT path", low=0.0, high=1.0)
+    rounds: int = arg(3, "IP-DPO rounds [§5.5.1: TeaRAG-1..3]", low=0, group="IP-DPO [§4.3.2, §5.1.3]")
+    n_rollouts: int = arg(8, "sampled paths per question R [§5.1.3: 8]", low=1)
     temperature: float = arg(1.0, "sampling temperature of the rollouts (not in the paper; ours: 1.0)")
-    dpo_epochs: str | None = arg(None, "epochs of each round [§5.1.3: 2,2,1]")
-    eta: str = arg("1,0.5,0.25", "SFT weight of each round, decreasing [Eq. 17; §5.1.3: within 0.25-1]")
+    dpo_epochs: str | None = arg(None, "epochs of each round, the first --rounds of them [§5.1.3: 2,2,1]")
+    eta: str = arg("1,0.5,0.25", "SFT weight of each round, the first --rounds [Eq. 17; §5.1.3: within 0.25-1]")
     beta: float = arg(0.5, "DPO beta [Eq. 16; §5.1.3: 0.5]")
     dpo_lr: float | None = arg(None, "IP-DPO learning rate [§5.1.3: 1e-4]")
-    dpo_batch_size: int = arg(16, "pairs per IP-DPO step [§5.1.3: 16]")
-    rollout_batch: int | None = arg(None, "questions per batched rollout (times R paths)")
+    dpo_batch_size: int = arg(16, "pairs per IP-DPO step [§5.1.3: 16]", low=1)
+    rollout_batch: int | None = arg(None, "questions per batched rollout (times R paths)", low=1)
     evidence: str = arg("passage", "golden evidence g_t [Eq. 9-11, §4.3.2]", choices=["passage", "sentence"])
 
 
@@ -180,20 +176,34 @@ PRESETS = {  # values for the fields left at None; any flag overrides them
 
 
 def apply_preset(args):
-    """Fill the fields left at None from the preset; derived paths; checks of the flags."""
-    if args.preset not in PRESETS:
-        raise UserError(f"--preset must be one of {sorted(PRESETS)}, got {args.preset!r}")
+    """Fill the fields left at None from the preset; derived paths; the per-round lists cut to --rounds; every
+    problem of the flags at once, in one line."""
     for key, value in PRESETS[args.preset].items():
         if getattr(args, key) is None:
             setattr(args, key, value)
     args.corpus = args.corpus or str(Path(args.data_dir) / "corpus.jsonl")
     args.triples = args.triples or str(Path(args.data_dir) / "triples.jsonl")
-    for name in ("dpo_epochs", "eta"):
-        values = getattr(args, name).split(",")
-        if len(values) != args.rounds or not all(re.fullmatch(r"\d+(\.\d+)?", v.strip()) for v in values):
-            raise UserError(f"--{name} needs {args.rounds} comma-separated numbers, got {getattr(args, name)!r}")
-    if args.output_dir is None and args.eval:  # --eval writes next to the model, never over a training run's results
-        args.output_dir = str(Path(args.model) / "eval") if Path(args.model).is_dir() else "runs/tearag-eval"
+    args.world = args.world or runs.toy_world(None, args.data_dir)  # the preset's data folder may hold the world
+    positive = ("sft_lr", "dpo_lr", "beta", "temperature")
+    problems = [f"--{k} {getattr(args, k)}: must be > 0" for k in positive if getattr(args, k) <= 0]
+    if args.train + args.eval + bool(args.ask) > 1:
+        problems.append("--train, --eval and --ask: choose one")
+    for name, accepts, ok in (("dpo_epochs", "whole numbers >= 1", lambda v: v >= 1 and v == int(v)),
+                              ("eta", "numbers >= 0", lambda v: v >= 0)):  # fmt: skip
+        try:
+            values = runs.per_round(getattr(args, name), args.rounds, f"--{name}")  # a longer list: its first values
+        except SystemExit as e:
+            problems.append(str(e))
+            continue
+        except ValueError:  # not a number
+            values = [-1.0]
+        if not all(map(ok, values)):
+            problems.append(f"--{name} {getattr(args, name)!r}: comma-separated {accepts}, one per round")
+        setattr(args, name, ",".join(f"{v:g}" for v in values))
+    if problems:
+        raise UserError("; ".join(problems))
+    if args.output_dir is None and args.eval:  # --eval's own folder, never over an earlier evaluation
+        args.output_dir = runs.eval_dir(args, "tearag")
     return args
 
 
@@ -778,17 +788,18 @@ def linear(steps):
     return lambda s: max(0.0, 1 - s / max(steps, 1))
 
 
-def sft(accelerator, model, tokenizer, examples, args, world):
-    """Masked next-token loss on the SFT paths [Eq. 4]; AdamW, lr 5e-4, batch 128, weight decay 0.001 [§5.1.3]."""
+def sft(accelerator, model, tokenizer, examples, args, world, out):
+    """Masked next-token loss on the SFT paths [Eq. 4]; AdamW, lr 5e-4, batch 128, weight decay 0.001 [§5.1.3]; the
+    mean loss logged (metrics.jsonl, trackers) 20 times in the run."""
     rng = random.Random(args.seed)
     steps = args.sft_steps or math.ceil(len(examples) / args.sft_batch_size)  # [§5.1.3] one epoch, a short last batch
     optimizer = torch.optim.AdamW(model.parameters(), lr=args.sft_lr, weight_decay=args.weight_decay)
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, linear(steps))
     model, optimizer = accelerator.prepare(model, optimizer)
     model.train()
-    order, losses, mb = [], [], args.micro_batch_size
-    bar = tqdm(range(steps), desc="SFT", disable=not accelerator.is_local_main_process)
-    for _ in bar:
+    order, losses, logged, mb = [], [], 0, args.micro_batch_size
+    bar = runs.progress(range(steps), "SFT", disable=not accelerator.is_local_main_process)
+    for step in bar:
         if not order or (len(order) < args.sft_batch_size and args.sft_steps):
             order += rng.sample(range(len(examples)), len(examples))
         batch, order = order[: args.sft_batch_size], order[args.sft_batch_size :]
@@ -801,7 +812,10 @@ def sft(accelerator, model, tokenizer, examples, args, world):
         # the batch, not a sum (header item 11)
         loss = runs.sft_step(accelerator, model, optimizer, scheduler, ids, labels, attention, mb, math.inf, weight)
         losses.append(loss)
-        bar.set_postfix(loss=f"{sum(losses[-20:]) / len(losses[-20:]):.3f}")
+        bar.set_postfix(loss=f"{sum(losses[-20:]) / len(losses[-20:]):.3f}", refresh=False)
+        if (step + 1) % max(steps // 20, 1) == 0 or step + 1 == steps:  # the mean since the last line
+            recent, logged = losses[logged:], len(losses)
+            runs.log_update(accelerator, out, {"sft/step": step + 1, "sft/loss": sum(recent) / len(recent)}, step + 1)
     return accelerator.unwrap_model(model), steps
 
 
@@ -809,7 +823,7 @@ def sample_round(model, tokenizer, system, rows, args, seed, name):
     """R sampled paths per question with their rewards, and the pairs built from them [§4.3.2]."""
     paths, pairs, kinds = [], [], Counter()
     model.eval()
-    bar = tqdm(range(0, len(rows), args.rollout_batch), desc=name, disable=not PartialState().is_local_main_process)
+    bar = runs.progress(range(0, len(rows), args.rollout_batch), name, not PartialState().is_local_main_process)
     for i in bar:
         part = rows[i : i + args.rollout_batch]
         batch = rollout(model, tokenizer, system, part, args, args.n_rollouts, False, seed + i)
@@ -893,7 +907,7 @@ def evaluate(model, tokenizer, system, rows, args, predictions=None):
     """Greedy paths on the held-out questions: EM, F1, steps and tokens per question, overall and by metadata group."""
     model.eval()
     size, main = 2 * args.rollout_batch, PartialState().is_local_main_process
-    bar = tqdm(range(0, len(rows), size), desc="eval", leave=False, disable=not main)
+    bar = runs.progress(range(0, len(rows), size), "eval", disable=not main, leave=False)
     paths = [p for i in bar for p in rollout(model, tokenizer, system, rows[i : i + size], args, seed=i)]
     model.train()
     records = [path_record(p) for p in paths]
@@ -911,13 +925,8 @@ def brief(r):
     return out + f"thinking={r['thinking_tokens']:.1f} retrieved={r['retrieved_tokens']:.1f}"
 
 
-def table(results):
-    """The table that ends a training run: EM, F1, steps and tokens per question at each stage [§5.3.2]."""
-    lines = ["| stage | EM | F1 | steps | thinking tokens | retrieved tokens | total tokens |", "|---" * 7 + "|"]
-    for name, r in results.items():
-        tokens = " | ".join(f"{r[k]:.1f}" for k in ("thinking_tokens", "retrieved_tokens", "total_tokens"))
-        lines.append(f"| {name} | {r['em']:.3f} | {r['f1']:.3f} | {r['retrievals']:.2f} | {tokens} |")
-    return "\n".join(lines)
+# the table that ends a run: EM, F1, steps and tokens per question at each stage [§5.3.2, Tab. 3]
+ROWS = ("em", "f1", "format", "retrievals", "llm_calls", "thinking_tokens", "retrieved_tokens", "total_tokens")
 
 
 STAGES = {"raw": "raw start", "sft": "after SFT", "dpo": "after IP-DPO", "eval": "eval"}
@@ -938,7 +947,7 @@ def load_policy(args, device):
     """The policy LLM with the format tokens (and LoRA r, alpha 32, dropout 0.1 on q/k/v/o when lora_r > 0)."""
     # fp32 master weights, bf16 autocast (accelerate); only a frozen LoRA base may be stored in bf16
     dtype = torch.bfloat16 if device.type == "cuda" and args.lora_r else torch.float32
-    model, tokenizer = load_model_and_tokenizer(args.model, dtype=dtype, world=args.data_dir)
+    model, tokenizer = load_model_and_tokenizer(args.model, dtype=dtype, world=args.world)
     new_ids = add_format_tokens(model, tokenizer)
     if args.lora_r and not hasattr(model, "peft_config"):
         lora = {"r": args.lora_r, "lora_alpha": 32, "lora_dropout": 0.1, "target_modules": ["q_proj", "k_proj"]}
@@ -969,25 +978,30 @@ def train(args):
     dpo_rows = sample_rows(load_split(args.data_dir, args.dpo_split, args.dpo_types), args.n_dpo, args.seed)
     test_rows = load_split(args.data_dir, "test")[: args.n_eval]
     system = RetrievalSystem(args, accelerator.device)
-    stages, steps = {}, {"sft": 0, "dpo": 0}
+    if single := sum("hops" not in (r.get("metadata") or {}) for r in dpo_rows):  # no golden evidence [§4.3.2]
+        accelerator.print(f"note: {single} of {len(dpo_rows)} IP-DPO questions lack metadata hops: scored single-hop")
+    stages, steps = {"warnings": []}, {"sft": 0, "dpo": 0}
+    saved = lambda rnd: {"method": "tearag", "world": args.world, "data_dir": args.data_dir, "args": asdict(args),
+                         "stages": stages, "steps": steps, "round": rnd}  # fmt: skip
     if state := runs.load_training(accelerator, out / "dpo", {}) or runs.load_training(accelerator, out / "sft", {}):
         last = str(out / ("dpo" if state["round"] else "sft"))  # --resume from the last checkpoint
         model, tokenizer = load_policy(replace(args, model=last), accelerator.device)
-        stages, steps = state["stages"], state["steps"]
+        stages, steps = {"warnings": []} | state["stages"], state["steps"]
     else:
+        if not (examples := sft_examples(sft_rows, system, args, random.Random(args.seed))):
+            need = "metadata sub_queries, sub_answers and supporting_doc_ids (passages in the corpus)"
+            raise UserError(f"{args.data_dir}/{args.sft_split}.jsonl: no row with a decomposition ({need}) for SFT")
         model, tokenizer = load_policy(args, accelerator.device)
         stages["before_sft"] = evaluate_stage(accelerator, out, "raw", model, tokenizer, system, test_rows, args)
-        if not (examples := sft_examples(sft_rows, system, args, random.Random(args.seed))):
-            need = "metadata sub_queries, sub_answers and supporting_doc_ids"
-            raise UserError(f"{args.data_dir}/{args.sft_split}.jsonl: no row with a decomposition ({need}) for SFT")
         accelerator.print(f"SFT: {len(examples)} paths from {len(sft_rows)} questions")
         # simplification: toy renaming (header item 4)
-        world = world_or_none(args.data_dir) if args.augment_p else None
-        model, steps["sft"] = sft(accelerator, model, tokenizer, examples, args, world)
+        world = load_world(args.world) if args.augment_p and args.world else None
+        model, steps["sft"] = sft(accelerator, model, tokenizer, examples, args, world, out)
         stages["before"] = evaluate_stage(accelerator, out, "sft", model, tokenizer, system, test_rows, args, 0)
-        state = {"stages": stages, "steps": steps, "round": 0, "data_dir": args.data_dir, "args": asdict(args)}
+        state = saved(0)
         runs.save_training(accelerator, out / "sft", model, tokenizer, state, {})
-    etas, epochs = [float(x) for x in args.eta.split(",")], [int(x) for x in args.dpo_epochs.split(",")]
+    etas = runs.per_round(args.eta, args.rounds, "--eta")  # the first --rounds values (apply_preset checked them)
+    epochs = [int(e) for e in runs.per_round(args.dpo_epochs, args.rounds, "--dpo_epochs")]
     shard = dpo_rows[accelerator.process_index :: accelerator.num_processes]
     for rnd in range(state["round"], args.rounds):  # Theta_p from Theta_{p-1} [§4.3.2]
         t0, seed = time.time(), args.seed * 100_003 + rnd * 7919 + accelerator.process_index
@@ -995,35 +1009,34 @@ def train(args):
             paths, pairs, kinds = sample_round(model, tokenizer, system, shard, args, seed, f"round {rnd + 1}")
         pairs = gather_object([(c.sequence(), r.sequence()) for c, r in pairs])  # every process: every pair, in order
         kinds = sum(gather_object([kinds]), Counter())
+        if not pairs:
+            runs.nothing_to_train(accelerator, stages["warnings"], f"IP-DPO round {rnd + 1}", "0 preference pairs")
         rng = random.Random(args.seed + rnd)
         model, stats, n_steps = dpo_round(accelerator, model, tokenizer, pairs, etas[rnd], epochs[rnd], args, rng)
         stats |= round_stats(rnd + 1, paths, kinds, len(pairs), time.time() - t0)
         runs.log_update(accelerator, out, stats, step=rnd + 1)
         steps["dpo"] += n_steps
         stages.setdefault("rounds", []).append(stats)
-        state = {"stages": stages, "steps": steps, "round": rnd + 1, "data_dir": args.data_dir, "args": asdict(args)}
-        runs.save_training(accelerator, out / "dpo", model, tokenizer, state, {})
+        runs.save_training(accelerator, out / "dpo", model, tokenizer, saved(rnd + 1), {})
     stages["after"] = evaluate_stage(accelerator, out, "dpo", model, tokenizer, system, test_rows, args, args.rounds)
     accelerator.end_training()
-    names = {"before_sft": "raw start", "before": "after SFT", "after": f"after IP-DPO ({args.rounds} rounds)"}
-    accelerator.print(table({names[k]: stages[k] for k in names if stages.get(k)}))
-    accelerator.print(f"checkpoint: {out / ('dpo' if args.rounds else 'sft')}")
-    wall = time.time() - start
     results = runs.result_record(
-        "tearag", args, stages.get("before_sft"), stages["before"], stages["after"], steps, wall
+        "tearag", args, stages.get("before_sft"), stages["before"], stages["after"], steps, time.time() - start
     )
-    runs.write_results(out, results | {"rounds": stages.get("rounds", [])}, accelerator.is_main_process)
+    results |= {"rounds": stages.get("rounds", []), "warnings": stages["warnings"]}
+    runs.write_results(out, results, accelerator.is_main_process, rows=ROWS)
 
 
 def run_eval(args):
-    """Evaluate --model (a checkpoint folder, or the untrained start) on the test split."""
-    start, (accelerator, out) = time.time(), runs.start_eval(args)
-    rows = load_split(args.data_dir, "test")[: args.n_eval]  # a bad data file fails first
+    """Evaluate --model (a checkpoint folder, or the untrained start) on the test split, in a folder of its own."""
+    start, rows = time.time(), load_split(args.data_dir, "test")[: args.n_eval]  # a bad data file fails first
+    accelerator, out = runs.start_eval(args)
+    accelerator.print(f"evaluation folder: {out}")
     system = RetrievalSystem(args, accelerator.device)  # a bad corpus or graph fails before the model loads
     model, tokenizer = load_policy(args, accelerator.device)
     result = evaluate_stage(accelerator, out, "eval", model, tokenizer, system, rows, args)
     results = runs.result_record("tearag", args, None, result, None, {"sft": 0, "dpo": 0}, time.time() - start)
-    runs.write_results(out, results | {"rounds": []}, accelerator.is_main_process)
+    runs.write_results(out, results | {"rounds": [], "warnings": []}, accelerator.is_main_process, rows=ROWS)
 
 
 def ask(args):
@@ -1040,7 +1053,9 @@ def ask(args):
 
 def main(argv=None):
     """Parse the flags, fill the preset, dispatch on the mode."""
-    args = apply_preset(runs.parse_args(Args, argv, "the untrained start writes no reasoning path"))
+    presets = {k: (v, PRESETS["paper"][k]) for k, v in PRESETS["toy"].items()}  # --help shows both
+    args = runs.parse_args(Args, argv, "tearag's is runs/<run_name>/dpo", "tearag", presets)
+    args = apply_preset(args)
     (runs.dry_run if args.dry_run else train if args.train else run_eval if args.eval else ask)(args)
 
 

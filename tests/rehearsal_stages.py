@@ -435,6 +435,8 @@ def tearag_sequences(tokenizer):
 def tearag_sft(accelerator, micro_batch_size=2):
     """tearag.sft for one epoch of three paths at batch 2 (the paper's micro-batch 2): a full batch, then a short one
     (process 1 gets no path: weight 0); the loss is what runs.sft_step reports."""
+    import tempfile
+
     import tearag as T
     from common import runs
 
@@ -446,7 +448,7 @@ def tearag_sft(accelerator, micro_batch_size=2):
     adamw, torch.optim.AdamW = torch.optim.AdamW, lambda params, **kw: sgd(params)
     runs.sft_step = lambda *a, **kw: losses.append(step(*a, **kw)) or losses[-1]
     try:
-        model, steps = T.sft(accelerator, model, tokenizer, examples, args, None)
+        model, steps = T.sft(accelerator, model, tokenizer, examples, args, None, tempfile.mkdtemp())  # its log
     finally:
         torch.optim.AdamW, runs.sft_step = adamw, step
     assert steps == 2

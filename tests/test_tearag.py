@@ -676,8 +676,20 @@ def test_every_departure_is_listed_in_the_header_and_marked_where_it_lives():
 
 
 # --------------------------------------------------------------------------- the CLI end to end (tier 1)
-TINY = ["--n_dpo", "6", "--n_rollouts", "2", "--n_eval", "12", "--rounds", "1", "--eta", "1", "--dpo_epochs", "1",
-        "--rollout_batch", "6", "--max_new_tokens", "32"]  # fmt: skip
+TINY = [
+    "--n_dpo",
+    "6",
+    "--n_rollouts",
+    "2",
+    "--n_eval",
+    "12",
+    "--rounds",
+    "1",
+    "--rollout_batch",
+    "6",
+    "--max_new_tokens",
+    "32",
+]  # fmt: skip  (--eta, --dpo_epochs: the first of the default lists)
 
 
 def run(*argv, cwd=ROOT):
@@ -703,15 +715,23 @@ def test_train_on_a_fresh_world_then_eval_and_ask(tmp_path):
     results = check_contract(out, result.stdout)
     assert results["method"] == "tearag" and results["train_steps"]["sft"] == 150 and results["dataset"] == str(world)
     assert results["before"]["format"] > results["before_sft"]["format"] and results["before"]["retrievals"] > 0
-    assert "| after SFT |" in result.stdout and f"checkpoint: {out / 'dpo'}" in result.stdout
-    assert (out / "dpo" / "run_state.json").is_file() and (out / "predictions_dpo.jsonl").is_file()
+    end = result.stdout.strip().splitlines()[-13:]  # the table, the paths, RESULT: the last lines
+    assert end[0].split() == ["start", "before", "after"] and [r.split()[0] for r in end[1:9]] == list(T.ROWS)
+    assert end[9:12] == [f"results: {out / 'results.json'}", f"checkpoint: {out / 'dpo'}",
+                         f"predictions: {out / 'predictions_dpo.jsonl'}"]  # fmt: skip
+    assert results["args"]["eta"] == "1" and results["args"]["dpo_epochs"] == "1"  # the first of the default lists
+    state = json.loads((out / "dpo" / "run_state.json").read_text())
+    assert (state["method"], state["world"]) == ("tearag", str(world))  # the checkpoint names its method and world
     rounds = [json.loads(line) for line in (out / "metrics.jsonl").open() if '"round"' in line]
     assert rounds and "rollout/steps" in rounds[0] and "pairs" in rounds[0]
-    ev = run(
-        "--eval", "--model", str(out / "dpo"), "--n_eval", "4", "--max_new_tokens", "24", "--retrieval", "semantic"
-    )
-    assert ev.returncode == 0, ev.stderr[-3000:]
-    assert check_contract(out / "dpo" / "eval", ev.stdout)["n_eval"] == 4  # the checkpoint remembers its world
+    for n_eval in (4, 3):  # two evaluations of one checkpoint: two folders, the first kept
+        ev = run("--eval", "--model", str(out / "dpo"), "--n_eval", str(n_eval), "--max_new_tokens", "24",
+                 "--retrieval", "semantic")  # fmt: skip
+        assert ev.returncode == 0, ev.stderr[-3000:]
+        folder = Path(re.search(r"^evaluation folder: (.*)$", ev.stdout, re.M)[1])
+        assert folder.parent == out / "dpo" / "eval" and folder.name.startswith(world.name + "-")
+        assert check_contract(folder, ev.stdout)["n_eval"] == n_eval  # the checkpoint remembers its world
+    assert sorted(json.loads((f / "results.json").read_text())["n_eval"] for f in folder.parent.iterdir()) == [3, 4]
     question = json.loads((world / "test.jsonl").open().readline())["question"]
     ask = run("--ask", question, "--model", str(out / "dpo"), "--max_new_tokens", "24")
     assert ask.returncode == 0 and "answer:" in ask.stdout and "warning" not in ask.stdout, ask.stderr[-3000:]
@@ -742,11 +762,91 @@ def test_eval_on_a_flashrag_folder_without_metadata(tmp_path):
     )
     assert result.returncode == 0, result.stderr[-3000:]
     assert check_contract(out, result.stdout)["n_eval"] == 3
+    tiny = ["--model", "toy-lm:layers=1,hidden=32,heads=2,kv_heads=2,intermediate=64", "--world", str(WORLD)]
+    result = run(
+        "--eval", "--data_dir", str(data), "--output_dir", str(tmp_path / "w"), "--max_new_tokens", "8", *tiny
+    )
+    assert result.returncode == 0, result.stderr[-3000:]  # --world: the toy model's vocabulary for one's own questions
+    assert check_contract(tmp_path / "w", result.stdout)["n_eval"] == 3
+    (data / "train.jsonl").write_text((data / "test.jsonl").read_text())
+    result = run("--train", "--data_dir", str(data), "--output_dir", str(tmp_path / "t"), *tiny)
+    assert result.returncode == 2 and len(result.stderr.strip().splitlines()) == 1, result.stderr[-3000:]
+    assert "sub_queries, sub_answers and supporting_doc_ids" in result.stderr  # SFT's fields, before any model loads
+    assert "raw start" not in result.stdout
 
 
 @pytest.mark.parametrize("argv,needle", [(["--train", "--eta", "1,2"], "--eta needs 3"),
                                          (["--eval", "--triples", "/nonexistent.jsonl"], "/nonexistent.jsonl"),
-                                         (["--train", "--preset", "nope"], "--preset")])  # fmt: skip
+                                         (["--train", "--preset", "nope"], "--preset"),
+                                         (["--train", "--dry_run", "--n_rollouts", "-2"], "--n_rollouts -2: must be"),
+                                         (["--train", "--dry_run", "--templates", "fancy"], "--templates"),
+                                         (["--train", "--eval", "--dry_run"], "--train, --eval and --ask: choose"),
+                                         (["--train", "--dry_run", "--eta", "x", "--dpo_epochs", "1.5,2", "--beta",
+                                           "0"], "--beta 0.0: must be > 0; --dpo_epochs needs 3 comma-separated "
+                                          "numbers (one per round), got '1.5,2'; --eta 'x': comma-separated numbers"),
+                                         (["--eval", "--data_dir", "BAD"], "test.jsonl:2: not valid")])  # fmt: skip
 def test_user_errors_end_in_one_line(tmp_path, argv, needle):
-    result = run(*argv, "--output_dir", str(tmp_path / "x"))
-    assert result.returncode == 2 and needle in result.stderr and len(result.stderr.strip().splitlines()) == 1
+    """A mistake is one line naming the flag (every problem of the per-round lists and numbers at once), exit 2."""
+    bad = tmp_path / "bad"
+    bad.mkdir()
+    (bad / "test.jsonl").write_text('{"id": "1", "question": "q ?", "golden_answers": ["a"]}\n{"id": "2", "quest\n')
+    result = run(*[str(bad) if a == "BAD" else a for a in argv], "--output_dir", str(tmp_path / "x"))
+    assert result.returncode == 2 and needle in result.stderr and len(result.stderr.strip().splitlines()) == 1, (
+        result.stderr[-2000:]
+    )
+
+
+def test_per_round_lists_take_the_first_rounds_values():
+    """--rounds 1 runs the first round of the default schedules (eta 1,0.5,0.25; the preset's epochs); a longer list is
+    cut, a shorter one refused."""
+    parse = lambda *argv: T.apply_preset(runs.parse_args(T.Args, ["--train", *argv], method="tearag"))
+    assert (parse("--rounds", "1").eta, parse("--rounds", "1").dpo_epochs) == ("1", "1")
+    args = parse("--preset", "paper", "--rounds", "2", "--data_dir", str(WORLD))
+    assert (args.eta, args.dpo_epochs) == ("1,0.5", "2,2")  # §5.1.3's first two rounds
+    assert (parse("--rounds", "0").eta, parse("--rounds", "4", "--eta", "1,1,1,1", "--dpo_epochs", "3,2,1,1").eta) == (
+        "",
+        "1,1,1,1",
+    )
+    with pytest.raises(T.UserError, match=r"^--dpo_epochs needs 4 comma-separated numbers \(one per round\)"):
+        parse("--rounds", "4", "--eta", "1,1,1,1")
+
+
+def test_a_checkpoint_of_another_method_is_refused_in_one_line(tmp_path):
+    (tmp_path / runs.STATE).write_text(json.dumps({"method": "sparkle", "data_dir": str(WORLD), "args": {}}))
+    with pytest.raises(SystemExit, match=f"^--model {tmp_path} is a sparkle checkpoint, not a tearag one$"):
+        T.main(["--eval", "--model", str(tmp_path)])
+
+
+def test_every_progress_bar_is_a_runs_progress_bar():
+    """runs.progress writes a line every 30 s at most to a log; a bare tqdm would write one per step."""
+    source = (ROOT / "tearag.py").read_text()
+    assert "tqdm" not in source and source.count("runs.progress(") == 3
+    assert "refresh=False" in source  # set_postfix would redraw the bar every step
+
+
+def test_a_round_without_pairs_warns_and_the_sft_loss_is_logged(tmp_path):
+    """Two SFT steps teach no format: the round builds 0 pairs, which a warning line and results.json say; the SFT
+    loss of each step is in metrics.jsonl and tensorboard's events under the run folder."""
+    out = tmp_path / "run"
+    result = run("--train", "--output_dir", str(out), "--sft_steps", "2", "--n_dpo", "4", "--n_rollouts", "2",
+                 "--n_eval", "4", "--rounds", "1", "--max_new_tokens", "8", "--report_to", "tensorboard")  # fmt: skip
+    assert result.returncode == 0, result.stderr[-3000:]
+    results = check_contract(out, result.stdout)
+    assert results["rounds"][0]["pairs"] == 0 and results["train_steps"] == {"sft": 2, "dpo": 0}
+    assert results["warnings"] == ["IP-DPO round 1: 0 preference pairs"]
+    assert "warning: IP-DPO round 1 trained on nothing (0 preference pairs)" in result.stdout.splitlines()
+    logged = [json.loads(line) for line in (out / "metrics.jsonl").open()]
+    assert [m["sft/step"] for m in logged if "sft/loss" in m] == [1, 2]
+    assert list((out / "tensorboard").rglob("events.out.tfevents.*"))
+
+
+def test_the_smoke_command_of_the_docs_lowers_the_sft_loss(tmp_path):
+    """The command of docs/tearag.md's "Smoke test", as written (its own run folder added): the SFT loss it prints
+    falls to under half of its first value; the run ends with the result contract."""
+    docs = (ROOT / "docs" / "tearag.md").read_text()
+    command = re.search(r"## Smoke test.*?```bash\n(python tearag.py [^\n]*)\n```", docs, re.S)[1].split()
+    result = run(*command[2:], "--output_dir", str(tmp_path / "smoke"))
+    assert result.returncode == 0, result.stderr[-3000:]
+    check_contract(tmp_path / "smoke", result.stdout)
+    losses = [float(x) for x in re.findall(r"^sft/step=\d+ \| sft/loss=([\d.]+)$", result.stdout, re.M)]
+    assert len(losses) == 20 and losses[-1] < 0.5 * losses[0], losses
