@@ -276,6 +276,10 @@ def where_is(spec):
     return None
 
 
+class DryRunMissing(SystemExit):
+    """--dry_run found something missing: its one line, exit 1 (a configuration the run could not start with)."""
+
+
 def dry_run(args):
     """--dry_run: the configuration as resolved (preset filled in) as json, then every data file and model it names
     found without loading anything; a missing one ends the run (exit 1) naming its flag and path."""
@@ -300,7 +304,7 @@ def dry_run(args):
             missing.append(f"--{flag.split()[0]} {paths.get(flag) or config[flag]}")
     print("\n".join(lines))
     if missing:
-        raise SystemExit(f"dry run: not found: {'; '.join(missing)}")
+        raise DryRunMissing(f"dry run: not found: {'; '.join(missing)}")
     print("dry run: configuration resolved, every path found, nothing loaded")
 
 
@@ -590,7 +594,8 @@ USER_ERRORS = {"common.data": "UserError", "common.llm": "ModelLoadError", "comm
 
 def run_main(main_fn, argv=None):
     """Run a command-line entry point, `main_fn(argv)`: a user error (a malformed data file, a model or an encoder
-    that cannot be loaded) ends the run with the one line `error: <message>` on stderr and exit code 2; any other
+    that cannot be loaded, a SystemExit with a message: a flag or a combination of flags the run refuses) ends the run
+    with the one line `error: <message>` on stderr and exit code 2 (--dry_run's missing files: exit 1); any other
     exception is a bug and keeps its traceback. Off a terminal (a log file, a pipe) the libraries' own bars (loading
     and saving weights) stay silent: runs.progress's bars say how far a run is."""
     if not sys.stderr.isatty():
@@ -600,6 +605,11 @@ def run_main(main_fn, argv=None):
         hf_logging.disable_progress_bar()
     try:
         return main_fn(argv)
+    except SystemExit as e:  # a command-line mistake raised as its message: "error: <message>", exit 2
+        if not isinstance(e.code, str) or isinstance(e, DryRunMissing):
+            raise
+        print(f"error: {e.code}", file=sys.stderr, flush=True)
+        raise SystemExit(2) from None
     except Exception as e:
         # the classes of a user's mistake, from the modules imported so far (one never imported cannot have raised
         # its error), so that catching them imports nothing

@@ -308,6 +308,26 @@ def test_run_main_turns_each_user_error_into_one_line(capsys):
         assert capsys.readouterr().err == "error: " + " ".join(str(error).split()) + "\n"
 
 
+def test_a_refused_flag_combination_exits_2_and_a_dry_runs_missing_file_1(capsys):
+    def refuse(argv):
+        raise SystemExit("--resume needs --train")
+
+    with pytest.raises(SystemExit) as exit_:
+        runs.run_main(refuse)
+    assert (exit_.value.code, capsys.readouterr().err) == (2, "error: --resume needs --train\n")
+
+    def missing(argv):
+        raise runs.DryRunMissing("dry run: not found: --data_dir d/test.jsonl")
+
+    with pytest.raises(SystemExit) as exit_:
+        runs.run_main(missing)
+    assert exit_.value.code == "dry run: not found: --data_dir d/test.jsonl"  # printed by Python, exit 1
+    for code in (0, 3):  # an exit with a status passes through
+        with pytest.raises(SystemExit) as exit_:
+            runs.run_main(lambda argv, code=code: sys.exit(code))
+        assert exit_.value.code == code
+
+
 def test_a_run_gets_a_name_and_its_own_folder_and_resumes_only_when_asked(tmp_path, tiny, monkeypatch):
     from dataclasses import dataclass
 
