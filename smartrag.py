@@ -170,7 +170,7 @@ def apply_preset(args):
         if getattr(args, key) is None:
             setattr(args, key, values[args.preset == "paper"])
     args.corpus = args.corpus or str(Path(args.data_dir) / "corpus.jsonl")
-    args.world = runs.toy_world(args.world, args.data_dir)  # parse_args's, or the data's for Args built in code
+    args.world = args.world or runs.toy_world(None, args.data_dir)  # parse_args's, or the data's (Args built in code)
     problems = ["choose one mode of --train, --eval, --ask"] * (args.train + args.eval + bool(args.ask) > 1)
     problems += ["--resume continues a training run: only with --train"] * (args.resume and not args.train)
     if is_toy_lm(args.model) and not args.world:
@@ -754,7 +754,8 @@ def mean_over_processes(accelerator, values):
 
 def checkpoint_record(args):
     """What every checkpoint records besides its stage's state: its method, data, toy world and arguments."""
-    return dict(method="smartrag", data_dir=args.data_dir, world=args.world, args=asdict(args))
+    absolute = lambda path: path and str(Path(path).resolve())  # --eval from any folder finds them
+    return dict(method="smartrag", data_dir=absolute(args.data_dir), world=absolute(args.world), args=asdict(args))
 
 
 def check_metadata(rows, args):
@@ -835,9 +836,12 @@ def train(args):
 
 def run_eval(args):
     """Evaluate --model (a checkpoint folder, or the untrained start) on the test split."""
-    start, (accelerator, out) = time.time(), runs.start_eval(args)
+    start, rows = (
+        time.time(),
+        load_split(args.data_dir, "test", args.question_types)[: args.n_eval],
+    )  # before any folder
+    accelerator, out = runs.start_eval(args)
     accelerator.print(f"evaluation folder: {out}")
-    rows = load_split(args.data_dir, "test", args.question_types)[: args.n_eval]  # a bad data file fails first
     policy, tokenizer, tag_ids = load_policy(args, accelerator.device)
     result = evaluate_stage(accelerator, out, "eval", policy, tokenizer, environment(args), rows, args, tag_ids)
     steps = {"sft": 0, "ppo": 0}

@@ -328,6 +328,20 @@ def test_a_policy_that_answers_never_retrieves(tagged, monkeypatch):
     assert len(calls) == 1 and retriever.queries == [] and episodes[0]["turns"][0]["forced_ids"] == []
 
 
+def test_the_evaluation_bar_writes_to_a_log_at_most_every_30_seconds(tagged, monkeypatch, capsys):
+    """Piped to a log (stderr not a terminal), 8 evaluation batches of 0.15 s write the bar's first and last line
+    only (a terminal's tqdm would write one every 0.1 s)."""
+    import time
+
+    model, tokenizer, tags = tagged
+    fake, _ = scripted_generate(tags, "answer")
+    monkeypatch.setattr(smartrag, "generate", lambda *a, **k: time.sleep(0.15) or fake(*a, **k))
+    rows = [{"id": i, "question": "q ?", "golden_answers": ["x"], "metadata": {}} for i in range(8)]
+    args = smartrag.apply_preset(smartrag.Args(eval=True, output_dir="unused"))
+    smartrag.evaluate(model, tokenizer, RenamingEnv(FakeRetriever()), rows, args, tags, greedy=False, batch=1)
+    assert capsys.readouterr().err.count("sampled eval") <= 2
+
+
 def test_loss_mask_covers_exactly_the_sampled_action_tokens(tagged, monkeypatch):
     model, tokenizer, tags = tagged
     fake, _ = scripted_generate(tags, "retrieve")
@@ -480,7 +494,7 @@ def test_toy_train_then_eval_the_checkpoint(tmp_path, templates):
         assert b"sft/loss" in events and b"losses/policy" in events
     for stage in ("sft", "ppo"):  # a checkpoint records its method and its toy world
         state = json.loads((out / stage / "run_state.json").read_text())
-        assert (state["method"], state["world"]) == ("smartrag", "data/toy")
+        assert (state["method"], state["world"]) == ("smartrag", str(ROOT / "data/toy"))
     assert [m.get("iteration") for m in metrics if "iteration" in m] == [1, 2]
     betas = [m["charts/kl_coef"] for m in metrics if "iteration" in m]  # compact: fixed beta; paper: adaptive (impl)
     assert (betas == [0.05, 0.05]) if templates == "compact" else (betas[0] != 0.05 and betas[1] != betas[0])
@@ -571,6 +585,20 @@ def check_what_a_user_sees(out, results, tmp_path):
     for question in documented:  # and their commands run (docs/smartrag.md gives what the default run answers)
         asked = run(["--ask", question, "--model", str(out / "ppo")], ROOT)
         assert asked.returncode == 0 and "answer:" in asked.stdout and "warning" not in asked.stdout, asked.stderr
+
+
+def test_the_documented_smoke_command_moves_the_training_signal(tmp_path):
+    """docs/smartrag.md's smoke command, run as written (into a folder of the test's): the SFT loss falls and the
+    sampled policy learns to tag its actions."""
+    section = (ROOT / "docs/smartrag.md").read_text(encoding="utf-8").split("## Smoke test")[1]
+    command = re.search(r"```bash\n(python smartrag.py .*)\n```", section).group(1).split()
+    done = run([*command[2:], "--output_dir", str(tmp_path / "smoke")], ROOT)
+    assert done.returncode == 0, done.stderr[-3000:]
+    results = check_contract(tmp_path / "smoke", done.stdout)
+    metrics = [json.loads(line) for line in (tmp_path / "smoke" / "metrics.jsonl").read_text().splitlines()]
+    losses = [m["sft/loss"] for m in metrics if "sft/loss" in m]
+    assert len(losses) == 2 and losses[1] < 0.8 * losses[0], losses
+    assert results["before_sft"]["sampled"]["invalid"] >= 0.8 and results["before"]["sampled"]["invalid"] <= 0.2
 
 
 def documented_questions(method):
@@ -878,6 +906,8 @@ def test_a_malformed_data_file_is_one_line_naming_file_and_line(tmp_path):
             str(ROOT / "data/toy/corpus.jsonl"),
             "--model",
             TINY_LM,
+            "--world",
+            "data/toy",
             "--output_dir",
             str(tmp_path / "out"),
         ],
