@@ -866,7 +866,17 @@ def ask(args):
 
 def main(argv=None):
     """Parse the flags, fill the preset, dispatch on the mode."""
-    args = apply_preset(runs.parse_args(Args, argv, UNTRAINED, method="smartrag", presets=PRESETS))
+    args = runs.parse_args(Args, argv, UNTRAINED, method="smartrag", presets=PRESETS)
+    try:
+        args = apply_preset(args)
+    except SystemExit as problems:  # --dry_run: these and the missing paths and models, at once
+        if not args.dry_run:
+            raise
+        try:
+            runs.dry_run(args)
+        except SystemExit as missing:
+            raise SystemExit(f"{problems.code}; {missing.code}") from None
+        raise
     (runs.dry_run if args.dry_run else train if args.train else run_eval if args.eval else ask)(args)
 
 

@@ -833,7 +833,8 @@ def test_a_number_outside_its_range_is_one_line_naming_the_flag(flag, value, bou
 
 def test_every_problem_of_a_combination_is_named_at_once(tmp_path):
     """apply_preset names each problem in one line: two modes, a toy model or the toy knowledge probe without a toy
-    world, the paper's --train without its rewriter; --resume without --train."""
+    world, the paper's --train without its rewriter (under --dry_run with the missing paths); --resume without
+    --train."""
     args = smartrag.Args(train=True, eval=True, preset="paper", model="toy-lm", data_dir=str(tmp_path),
                          base_llm="toy")  # fmt: skip
     with pytest.raises(SystemExit) as exit_:
@@ -842,6 +843,11 @@ def test_every_problem_of_a_combination_is_named_at_once(tmp_path):
     assert [p.split(":")[0].split(" (")[0] for p in problems] == [
         "choose one mode of --train, --eval, --ask", "--model toy-lm takes its "
         "vocabulary from a toy world", "--base_llm toy", "--preset paper --train needs --rewriter"]  # fmt: skip
+    with pytest.raises(SystemExit) as exit_:  # --dry_run: with the paths and models it cannot find
+        smartrag.main(["--train", "--preset", "paper", "--dry_run"])
+    assert re.fullmatch(
+        r"--preset paper --train needs --rewriter: .*; dry run: not found: .*--corpus .*", exit_.value.code
+    )
     with pytest.raises(SystemExit, match="^--resume continues a training run: only with --train$"):
         smartrag.apply_preset(smartrag.Args(eval=True, resume=True))
     args = smartrag.apply_preset(smartrag.Args(train=True, data_dir=str(tmp_path), world="data/toy"))
