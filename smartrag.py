@@ -58,9 +58,7 @@ from common.toy import RenamingEnv, rename_entities, rename_rows, world_or_none
 
 @dataclass
 class Args:
-    preset: str = arg(
-        "toy", "toy (built-in toy world, tiny model, CPU) or paper", choices=["toy", "paper"], group="experiment"
-    )
+    preset: str = arg("toy", "toy (toy world, tiny model, CPU) or paper", choices=["toy", "paper"], group="experiment")
     train: bool = arg(False, "SFT warm-up, then PPO, then evaluation")
     eval: bool = arg(False, "evaluate --model (a checkpoint or the untrained start)")
     ask: str = arg("", "answer one question with --model and print the trajectory")
@@ -95,17 +93,13 @@ class Args:
     rewriter_model: str = arg("", "model name when --rewriter is an endpoint URL")
     base_llm: str | None = arg(None, "LLM spec that plays the base model's knowledge probe")
     know_f1: float = arg(0.2, "the base model 'knows' x if its direct-answer F1 >= this [App. A.2]", low=0.0, high=1.0)
-    probe_tokens: int = arg(
-        32, "tokens of the knowledge probe's reply (a reasoning model's <think> counts: raise it)", low=1
-    )
+    probe_tokens: int = arg(32, "tokens of the knowledge probe's reply (raise it for a <think> block)", low=1)
     base_pretrain_steps: int | None = arg(None, "toy: steps teaching the raw base model the popular facts", low=0)
     sft_epochs: float = arg(1.0, "SFT epochs [§4: 1] (when --sft_steps is 0)", low=1e-6)
     sft_steps: int | None = arg(None, "SFT steps; overrides epochs when > 0", low=0)
     sft_lr: float | None = arg(None, "SFT learning rate [§4: 3e-4]", low=0.0)
     sft_batch_size: int | None = arg(None, "SFT batch size, all processes together [§4: 8]", low=1)
-    micro_batch_size: int | None = arg(
-        None, "sequences per forward/backward pass (memory only: the same gradient)", low=1
-    )
+    micro_batch_size: int | None = arg(None, "rows per forward/backward pass (memory only: the same gradient)", low=1)
     augment_p: float | None = arg(None, "toy: entity-renaming probability of a retrieval pair", low=0.0, high=1.0)
     rl_augment_p: float | None = arg(None, "toy: renaming probability of a not-popular PPO episode", low=0.0, high=1.0)
     ppo_iterations: int | None = arg(None, "PPO iterations (impl: 100 for T5-large)", low=0, group="PPO [§3.2, §4]")
@@ -124,9 +118,7 @@ class Args:
     kl_adaptive: bool | None = arg(None, "adapt beta to kl_target after each rollout (impl); False: a fixed beta")
     sample_top_k: int = arg(50, "top-k sampling in rollouts [App. A.3: 50]", low=1)
     max_new_tokens: int | None = arg(None, "tokens per action (impl: 50)", low=1)
-    threshold: float = arg(
-        0.5, "retrieve iff p([Search]) > this", low=0.0, high=1.0, group="inference [§4.1, App. A.3]"
-    )
+    threshold: float = arg(0.5, "retrieve iff p([Search]) > this", low=0.0, high=1.0, group="inference [§4.1]")
     num_beams: int | None = arg(None, "beams after the first token (impl: 4)", low=1)
     eval_every: int = arg(25, "checkpoint every this many PPO iterations", low=1)
 
