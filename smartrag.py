@@ -45,13 +45,12 @@ from pathlib import Path
 import torch
 from accelerate import PartialState
 from accelerate.utils import broadcast, gather_object
-from tqdm import tqdm
 
 from common import runs
-from common.data import load_split, sample_rows, write_jsonl
+from common.data import load_split, require_metadata, sample_rows, write_jsonl
 from common.llm import backbone_of, chat_prompts, generate, left_pad, right_pad, unknown_words
 from common.metrics import answer_scores, cover_em, f1_score, summarize
-from common.models import load_model_and_tokenizer, make_llm
+from common.models import is_toy_lm, load_model_and_tokenizer, make_llm
 from common.retrieval import open_retriever
 from common.runs import arg
 from common.toy import RenamingEnv, rename_entities, rename_rows, world_or_none
@@ -59,72 +58,69 @@ from common.toy import RenamingEnv, rename_entities, rename_rows, world_or_none
 
 @dataclass
 class Args:
-    # experiment
-    preset: str = arg("toy", "toy (built-in toy world, tiny model, CPU) or paper", choices=["toy", "paper"])
+    preset: str = arg("toy", "toy (toy world, tiny model, CPU) or paper", choices=["toy", "paper"], group="experiment")
     train: bool = arg(False, "SFT warm-up, then PPO, then evaluation")
     eval: bool = arg(False, "evaluate --model (a checkpoint or the untrained start)")
     ask: str = arg("", "answer one question with --model and print the trajectory")
     output_dir: str | None = arg(
-        None, "results, metrics, checkpoints (default: runs/<run_name>; --eval: <model>/eval)"
+        None, "results, metrics, checkpoints (default: runs/<run_name>; --eval: a new <model>/eval/<data>-<time>)"
     )
     run_name: str | None = arg(None, "a training run's name (default: smartrag__<seed>__<time>)")
     resume: bool = arg(False, "continue the run --run_name / --output_dir from its last checkpoint")
     dry_run: bool = arg(False, "print the resolved configuration, check its paths and models, load nothing")
     report_to: str = arg("none", "tracker beside metrics.jsonl", choices=["none", "tensorboard", "wandb"])
     seed: int = arg(0, "seed of models, sampling and data order")
-    # data, retriever, model
-    data_dir: str | None = arg(None, "folder with train/test jsonl (FlashRAG QA)")
+    data_dir: str | None = arg(None, "folder with train/test jsonl (FlashRAG QA)", group="data, retriever, model")
+    world: str | None = arg(None, runs.WORLD_HELP)
     corpus: str | None = arg(None, "FlashRAG corpus jsonl (default: data_dir/corpus.jsonl)")
     index: str = arg("", "saved retriever folder (python -m common.retrieval build)")
     encoder: str | None = arg(None, "tfidf, bm25 or a dense encoder (hub id or folder) when --index is empty")
     model: str | None = arg(None, "policy: hub id, local folder or toy-lm spec")
-    lora_r: int | None = arg(None, "LoRA rank, 0 = full fine-tuning [App. A.3: LoRA for LLaMA]")
+    lora_r: int | None = arg(None, "LoRA rank, 0 = full fine-tuning [App. A.3: LoRA for LLaMA]", low=0)
     gradient_checkpointing: bool | None = arg(None, "recompute activations in the backward pass (memory)")
     templates: str | None = arg(None, "paper (Tab. 7 verbatim) or compact", choices=["paper", "compact"])
-    n_train: int | None = arg(None, "training questions (None: all)")
-    n_eval: int | None = arg(None, "test questions evaluated (None: all)")
+    n_train: int | None = arg(None, "training questions (None: all)", low=1)
+    n_eval: int | None = arg(None, "test questions evaluated (None: all)", low=1)
     question_types: str | None = arg(None, "comma-separated metadata types to keep (empty: all)")
-    # Algorithm 1 and the reward
-    quota: int = arg(1, "retrieval quota N [Alg. 1; §4: N = 1]")
-    top_k: int | None = arg(None, "snippets per retrieval K [App. A.3: 4]")
-    alpha: float = arg(0.2, "retrieval cost alpha [Eq. 5; App. A.3: 0.2]")
+    quota: int = arg(1, "retrieval quota N [Alg. 1; §4: N = 1]", low=0, group="Algorithm 1 and the reward")
+    top_k: int | None = arg(None, "snippets per retrieval K [App. A.3: 4]", low=1)
+    alpha: float = arg(0.2, "retrieval cost alpha [Eq. 5; App. A.3: 0.2]", low=0.0)
     invalid_reward: float = arg(-1.0, "reward of an action without a tag, which ends the episode (impl: -1)")
-    # warm-up SFT [§3.1]
-    initial_policy: str | None = arg(None, "plain pi_0 (pairs 2-4) or filtered pi_0*", choices=["plain", "filtered"])
+    initial_policy: str | None = arg(
+        None, "plain pi_0 (pairs 2-4) or filtered pi_0*", choices=["plain", "filtered"], group="warm-up SFT [§3.1]"
+    )
     rewriter: str | None = arg(None, "warm-up queries: oracle (toy metadata) or an LLM spec [App. A.2: gpt-3.5]")
     rewriter_model: str = arg("", "model name when --rewriter is an endpoint URL")
     base_llm: str | None = arg(None, "LLM spec that plays the base model's knowledge probe")
-    know_f1: float = arg(0.2, "the base model 'knows' x if its direct-answer F1 >= this [App. A.2]")
-    probe_tokens: int = arg(32, "tokens of the knowledge probe's reply (a reasoning model's <think> counts: raise it)")
-    base_pretrain_steps: int | None = arg(None, "toy: steps teaching the raw base model the popular facts")
-    sft_epochs: float = arg(1.0, "SFT epochs [§4: 1] (when --sft_steps is 0)")
-    sft_steps: int | None = arg(None, "SFT steps; overrides epochs when > 0")
-    sft_lr: float | None = arg(None, "SFT learning rate [§4: 3e-4]")
-    sft_batch_size: int | None = arg(None, "SFT batch size, all processes together [§4: 8]")
-    micro_batch_size: int | None = arg(None, "sequences per forward/backward pass (memory only: the same gradient)")
-    augment_p: float | None = arg(None, "toy: entity-renaming probability of a retrieval pair")
-    rl_augment_p: float | None = arg(None, "toy: renaming probability of a not-popular PPO episode")
-    # PPO [§3.2, §4]
-    ppo_iterations: int | None = arg(None, "PPO iterations (impl: 100 for T5-large)")
-    rollout_tokens: int | None = arg(None, "generated tokens per iteration, all processes together [§4: 5120]")
-    rollout_batch: int | None = arg(None, "questions per batched rollout, shared out over the processes")
-    ppo_epochs: int | None = arg(None, "epochs over each rollout [§4: 1]")
-    ppo_lr: float | None = arg(None, "PPO learning rate [§4: 2e-6]")
-    ppo_batch_size: int | None = arg(None, "sequences per PPO minibatch, all processes together [§4: 32]")
-    gamma: float = arg(0.99, "discount [Eq. 6] (impl: 0.99 per token)")
-    lam: float = arg(0.95, "GAE lambda (impl: 0.95)")
-    clip: float = arg(0.2, "PPO clip epsilon (impl: 0.2)")
-    vf_coef: float = arg(0.5, "value loss coefficient (impl: 0.5)")
-    max_grad_norm: float = arg(0.5, "gradient clipping (impl: 0.5)")
-    kl_init: float | None = arg(None, "initial KL coefficient beta (impl: 0.001)")
-    kl_target: float = arg(0.2, "target KL of the adaptive controller (impl: 0.2)")
+    know_f1: float = arg(0.2, "the base model 'knows' x if its direct-answer F1 >= this [App. A.2]", low=0.0, high=1.0)
+    probe_tokens: int = arg(32, "tokens of the knowledge probe's reply (raise it for a <think> block)", low=1)
+    base_pretrain_steps: int | None = arg(None, "toy: steps teaching the raw base model the popular facts", low=0)
+    sft_epochs: float = arg(1.0, "SFT epochs [§4: 1] (when --sft_steps is 0)", low=1e-6)
+    sft_steps: int | None = arg(None, "SFT steps; overrides epochs when > 0", low=0)
+    sft_lr: float | None = arg(None, "SFT learning rate [§4: 3e-4]", low=0.0)
+    sft_batch_size: int | None = arg(None, "SFT batch size, all processes together [§4: 8]", low=1)
+    micro_batch_size: int | None = arg(None, "rows per forward/backward pass (memory only: the same gradient)", low=1)
+    augment_p: float | None = arg(None, "toy: entity-renaming probability of a retrieval pair", low=0.0, high=1.0)
+    rl_augment_p: float | None = arg(None, "toy: renaming probability of a not-popular PPO episode", low=0.0, high=1.0)
+    ppo_iterations: int | None = arg(None, "PPO iterations (impl: 100 for T5-large)", low=0, group="PPO [§3.2, §4]")
+    rollout_tokens: int | None = arg(None, "generated tokens per iteration, all processes together [§4: 5120]", low=0)
+    rollout_batch: int | None = arg(None, "questions per batched rollout, shared out over the processes", low=1)
+    ppo_epochs: int | None = arg(None, "epochs over each rollout [§4: 1]", low=1)
+    ppo_lr: float | None = arg(None, "PPO learning rate [§4: 2e-6]", low=0.0)
+    ppo_batch_size: int | None = arg(None, "sequences per PPO minibatch, all processes together [§4: 32]", low=1)
+    gamma: float = arg(0.99, "discount [Eq. 6] (impl: 0.99 per token)", low=0.0, high=1.0)
+    lam: float = arg(0.95, "GAE lambda (impl: 0.95)", low=0.0, high=1.0)
+    clip: float = arg(0.2, "PPO clip epsilon (impl: 0.2)", low=0.0)
+    vf_coef: float = arg(0.5, "value loss coefficient (impl: 0.5)", low=0.0)
+    max_grad_norm: float = arg(0.5, "gradient clipping (impl: 0.5)", low=0.0)
+    kl_init: float | None = arg(None, "initial KL coefficient beta (impl: 0.001)", low=0.0)
+    kl_target: float = arg(0.2, "target KL of the adaptive controller (impl: 0.2)", low=1e-6)
     kl_adaptive: bool | None = arg(None, "adapt beta to kl_target after each rollout (impl); False: a fixed beta")
-    sample_top_k: int = arg(50, "top-k sampling in rollouts [App. A.3: 50]")
-    max_new_tokens: int | None = arg(None, "tokens per action (impl: 50)")
-    # inference [§4.1, App. A.3]
-    threshold: float = arg(0.5, "retrieve iff p([Search]) at the first token > threshold")
-    num_beams: int | None = arg(None, "beams after the first token (impl: 4)")
-    eval_every: int = arg(25, "checkpoint every this many PPO iterations")
+    sample_top_k: int = arg(50, "top-k sampling in rollouts [App. A.3: 50]", low=1)
+    max_new_tokens: int | None = arg(None, "tokens per action (impl: 50)", low=1)
+    threshold: float = arg(0.5, "retrieve iff p([Search]) > this", low=0.0, high=1.0, group="inference [§4.1]")
+    num_beams: int | None = arg(None, "beams after the first token (impl: 4)", low=1)
+    eval_every: int = arg(25, "checkpoint every this many PPO iterations", low=1)
 
 
 PRESETS = {  # field: (toy, paper), for the fields left at None; any flag overrides them
@@ -160,18 +156,28 @@ PRESETS = {  # field: (toy, paper), for the fields left at None; any flag overri
 
 
 def apply_preset(args):
-    """Fill the fields left at None from the preset's column."""
+    """Fill the fields left at None from the preset's column; a combination that cannot run is one line naming every
+    problem at once."""
     for key, values in PRESETS.items():
         if getattr(args, key) is None:
             setattr(args, key, values[args.preset == "paper"])
     args.corpus = args.corpus or str(Path(args.data_dir) / "corpus.jsonl")
-    if args.base_llm == "toy":  # the toy reader of the world being trained on, never data/toy by default
-        args.base_llm = f"toy:{args.data_dir}"
-    if args.output_dir is None and args.eval:  # --eval writes next to the model, never over a training run's results
-        args.output_dir = str(Path(args.model) / "eval") if Path(args.model).is_dir() else "runs/smartrag-eval"
+    args.world = args.world or runs.toy_world(None, args.data_dir)  # parse_args's, or the data's (Args built in code)
+    problems = ["choose one mode of --train, --eval, --ask"] * (args.train + args.eval + bool(args.ask) > 1)
+    problems += ["--resume continues a training run: only with --train"] * (args.resume and not args.train)
+    if is_toy_lm(args.model) and not args.world:
+        problems.append(f"--model {args.model} takes its vocabulary from a toy world: pass --world DIR (world.json)")
+    if args.base_llm == "toy" and args.world:  # the toy reader of the world being trained on, never data/toy
+        args.base_llm = f"toy:{args.world}"
+    elif args.base_llm == "toy" and args.train and args.initial_policy == "filtered":
+        problems.append("--base_llm toy (the knowledge probe of --initial_policy filtered) needs --world DIR")
     if args.preset == "paper" and not args.rewriter and args.train:
-        raise SystemExit("--preset paper --train needs --rewriter: an LLM spec (e.g. an OpenAI-compatible URL for "
-                         "gpt-3.5-turbo-1106 and --rewriter_model) writes the warm-up queries [App. A.2]")  # fmt: skip
+        problems.append("--preset paper --train needs --rewriter: an LLM spec (e.g. an OpenAI-compatible URL for "
+                        "gpt-3.5-turbo-1106 and --rewriter_model) writes the warm-up queries [App. A.2]")  # fmt: skip
+    if problems:
+        raise SystemExit("; ".join(problems))
+    if args.output_dir is None and args.eval:  # a new folder per evaluation, never over an earlier one
+        args.output_dir = runs.eval_dir(args, "smartrag")
     return args
 
 
@@ -278,7 +284,7 @@ def rewrite_queries(rows, args):
     """Warm-up queries: the paper's GPT-3.5 rewrite prompt on any LLM backend, or the toy world's oracle rewrite."""
     if args.rewriter == "oracle":  # simplification: the entity + relation of hop 1 (header 4)
         return [r["metadata"]["sub_queries"][0] for r in rows]
-    llm = make_llm(args.rewriter, **({"model": args.rewriter_model} if args.rewriter_model else {}))
+    llm = make_llm(args.rewriter, world=args.world, **({"model": args.rewriter_model} if args.rewriter_model else {}))
     prompts = [[{"role": "user", "content": REWRITE_PROMPT.format(question=r["question"])}] for r in rows]
     replies = llm.chat(prompts, temperature=0.0, max_tokens=64)
     return [THINK.sub("", q).strip() or r["question"] for q, r in zip(replies, rows)]
@@ -360,7 +366,7 @@ def load_policy(args, device):
     """The policy LM and tokenizer, with the two tags (and LoRA adapters when lora_r > 0)."""
     # fp32 master weights, bf16 autocast (accelerate mixed precision); only a frozen LoRA base may be stored in bf16
     dtype = torch.bfloat16 if device.type == "cuda" and args.lora_r else torch.float32
-    model, tokenizer = load_model_and_tokenizer(args.model, dtype=dtype, world=args.data_dir)
+    model, tokenizer = load_model_and_tokenizer(args.model, dtype=dtype, world=args.world)
     tag_ids = add_tags(model, tokenizer)
     if args.lora_r and not hasattr(model, "peft_config"):
         from common.llm import add_lora
@@ -606,9 +612,9 @@ def sft_batch(examples, tokenizer, tag_ids, args, rng, world):
     return ids, right_pad([s[1] for s in seqs], -100), right_pad([[1] * len(s[0]) for s in seqs], 0)
 
 
-def sft(accelerator, model, tokenizer, tag_ids, examples, args, world, steps=None, name="sft"):
+def sft(accelerator, out, model, tokenizer, tag_ids, examples, args, world, steps=None, name="sft"):
     """Cross-entropy on the targets of the warm-up pairs, a mean over the batch's target tokens (of every process);
-    AdamW, linear decay [§4: 1 epoch, lr 3e-4, batch 8]."""
+    AdamW, linear decay [§4: 1 epoch, lr 3e-4, batch 8]. The mean loss of every 100 steps is logged as <name>/loss."""
     rng = random.Random(args.seed)
     steps = steps or args.sft_steps or math.ceil(args.sft_epochs * len(examples) / args.sft_batch_size)
     # simplification: betas, warm-up, decay floor and clipping are ours (header 10)
@@ -631,21 +637,23 @@ def sft(accelerator, model, tokenizer, tag_ids, examples, args, world, steps=Non
                              weight=weight)  # fmt: skip
         losses.append(loss)
         if (step + 1) % 100 == 0 or step + 1 == steps:
-            accelerator.print(f"{name} step {step + 1}/{steps} | loss={sum(losses[-100:]) / len(losses[-100:]):.4f}")
+            recent = losses[-((step % 100) + 1) :]  # the steps since the last line
+            runs.log_update(
+                accelerator, out, {f"{name}/step": step + 1, f"{name}/loss": sum(recent) / len(recent)}, step + 1
+            )
     return accelerator.unwrap_model(model), steps
 
 
-def pretrain_toy_base(accelerator, model, tokenizer, tag_ids, rows, args):
+def pretrain_toy_base(accelerator, out, model, tokenizer, tag_ids, rows, args, warnings):
     """Toy world only (header 6): the raw toy-lm knows nothing, while the paper's base LLMs know popular facts, the
     premise of the filtered warm-up and of learning when not to retrieve; so the toy base model first learns to answer
     the popular training questions in the template-1 prompt (no tag), as a pretrained LLM answers what it knows."""
     examples = [dict(question=r["question"], observations=[], tag=None, text=r["golden_answers"][0], popular=True,
                      searched=[]) for r in rows if r.get("metadata", {}).get("popular")]  # fmt: skip
     if not examples:
-        raise SystemExit("--base_pretrain_steps needs training questions with metadata.popular (the toy world's)")
-    return sft(
-        accelerator, model, tokenizer, tag_ids, examples, args, None, args.base_pretrain_steps, "base pretraining"
-    )[0]
+        runs.nothing_to_train(accelerator, warnings, "base pretraining", "no training question is popular")
+        return model
+    return sft(accelerator, out, model, tokenizer, tag_ids, examples, args, None, args.base_pretrain_steps, "base")[0]
 
 
 # --------------------------------------------------------------------------- 8. evaluation [§4]
@@ -664,9 +672,7 @@ def evaluate(model, tokenizer, env, rows, args, tag_ids, greedy, seed=0, batch=2
     """EM, F1, return (gamma = 1), retrieval rate and hit, overall and by metadata group; and the episodes."""
     model.eval()
     quiet = not PartialState().is_local_main_process
-    bar = tqdm(
-        range(0, len(rows), batch), desc="greedy eval" if greedy else "sampled eval", leave=False, disable=quiet
-    )
+    bar = runs.progress(range(0, len(rows), batch), "greedy eval" if greedy else "sampled eval", quiet, leave=False)
     episodes = [
         e for i in bar for e in rollout(model, tokenizer, env, rows[i : i + batch], args, tag_ids, greedy, seed + i)
     ]
@@ -696,26 +702,32 @@ def evaluate_stage(accelerator, out, stage, model, tokenizer, env, rows, args, t
 
 
 # --------------------------------------------------------------------------- 9. train / eval / ask
+# the end-of-run table: the paper's EM and F1 [Tab. 1] and its retrieval rate [§4.2], the reward and the costs
+TABLE_ROWS = ("em", "f1", "acc", "reward", "retrieval_rate", "retrievals", "policy_calls", "generated_tokens")
+UNTRAINED = "--model toy-lm, the untrained start, answers at random"
+
+
 def environment(args):
     """The frozen retriever, seen through each renamed episode's names (header 5; other episodes unchanged)."""
     return RenamingEnv(open_retriever(args.index, args.corpus, args.encoder))
 
 
-def warm_up(accelerator, args, out, train_rows, test_rows, env, world):
+def warm_up(accelerator, args, out, train_rows, test_rows, env, world, warnings):
     """The policy after the warm-up SFT [§3.1], trained now or loaded from the run's sft/ checkpoint (--resume)."""
     sft_dir = out / "sft"
     if (state := runs.load_state(sft_dir)) is not None:
         policy, tokenizer, tag_ids = load_policy(replace(args, model=str(sft_dir)), accelerator.device)
+        warnings += state.get("warnings", [])
         return policy, tokenizer, tag_ids, state["before_sft"], state["steps"]
     policy, tokenizer, tag_ids = load_policy(args, accelerator.device)
     if args.base_pretrain_steps:  # simplification: a toy base model that knows the popular facts (header 6)
-        policy = pretrain_toy_base(accelerator, policy, tokenizer, tag_ids, train_rows, args)
+        policy = pretrain_toy_base(accelerator, out, policy, tokenizer, tag_ids, train_rows, args, warnings)
     before_sft = evaluate_stage(accelerator, out, "raw", policy, tokenizer, env, test_rows, args, tag_ids)
     examples, known = build_warmup(train_rows, env, args)
     accelerator.print(f"warm-up: {len(examples)} pairs ({args.initial_policy}; the base model knows {known:.2f})")
-    policy, steps = sft(accelerator, policy, tokenizer, tag_ids, examples, args, world)
+    policy, steps = sft(accelerator, out, policy, tokenizer, tag_ids, examples, args, world)
     if accelerator.is_main_process:
-        state = dict(before_sft=before_sft, steps=steps, data_dir=args.data_dir, args=asdict(args))
+        state = dict(before_sft=before_sft, steps=steps, warnings=warnings, **checkpoint_record(args))
         runs.save_checkpoint(sft_dir, policy, tokenizer, state)
     return policy, tokenizer, tag_ids, before_sft, steps
 
@@ -732,16 +744,33 @@ def mean_over_processes(accelerator, values):
     return total / max(count, 1)
 
 
+def checkpoint_record(args):
+    """What every checkpoint records besides its stage's state: its method, data, toy world and arguments."""
+    absolute = lambda path: path and str(Path(path).resolve())  # --eval from any folder finds them
+    return dict(method="smartrag", data_dir=absolute(args.data_dir), world=absolute(args.world), args=asdict(args))
+
+
+def check_metadata(rows, args):
+    """The training rows' metadata that the toy preset's oracle rewriter and toy base pretraining read, up front."""
+    needs = {"sub_queries": args.rewriter == "oracle", "popular": bool(args.base_pretrain_steps)}
+    flags = {"sub_queries": "--rewriter oracle (else an LLM spec)", "popular": "--base_pretrain_steps (else 0)"}
+    needed = [k for k, need in needs.items() if need]
+    purpose = "the toy preset's " + " and ".join(flags[k] for k in needed)
+    require_metadata(rows, needed, Path(args.data_dir) / "train.jsonl", purpose)
+
+
 def train(args):
     """SFT warm-up, PPO, evaluation before and after; --resume continues from output_dir/sft and output_dir/ppo."""
     start = time.time()
     accelerator, out = runs.start(args, "smartrag")  # the run's folder; refuses a checkpoint without --resume
     train_rows = sample_rows(load_split(args.data_dir, "train", args.question_types), args.n_train, args.seed)
     test_rows = load_split(args.data_dir, "test", args.question_types)[: args.n_eval]
-    env = environment(args)
-    world = world_or_none(args.data_dir) if args.augment_p or args.rl_augment_p else None  # toy renaming (header 5)
+    check_metadata(train_rows, args)
+    env, warnings = environment(args), []
+    renaming = args.world and (args.augment_p or args.rl_augment_p)
+    world = world_or_none(args.world) if renaming else None  # toy renaming (header 5)
     policy, tokenizer, tag_ids, before_sft, sft_steps = warm_up(
-        accelerator, args, out, train_rows, test_rows, env, world
+        accelerator, args, out, train_rows, test_rows, env, world, warnings
     )
     steps = {"sft": sft_steps, "ppo": 0}
     before = evaluate_stage(accelerator, out, "sft", policy, tokenizer, env, test_rows, args, tag_ids, step=0)
@@ -783,7 +812,7 @@ def train(args):
             unwrapped = accelerator.unwrap_model(model)
             trained = {n for n, p in unwrapped.named_parameters() if p.requires_grad}  # never the frozen LoRA base
             weights = {k: v for k, v in unwrapped.state_dict().items() if k in trained}
-            state = dict(beta=beta, iteration=it + 1, data_dir=args.data_dir, args=asdict(args))
+            state = dict(beta=beta, iteration=it + 1, **checkpoint_record(args))
             objects = {"policy_and_value": weights, "optimizer": optimizer}
             runs.save_training(accelerator, ppo_dir, unwrapped.policy, tokenizer, state, objects, rng)
     policy = accelerator.unwrap_model(model).policy
@@ -794,18 +823,22 @@ def train(args):
     results = runs.result_record(
         "smartrag", args, before_sft, before, after, steps, time.time() - start, "policy_calls"
     )
-    runs.write_results(out, results, accelerator.is_main_process)
+    runs.write_results(out, results | {"warnings": warnings}, accelerator.is_main_process, rows=TABLE_ROWS)
 
 
 def run_eval(args):
     """Evaluate --model (a checkpoint folder, or the untrained start) on the test split."""
-    start, (accelerator, out) = time.time(), runs.start_eval(args)
-    rows = load_split(args.data_dir, "test", args.question_types)[: args.n_eval]  # a bad data file fails first
+    start, rows = (
+        time.time(),
+        load_split(args.data_dir, "test", args.question_types)[: args.n_eval],
+    )  # before any folder
+    accelerator, out = runs.start_eval(args)
+    accelerator.print(f"evaluation folder: {out}")
     policy, tokenizer, tag_ids = load_policy(args, accelerator.device)
     result = evaluate_stage(accelerator, out, "eval", policy, tokenizer, environment(args), rows, args, tag_ids)
     steps = {"sft": 0, "ppo": 0}
     results = runs.result_record("smartrag", args, None, result, None, steps, time.time() - start, "policy_calls")
-    runs.write_results(out, results, accelerator.is_main_process)
+    runs.write_results(out, results | {"warnings": []}, accelerator.is_main_process, rows=TABLE_ROWS)
 
 
 def ask(args):
@@ -825,7 +858,17 @@ def ask(args):
 
 def main(argv=None):
     """Parse the flags, fill the preset, dispatch on the mode."""
-    args = apply_preset(runs.parse_args(Args, argv))
+    args = runs.parse_args(Args, argv, UNTRAINED, method="smartrag", presets=PRESETS)
+    try:
+        args = apply_preset(args)
+    except SystemExit as problems:  # --dry_run: these and the missing paths and models, at once
+        if not args.dry_run:
+            raise
+        try:
+            runs.dry_run(args)
+        except SystemExit as missing:
+            raise SystemExit(f"{problems.code}; {missing.code}") from None
+        raise
     (runs.dry_run if args.dry_run else train if args.train else run_eval if args.eval else ask)(args)
 
 

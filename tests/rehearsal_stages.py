@@ -114,7 +114,10 @@ def unclipped(accelerator):
 def smartrag_sft(accelerator, micro_batch_size=2):
     """smartrag.sft, one step on three warm-up pairs of unequal target lengths (process 0 holds two rows, process 1
     one), then one step on a batch of one (process 1: the stand-in of weight 0). AdamW swapped for plain SGD."""
+    import tempfile
+
     smartrag, args = smartrag_setting(micro_batch_size=micro_batch_size, lora_r=0)
+    out = Path(tempfile.mkdtemp())  # the sft/loss lines' metrics.jsonl
     model, tokenizer = tiny_lm()
     tags = smartrag.add_tags(model, tokenizer)
     pair = lambda question, tag, text: dict(question=question, observations=[], tag=tag, text=text, popular=False,
@@ -129,7 +132,7 @@ def smartrag_sft(accelerator, micro_batch_size=2):
         for batch_size in (3, 1):
             batch_args = replace(args, sft_batch_size=batch_size)
             with unclipped(accelerator):
-                model, _ = smartrag.sft(accelerator, model, tokenizer, tags, examples, batch_args, None, steps=1)
+                model, _ = smartrag.sft(accelerator, out, model, tokenizer, tags, examples, batch_args, None, steps=1)
     finally:
         torch.optim.AdamW, smartrag.runs.sft_step = adamw, sft_step
     return {"loss": torch.tensor(losses, dtype=torch.float64), "grad": before - trained(model)}

@@ -328,6 +328,20 @@ def test_a_policy_that_answers_never_retrieves(tagged, monkeypatch):
     assert len(calls) == 1 and retriever.queries == [] and episodes[0]["turns"][0]["forced_ids"] == []
 
 
+def test_the_evaluation_bar_writes_to_a_log_at_most_every_30_seconds(tagged, monkeypatch, capsys):
+    """Piped to a log (stderr not a terminal), 8 evaluation batches of 0.15 s write the bar's first and last line
+    only (a terminal's tqdm would write one every 0.1 s)."""
+    import time
+
+    model, tokenizer, tags = tagged
+    fake, _ = scripted_generate(tags, "answer")
+    monkeypatch.setattr(smartrag, "generate", lambda *a, **k: time.sleep(0.15) or fake(*a, **k))
+    rows = [{"id": i, "question": "q ?", "golden_answers": ["x"], "metadata": {}} for i in range(8)]
+    args = smartrag.apply_preset(smartrag.Args(eval=True, output_dir="unused"))
+    smartrag.evaluate(model, tokenizer, RenamingEnv(FakeRetriever()), rows, args, tags, greedy=False, batch=1)
+    assert capsys.readouterr().err.count("sampled eval") <= 2
+
+
 def test_loss_mask_covers_exactly_the_sampled_action_tokens(tagged, monkeypatch):
     model, tokenizer, tags = tagged
     fake, _ = scripted_generate(tags, "retrieve")
@@ -384,8 +398,9 @@ def test_threshold_decides_the_first_token(tagged, monkeypatch):
         assert seen[0] == tags[tag]
 
 
-def test_the_toy_base_model_learns_the_popular_facts_before_the_warm_up():
-    """--base_pretrain_steps: the raw toy-lm learns to answer the popular training questions directly, with no tag."""
+def test_the_toy_base_model_learns_the_popular_facts_before_the_warm_up(tmp_path, capsys):
+    """--base_pretrain_steps: the raw toy-lm learns to answer the popular training questions directly, with no tag,
+    its loss logged as base/loss; training questions none of which is popular: a warning, and the model unchanged."""
     from accelerate import Accelerator
 
     from common.data import load_split
@@ -395,11 +410,14 @@ def test_the_toy_base_model_learns_the_popular_facts_before_the_warm_up():
     tag_ids = smartrag.add_tags(model, tokenizer)
     args = smartrag.apply_preset(smartrag.Args(base_pretrain_steps=150, sft_batch_size=32))
     rows = load_split(args.data_dir, "train", args.question_types)
-    known = [r for r in rows if r["metadata"]["popular"]][:24]
-    with pytest.raises(SystemExit, match="metadata.popular"):
-        smartrag.pretrain_toy_base(
-            Accelerator(cpu=True), model, tokenizer, tag_ids, [r for r in rows if not r["metadata"]["popular"]], args
-        )
+    known, warnings = [r for r in rows if r["metadata"]["popular"]][:24], []
+    unpopular = [r for r in rows if not r["metadata"]["popular"]]
+    assert smartrag.pretrain_toy_base(Accelerator(cpu=True), tmp_path, model, tokenizer, tag_ids, unpopular, args,
+                                      warnings) is model  # fmt: skip
+    assert warnings == ["base pretraining: no training question is popular"]
+    assert (
+        capsys.readouterr().out == "warning: base pretraining trained on nothing (no training question is popular)\n"
+    )
     ids, labels, _ = smartrag.sft_batch(
         [dict(question=known[0]["question"], observations=[], tag=None, text="x", popular=True, searched=[])],
         tokenizer,
@@ -414,8 +432,10 @@ def test_the_toy_base_model_learns_the_popular_facts_before_the_warm_up():
         tokenizer.decode(i, skip_special_tokens=True).strip() for i in generate(model, tokenizer, prompts, 3).token_ids
     ]
     assert sum(a == r["golden_answers"][0] for a, r in zip(answers(), known)) <= 2  # the raw model does not know them
-    model = smartrag.pretrain_toy_base(Accelerator(cpu=True), model, tokenizer, tag_ids, known, args)
+    model = smartrag.pretrain_toy_base(Accelerator(cpu=True), tmp_path, model, tokenizer, tag_ids, known, args, [])
     assert sum(a == r["golden_answers"][0] for a, r in zip(answers(), known)) >= 22
+    logged = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
+    assert [m["base/step"] for m in logged] == [100, 150] and logged[0]["base/loss"] > logged[1]["base/loss"]
 
 
 # ---------------------------------------------------------------- end to end on the toy world
@@ -460,12 +480,21 @@ def test_toy_train_then_eval_the_checkpoint(tmp_path, templates):
         "--base_pretrain_steps",
         str(3 * (templates == "compact")),
     ]
-    done = run(["--train", "--output_dir", str(out), *tiny], ROOT)
+    tracked = ["--report_to", "tensorboard"] * (templates == "compact")
+    done = run(["--train", "--output_dir", str(out), *tiny, *tracked], ROOT)
     assert done.returncode == 0, done.stderr[-3000:]
     results = check_contract(out, done.stdout)
-    assert results["train_steps"] == {"sft": 20, "ppo": 2} and results["n_eval"] == 16
-    assert ("base pretraining step 3/3" in done.stdout) is (templates == "compact")
+    assert results["train_steps"] == {"sft": 20, "ppo": 2} and results["n_eval"] == 16 and results["warnings"] == []
+    assert ("base/step=3 | base/loss=" in done.stdout) is (templates == "compact")
+    check_the_end_of_a_run(out, done.stdout, results)
     metrics = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+    assert [m["sft/step"] for m in metrics if "sft/loss" in m] == [20]  # the SFT loss beside the PPO curves
+    if tracked:  # and in tensorboard, under the run's folder
+        events = b"".join(f.read_bytes() for f in (out / "tensorboard").rglob("events.out.tfevents*"))
+        assert b"sft/loss" in events and b"losses/policy" in events
+    for stage in ("sft", "ppo"):  # a checkpoint records its method and its toy world
+        state = json.loads((out / stage / "run_state.json").read_text())
+        assert (state["method"], state["world"]) == ("smartrag", str(ROOT / "data/toy"))
     assert [m.get("iteration") for m in metrics if "iteration" in m] == [1, 2]
     betas = [m["charts/kl_coef"] for m in metrics if "iteration" in m]  # compact: fixed beta; paper: adaptive (impl)
     assert (betas == [0.05, 0.05]) if templates == "compact" else (betas[0] != 0.05 and betas[1] != betas[0])
@@ -495,13 +524,31 @@ def test_toy_train_then_eval_the_checkpoint(tmp_path, templates):
         check_what_a_user_sees(out, results, tmp_path)
 
 
+def check_the_end_of_a_run(out, stdout, results):
+    """The last lines: the table (the paper's EM and F1, its retrieval rate, the reward and the costs; the raw start,
+    after SFT and after PPO), the paths (results, the final checkpoint, the newest predictions), then RESULT."""
+    lines = stdout.strip().splitlines()[-13:]
+    assert lines[0].split() == ["start", "before", "after"]
+    rows = ["em", "f1", "acc", "reward", "retrieval_rate", "retrievals", "policy_calls", "generated_tokens"]
+    assert [line.split()[0] for line in lines[1:9]] == rows
+    assert lines[5].split()[1:] == [f"{results[k]['retrieval_rate']:.4g}" for k in ("before_sft", "before", "after")]
+    assert lines[9:12] == [f"results: {out / 'results.json'}", f"checkpoint: {out / 'ppo'}",
+                           f"predictions: {out / 'predictions_ppo.jsonl'}"]  # fmt: skip
+
+
 def check_what_a_user_sees(out, results, tmp_path):
-    """--eval writes next to the model and never over a training run; a FlashRAG folder without metadata runs with
-    the default flags; --ask warns about words the tokenizer does not know."""
+    """--eval writes a new folder next to the model (and prints it), never over a training run or an earlier
+    evaluation; a FlashRAG folder without metadata runs with the default flags; --ask warns about words the tokenizer
+    does not know."""
     trained = (out / "results.json").read_text()
-    evaluated = run(["--eval", "--model", str(out / "ppo"), "--n_eval", "16"], ROOT)  # default output folder
-    assert evaluated.returncode == 0, evaluated.stderr[-3000:]
-    assert check_contract(out / "ppo" / "eval", evaluated.stdout)["after"]["em"] == results["after"]["em"]
+    folders = []
+    for _ in range(2):  # default output folders
+        evaluated = run(["--eval", "--model", str(out / "ppo"), "--n_eval", "16"], ROOT)
+        assert evaluated.returncode == 0, evaluated.stderr[-3000:]
+        folders.append(Path(re.search(r"^evaluation folder: (.*)$", evaluated.stdout, re.M).group(1)))
+        assert check_contract(folders[-1], evaluated.stdout)["after"]["em"] == results["after"]["em"]
+    assert folders[0] != folders[1] and folders[0].parent == folders[1].parent == out / "ppo" / "eval"
+    assert (folders[0] / "results.json").is_file()  # the second evaluation kept the first
     assert (out / "results.json").read_text() == trained  # the training result is untouched
     refused = run(["--eval", "--model", str(out / "ppo"), "--output_dir", str(out), "--n_eval", "4"], ROOT)
     assert refused.returncode != 0 and "training" in refused.stderr and "Traceback" not in refused.stderr
@@ -538,6 +585,20 @@ def check_what_a_user_sees(out, results, tmp_path):
     for question in documented:  # and their commands run (docs/smartrag.md gives what the default run answers)
         asked = run(["--ask", question, "--model", str(out / "ppo")], ROOT)
         assert asked.returncode == 0 and "answer:" in asked.stdout and "warning" not in asked.stdout, asked.stderr
+
+
+def test_the_documented_smoke_command_moves_the_training_signal(tmp_path):
+    """docs/smartrag.md's smoke command, run as written (into a folder of the test's): the SFT loss falls and the
+    sampled policy learns to tag its actions."""
+    section = (ROOT / "docs/smartrag.md").read_text(encoding="utf-8").split("## Smoke test")[1]
+    command = re.search(r"```bash\n(python smartrag.py .*)\n```", section).group(1).split()
+    done = run([*command[2:], "--output_dir", str(tmp_path / "smoke")], ROOT)
+    assert done.returncode == 0, done.stderr[-3000:]
+    results = check_contract(tmp_path / "smoke", done.stdout)
+    metrics = [json.loads(line) for line in (tmp_path / "smoke" / "metrics.jsonl").read_text().splitlines()]
+    losses = [m["sft/loss"] for m in metrics if "sft/loss" in m]
+    assert len(losses) == 2 and losses[1] < 0.8 * losses[0], losses
+    assert results["before_sft"]["sampled"]["invalid"] >= 0.8 and results["before"]["sampled"]["invalid"] <= 0.2
 
 
 def documented_questions(method):
@@ -702,7 +763,7 @@ def test_rollout_seeds_never_repeat_across_processes_rounds_turns_and_iterations
 TINY_LM = "toy-lm:layers=1,hidden=32,heads=2,kv_heads=2,intermediate=64"
 
 
-def test_bf16_mixed_precision_trains_fp32_weights_under_autocast(monkeypatch):
+def test_bf16_mixed_precision_trains_fp32_weights_under_autocast(monkeypatch, tmp_path):
     from accelerate import Accelerator
     from accelerate.state import AcceleratorState
 
@@ -725,7 +786,7 @@ def test_bf16_mixed_precision_trains_fp32_weights_under_autocast(monkeypatch):
         dict(question=f"who is velbo {i} ?", observations=[], tag="answer", text="velbo", popular=True, searched=[])
         for i in range(4)
     ]
-    trained, _ = smartrag.sft(accelerator, policy, tokenizer, tag_ids, examples, args, None)
+    trained, _ = smartrag.sft(accelerator, tmp_path, policy, tokenizer, tag_ids, examples, args, None)
     assert stepped == [{torch.float32}] * 2  # Adam updates fp32 master weights ...
     assert logits_dtypes and set(logits_dtypes) == {torch.bfloat16}  # ... of a forward pass run in bf16
     assert all(p.dtype == torch.float32 for p in trained.parameters())
@@ -755,6 +816,89 @@ def test_ask_without_a_model_is_refused():
     assert done.returncode != 0 and "--ask needs --model" in done.stderr and "Traceback" not in done.stderr
 
 
+@pytest.mark.parametrize(
+    "flag, value, bounds",
+    [("--n_train", "-5", ">= 1"), ("--top_k", "0", ">= 1"), ("--augment_p", "1.5", "in [0.0, 1.0]"),
+     ("--threshold", "2.0", "in [0.0, 1.0]"), ("--ppo_batch_size", "0", ">= 1"), ("--gamma", "-0.1", "in [0.0, 1.0]")],
+)  # fmt: skip
+def test_a_number_outside_its_range_is_one_line_naming_the_flag(flag, value, bounds, capsys):
+    with pytest.raises(SystemExit) as exit_:
+        smartrag.main(["--train", flag, value])
+    assert (
+        exit_.value.code == 2
+        and capsys.readouterr().err
+        == f"error: {flag} {float(value) if '.' in value else int(value)}: must be {bounds}\n"
+    )
+
+
+def test_every_problem_of_a_combination_is_named_at_once(tmp_path):
+    """apply_preset names each problem in one line: two modes, a toy model or the toy knowledge probe without a toy
+    world, the paper's --train without its rewriter (under --dry_run with the missing paths); --resume without
+    --train."""
+    args = smartrag.Args(train=True, eval=True, preset="paper", model="toy-lm", data_dir=str(tmp_path),
+                         base_llm="toy")  # fmt: skip
+    with pytest.raises(SystemExit) as exit_:
+        smartrag.apply_preset(args)
+    problems = str(exit_.value.code).split("; ")
+    assert [p.split(":")[0].split(" (")[0] for p in problems] == [
+        "choose one mode of --train, --eval, --ask", "--model toy-lm takes its "
+        "vocabulary from a toy world", "--base_llm toy", "--preset paper --train needs --rewriter"]  # fmt: skip
+    with pytest.raises(SystemExit) as exit_:  # --dry_run: with the paths and models it cannot find
+        smartrag.main(["--train", "--preset", "paper", "--dry_run"])
+    assert re.fullmatch(
+        r"--preset paper --train needs --rewriter: .*; dry run: not found: .*--corpus .*", exit_.value.code
+    )
+    with pytest.raises(SystemExit, match="^--resume continues a training run: only with --train$"):
+        smartrag.apply_preset(smartrag.Args(eval=True, resume=True))
+    args = smartrag.apply_preset(smartrag.Args(train=True, data_dir=str(tmp_path), world="data/toy"))
+    assert args.base_llm == "toy:data/toy"  # the toy reader of the world, not of the data folder
+
+
+def test_a_checkpoint_of_another_method_is_refused_naming_both(tmp_path, capsys):
+    (tmp_path / "run_state.json").write_text(json.dumps({"method": "tearag", "data_dir": "data/toy"}))
+    with pytest.raises(SystemExit, match=f"^--model {tmp_path} is a tearag checkpoint, not a smartrag one$"):
+        smartrag.main(["--eval", "--model", str(tmp_path)])
+    (tmp_path / "run_state.json").write_text(json.dumps({"args": {"model": "toy-lm", "rounds": 3}}))  # unmarked
+    with pytest.raises(SystemExit, match="is another method's checkpoint, not a smartrag one$"):
+        smartrag.main(["--eval", "--model", str(tmp_path)])
+
+
+def test_a_folder_of_ones_own_questions_evaluates_and_trains_with_the_toy_models(tmp_path):
+    """A FlashRAG folder (no world.json, no metadata): --eval with the toy models of --world; without it, one line
+    naming --world; --train names the metadata the toy preset's rewriter and base pretraining read, and trains once
+    they are set aside."""
+    mine = tmp_path / "mine"
+    mine.mkdir()
+    for split in ("train", "test"):
+        rows = [json.loads(line) for line in (ROOT / f"data/toy/{split}.jsonl").read_text().splitlines()[:8]]
+        (mine / f"{split}.jsonl").write_text(
+            "".join(json.dumps({k: r[k] for k in ("id", "question", "golden_answers")}) + "\n" for r in rows)
+        )
+    on_mine = ["--data_dir", str(mine), "--corpus", str(ROOT / "data/toy/corpus.jsonl"), "--model", TINY_LM]
+    evaluated = run(["--eval", *on_mine, "--world", "data/toy", "--output_dir", str(tmp_path / "eval")], ROOT)
+    assert evaluated.returncode == 0, evaluated.stderr[-3000:]
+    assert check_contract(tmp_path / "eval", evaluated.stdout)["n_eval"] == 8
+    no_world = run(["--eval", *on_mine], ROOT)
+    assert no_world.returncode == 1 and no_world.stderr.strip().splitlines() == [
+        f"--model {TINY_LM} takes its vocabulary from a toy world: pass --world DIR (world.json)"
+    ]
+    train = ["--train", *on_mine, "--world", "data/toy", "--output_dir", str(tmp_path / "run")]
+    refused = run(train, ROOT)
+    lines = [
+        line for line in refused.stderr.splitlines() if line.startswith("error")
+    ]  # (and the type filter's warning)
+    assert refused.returncode == 2 and len(lines) == 1 and "Traceback" not in refused.stderr, refused.stderr[-2000:]
+    assert re.fullmatch(
+        f"error: {mine / 'train.jsonl'}: row 'toy-train-\\d' has no metadata 'sub_queries', 'popular', which the toy "
+        r"preset's --rewriter oracle \(else an LLM spec\) and --base_pretrain_steps \(else 0\) needs .*",
+        lines[0],
+    ), lines
+    tiny = ["--sft_steps", "2", "--sft_batch_size", "4", "--ppo_iterations", "1", "--rollout_batch", "4"]
+    trained = run([*train, "--rewriter", "toy", "--base_pretrain_steps", "0", *tiny], ROOT)
+    assert trained.returncode == 0, trained.stderr[-3000:]
+    assert check_contract(tmp_path / "run", trained.stdout)["train_steps"] == {"sft": 2, "ppo": 1}
+
+
 def test_a_malformed_data_file_is_one_line_naming_file_and_line(tmp_path):
     data = tmp_path / "data"
     data.mkdir()
@@ -768,6 +912,8 @@ def test_a_malformed_data_file_is_one_line_naming_file_and_line(tmp_path):
             str(ROOT / "data/toy/corpus.jsonl"),
             "--model",
             TINY_LM,
+            "--world",
+            "data/toy",
             "--output_dir",
             str(tmp_path / "out"),
         ],
