@@ -118,6 +118,26 @@ def test_ci_runs_the_readme_test_command():
     assert test_command in (ROOT / ".ci" / "run").read_text(encoding="utf-8")
 
 
+METHODS = ("smartrag", "c3po", "sparkle", "tearag", "sparcrag")
+
+
+def test_the_readmes_fork_section_names_real_functions_and_the_docs_smoke_commands():
+    readme = (ROOT / "README.md").read_text(encoding="utf-8")
+    section = readme.split("## Fork a method", 1)[1].split("\n## ", 1)[0]
+    rows = re.findall(r"^\| `(\w+\.py)` \|(.*)\|$", section, re.M)
+    assert [f for f, _ in rows] == [f"{m}.py" for m in METHODS]
+    for file, cells in rows:
+        code = (ROOT / file).read_text(encoding="utf-8")
+        for name in re.findall(r"`(\w+)`", cells):
+            assert re.search(rf"^def {name}\(", code, re.M), f"README names {file}'s {name}, which it does not define"
+    commands = re.findall(r"^python (\w+)\.py --train .*$", section, re.M)
+    for method in METHODS:
+        docs = (ROOT / "docs" / f"{method}.md").read_text(encoding="utf-8").split("## Smoke test", 1)[1]
+        smoke = re.search(rf"^python {method}\.py --train .*$", docs, re.M).group(0)
+        assert smoke in section.splitlines(), f"README's smoke command of {method} is not its docs page's"
+    assert len(commands) == len(METHODS)
+
+
 def test_safety_rules_hold_in_every_python_file():
     """trust_remote_code off by default, torch.load only with weights_only=True, model output never run (no eval,
     exec or pickle), API keys read from the environment only."""
