@@ -75,7 +75,7 @@ def test_compare_evaluates_every_method_with_its_own_code(tmp_path):
 def test_compare_refuses_bad_flags_in_one_line():
     done = subprocess.run([sys.executable, "bench/compare.py", "--baselines", "iterative"], cwd=ROOT, env=ENV,
                           capture_output=True, text=True, timeout=120)  # fmt: skip
-    assert done.returncode != 0 and done.stderr.strip().splitlines()[-1].startswith("--baselines: bad item")
+    assert done.returncode != 0 and done.stderr.strip().splitlines()[-1].startswith("error: --baselines: bad item")
 
 
 def test_one_by_one_generation_writes_what_the_batched_call_writes():

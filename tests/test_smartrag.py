@@ -879,8 +879,8 @@ def test_a_folder_of_ones_own_questions_evaluates_and_trains_with_the_toy_models
     assert evaluated.returncode == 0, evaluated.stderr[-3000:]
     assert check_contract(tmp_path / "eval", evaluated.stdout)["n_eval"] == 8
     no_world = run(["--eval", *on_mine], ROOT)
-    assert no_world.returncode == 1 and no_world.stderr.strip().splitlines() == [
-        f"--model {TINY_LM} takes its vocabulary from a toy world: pass --world DIR (world.json)"
+    assert no_world.returncode == 2 and no_world.stderr.strip().splitlines() == [
+        f"error: --model {TINY_LM} takes its vocabulary from a toy world: pass --world DIR (world.json)"
     ]
     train = ["--train", *on_mine, "--world", "data/toy", "--output_dir", str(tmp_path / "run")]
     refused = run(train, ROOT)
