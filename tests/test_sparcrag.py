@@ -932,12 +932,16 @@ def test_every_problem_of_a_flag_combination_in_one_line(tmp_path, monkeypatch):
             "--n_eval",
             "1",
         ]
-        sparcrag.main(["--train", "--eval", *flags])
+        sparcrag.main(["--train", *flags])
     assert str(exit_info.value) == (
-        "--train, --eval and --ask are separate modes: choose one; --system vanilla is evaluated (--eval), not "
-        "trained; --warmup_widths '1,0': widths >= 1; --warmup teacher needs --sft_steps >= 1 (or "
-        "--warmup none)"
+        "--system vanilla is evaluated (--eval), not trained; --warmup_widths '1,0': widths >= 1; --warmup teacher "
+        "needs --sft_steps >= 1 (or --warmup none)"
     )
+    with pytest.raises(SystemExit, match="^choose one mode: --train, --eval or --ask"):  # refused as the flags parse
+        sparcrag.main(["--train", "--eval", *flags])
+    args = sparcrag.Args(train=True, eval=True, n_train=1, n_eval=1)  # Args built in code: apply_preset's own check
+    with pytest.raises(SystemExit, match="^--train, --eval and --ask are separate modes: choose one"):
+        sparcrag.apply_preset(args)
     with pytest.raises(SystemExit, match="^--resume continues a training run: use it with --train$"):
         sparcrag.main(["--eval", "--resume", "--n_eval", "1"])
     monkeypatch.chdir(tmp_path)

@@ -780,7 +780,7 @@ def test_eval_on_a_flashrag_folder_without_metadata(tmp_path):
                                          (["--train", "--preset", "nope"], "--preset"),
                                          (["--train", "--dry_run", "--n_rollouts", "-2"], "--n_rollouts -2: must be"),
                                          (["--train", "--dry_run", "--templates", "fancy"], "--templates"),
-                                         (["--train", "--eval", "--dry_run"], "--train, --eval and --ask: choose"),
+                                         (["--train", "--eval", "--dry_run"], "choose one mode: --train"),
                                          (["--train", "--dry_run", "--eta", "x", "--dpo_epochs", "1.5,2", "--beta",
                                            "0"], "--beta 0.0: must be > 0; --dpo_epochs needs 3 comma-separated "
                                           "numbers (one per round), got '1.5,2'; --eta 'x': comma-separated numbers"),
