@@ -13,24 +13,26 @@ EM + F1 - alpha per retrieval (Eq. 5-6), with a value model, a frozen reference 
     python smartrag.py --ask "what is the birthplace of sazebox ?" --model runs/smartrag/ppo
     accelerate launch smartrag.py --train --preset paper --data_dir data/smartrag --index indexes/e5_wiki18
 
-Deviations from the paper (each marked `# simplification: ... (header N)` where it lives):
+Departures from the paper, both presets (each marked `# simplification: ... (header N)` where it lives):
 1. The retriever is a local index over a FlashRAG corpus (top-K passages as "title: text" snippets), not Bing search.
 2. Causal LMs only: the paper's main model is the seq2seq Flan-T5-large; the paper preset is its LLaMA-2-7B + LoRA.
 3. PPO samples are whole actions (one sequence per action), not RL4LMs' token transitions; advantages are whitened
    per minibatch.
-4. Toy world: the warm-up rewriter (GPT-3.5 in the paper) is the oracle entity + relation rewrite of the metadata.
-5. Toy world: SFT retrieval pairs and not-popular PPO episodes are entity-renamed (--augment_p, --rl_augment_p).
-6. Toy world: the raw toy-lm knows nothing, so the toy base first learns the popular facts (--base_pretrain_steps).
-7. Toy world: the knowledge probe is the toy reader, whose parametric memory is exactly the `popular` flag.
-8. Toy preset: one-hop questions, compact template, greedy decoding after the threshold, smaller PPO (PRESETS).
-9. gamma discounts per token (impl, RL4LMs) where Eq. 6 discounts per step: the retrieval cost seen from the answer
+4. gamma discounts per token (impl, RL4LMs) where Eq. 6 discounts per step: the retrieval cost seen from the answer
    grows with the query length (about 0.27 for 4 tokens, 0.84 for 50 at gamma 0.99).
-10. SFT uses AdamW betas (0.9, 0.98), a linear warm-up of min(50, steps/10) steps, linear decay to 0.1 x lr and
-    gradient clipping at 1.0 (the paper states none of these).
-11. The value model is a copy of the SFT policy's backbone with a zero-initialised, bias-free scalar head.
-12. An empty search query searches with the question (the paper does not say what an empty query does).
-13. Metrics: EM and F1 as the paper reports them (FlashRAG's definitions); `acc` (sub-EM) is logged beside them.
-14. Toy preset: the plain warm-up pi_0 and a fixed KL coefficient 0.1 (impl: adaptive from 0.001) (PRESETS).
+5. SFT uses AdamW betas (0.9, 0.98), a linear warm-up of min(50, steps/10) steps, linear decay to 0.1 x lr and
+   gradient clipping at 1.0 (the paper states none of these).
+6. The value model is a copy of the SFT policy's backbone with a zero-initialised, bias-free scalar head.
+7. An empty search query searches with the question (the paper does not say what an empty query does).
+8. Metrics: EM and F1 as the paper reports them (FlashRAG's definitions); `acc` (sub-EM) is logged beside them.
+
+Toy-world adaptations, the toy preset only (PRESETS):
+9. The warm-up rewriter (GPT-3.5 in the paper) is the oracle entity + relation rewrite of the metadata.
+10. SFT retrieval pairs and not-popular PPO episodes are entity-renamed (--augment_p, --rl_augment_p).
+11. The raw toy-lm knows nothing, so the toy base first learns the popular facts (--base_pretrain_steps).
+12. The knowledge probe is the toy reader, whose parametric memory is exactly the `popular` flag.
+13. One-hop questions, compact template, greedy decoding after the threshold, smaller PPO.
+14. The plain warm-up pi_0 and a fixed KL coefficient 0.1 (impl: adaptive from 0.001).
 """
 
 import copy
@@ -129,18 +131,18 @@ PRESETS = {  # field: (toy, paper), for the fields left at None; any flag overri
     "model": ("toy-lm", "meta-llama/Llama-2-7b-chat-hf"),  # [§4] (header 2)
     "lora_r": (0, 16),  # LoRA [App. A.3]; the rank is ours (the paper gives none)
     "gradient_checkpointing": (False, True),  # a 7B policy, value model and reference on one 80 GB GPU
-    "templates": ("compact", "paper"),  # simplification: header 8
-    "question_types": ("one_hop", ""),  # simplification: header 8
+    "templates": ("compact", "paper"),  # simplification: header 13
+    "question_types": ("one_hop", ""),  # simplification: header 13
     "top_k": (1, 4),  # [App. A.3]
-    "rewriter": ("oracle", ""),  # simplification: header 4; paper: --rewriter <an LLM spec for gpt-3.5>
-    "base_llm": ("toy", "hf:meta-llama/Llama-2-7b-chat-hf"),  # simplification: header 7
-    "base_pretrain_steps": (300, 0),  # simplification: header 6
+    "rewriter": ("oracle", ""),  # simplification: header 9; paper: --rewriter <an LLM spec for gpt-3.5>
+    "base_llm": ("toy", "hf:meta-llama/Llama-2-7b-chat-hf"),  # simplification: header 12
+    "base_pretrain_steps": (300, 0),  # simplification: header 11
     "initial_policy": ("plain", "filtered"),  # [§3.1]; simplification: header 14
     "sft_steps": (1200, 0),  # [§4: 1 epoch]
     "sft_lr": (2e-3, 3e-4),  # [§4]
     "sft_batch_size": (64, 8),  # [§4]
     "micro_batch_size": (64, 8),  # ours: memory only (any value, the same gradient)
-    "augment_p": (1.0, 0.0),  # simplification: header 5
+    "augment_p": (1.0, 0.0),  # simplification: header 10
     "rl_augment_p": (1.0, 0.0),
     "ppo_iterations": (100, 50),
     "rollout_tokens": (0, 5120),  # [§4]
@@ -217,7 +219,7 @@ Please format your output as follows:
 
 Please output:""",
     ),
-    # simplification: the toy preset's compact form with the same fields (header 8)
+    # simplification: the toy preset's compact form with the same fields (header 13)
     "compact": ("question : {input} output :", "question : {input} observation : {search} output :"),
 }
 # [App. A.2] verbatim: the warm-up rewriter's prompt
@@ -282,7 +284,7 @@ def warmup_examples(row, query, observation, knows, initial_policy):
 
 def rewrite_queries(rows, args):
     """Warm-up queries: the paper's GPT-3.5 rewrite prompt on any LLM backend, or the toy world's oracle rewrite."""
-    if args.rewriter == "oracle":  # simplification: the entity + relation of hop 1 (header 4)
+    if args.rewriter == "oracle":  # simplification: the entity + relation of hop 1 (header 9)
         return [r["metadata"]["sub_queries"][0] for r in rows]
     llm = make_llm(args.rewriter, world=args.world, **({"model": args.rewriter_model} if args.rewriter_model else {}))
     prompts = [[{"role": "user", "content": REWRITE_PROMPT.format(question=r["question"])}] for r in rows]
@@ -305,7 +307,7 @@ def direct_answer(reply):
 
 def probe_knowledge(rows, args):
     """Which training questions the base model answers directly (F1 >= know_f1), asked with the direct template."""
-    llm = make_llm(args.base_llm)  # simplification: the toy reader in the toy world (header 7)
+    llm = make_llm(args.base_llm)  # simplification: the toy reader in the toy world (header 12)
     prompts = [[{"role": "user", "content": render_state(r["question"], [], args.templates)}] for r in rows]
     replies = llm.chat(prompts, temperature=0.0, max_tokens=args.probe_tokens)
     if cut := sum("<think>" in reply and "</think>" not in reply for reply in replies):
@@ -342,7 +344,7 @@ class PolicyAndValue(torch.nn.Module):
         self.policy = policy
         self.value_backbone = backbone_of(copy.deepcopy(policy))  # impl: a separate copy of the SFT model
         self.value_head = torch.nn.Linear(policy.config.hidden_size, 1, bias=False)
-        torch.nn.init.zeros_(self.value_head.weight)  # simplification: a zero-initialised head (header 11)
+        torch.nn.init.zeros_(self.value_head.weight)  # simplification: a zero-initialised head (header 6)
 
     def forward(self, input_ids, attention_mask):
         logits = self.policy(input_ids=input_ids, attention_mask=attention_mask).logits  # (B, T, V)
@@ -434,7 +436,7 @@ def rollout(model, tokenizer, env, rows, args, tag_ids, greedy, seed):
             e["done"] = kind != "retrieve"  # [Alg. 1 L8-10] an answer (or an invalid action) ends the episode
             e["answer"] = text if kind == "answer" else e["answer"]
         searching = [e for e in live if not e["done"]]
-        # [Alg. 1 L9] o = R(a_1:), os = [os, o]; simplification: an empty query searches with the question (header 12)
+        # [Alg. 1 L9] o = R(a_1:), os = [os, o]; simplification: an empty query searches with the question (header 7)
         queries = [e["turns"][-1]["text"] or e["row"]["question"] for e in searching]
         for e, hits in zip(searching, env.search(queries, args.top_k, [e["row"] for e in searching])):
             e["observations"].append(format_observation(hits))
@@ -444,7 +446,7 @@ def rollout(model, tokenizer, env, rows, args, tag_ids, greedy, seed):
 # --------------------------------------------------------------------------- 6. PPO [§3.2]
 def gae(rewards, values, gamma, lam):
     """Advantages and returns over one episode's action tokens, concatenated across actions (done only at the end)."""
-    # simplification: gamma per token, not per step as in Eq. 6 (header 9)
+    # simplification: gamma per token, not per step as in Eq. 6 (header 4)
     advantages, last = [0.0] * len(rewards), 0.0
     for t in reversed(range(len(rewards))):
         next_value = values[t + 1] if t + 1 < len(rewards) else 0.0  # across the action boundary: V of the next state
@@ -601,11 +603,11 @@ def sft_batch(examples, tokenizer, tag_ids, args, rng, world):
     for ex in examples:
         texts = [ex["question"], *ex["observations"], ex["text"]]
         if world is not None and (ex["tag"] == "retrieve" or ex["observations"]) and rng.random() < args.augment_p:
-            # simplification: searched names onto non-popular ones, other names onto any (header 5, docs/toy_world.md)
+            # simplification: searched names onto non-popular ones, other names onto any (header 10, docs/toy_world.md)
             popular = "keep" if ex["popular"] else "free"
             texts = rename_entities(texts, world, rng, popular=popular, searched=ex["searched"])
         prompt = encode_states(tokenizer, [render_state(texts[0], texts[1:-1], args.templates)])[0]
-        tag = [tag_ids[ex["tag"]]] if ex["tag"] else []  # no tag: the toy base model's pretraining (header 6)
+        tag = [tag_ids[ex["tag"]]] if ex["tag"] else []  # no tag: the toy base model's pretraining (header 11)
         target = tag + tokenizer(" " + texts[-1], add_special_tokens=False)["input_ids"] + [tokenizer.eos_token_id]
         seqs.append((prompt + target, [-100] * len(prompt) + target))
     ids = right_pad([s[0] for s in seqs], tokenizer.pad_token_id)
@@ -617,7 +619,7 @@ def sft(accelerator, out, model, tokenizer, tag_ids, examples, args, world, step
     AdamW, linear decay [§4: 1 epoch, lr 3e-4, batch 8]. The mean loss of every 100 steps is logged as <name>/loss."""
     rng = random.Random(args.seed)
     steps = steps or args.sft_steps or math.ceil(args.sft_epochs * len(examples) / args.sft_batch_size)
-    # simplification: betas, warm-up, decay floor and clipping are ours (header 10)
+    # simplification: betas, warm-up, decay floor and clipping are ours (header 5)
     optimizer = torch.optim.AdamW(model.parameters(), lr=args.sft_lr, betas=(0.9, 0.98))
     warmup = min(50, steps // 10)
     schedule = lambda s: min(1.0, (s + 1) / max(warmup, 1)) * max(0.1, 1 - s / steps)
@@ -645,7 +647,7 @@ def sft(accelerator, out, model, tokenizer, tag_ids, examples, args, world, step
 
 
 def pretrain_toy_base(accelerator, out, model, tokenizer, tag_ids, rows, args, warnings):
-    """Toy world only (header 6): the raw toy-lm knows nothing, while the paper's base LLMs know popular facts, the
+    """Toy world only (header 11): the raw toy-lm knows nothing, while the paper's base LLMs know popular facts, the
     premise of the filtered warm-up and of learning when not to retrieve; so the toy base model first learns to answer
     the popular training questions in the template-1 prompt (no tag), as a pretrained LLM answers what it knows."""
     examples = [dict(question=r["question"], observations=[], tag=None, text=r["golden_answers"][0], popular=True,
@@ -708,7 +710,7 @@ UNTRAINED = "--model toy-lm, the untrained start, answers at random"
 
 
 def environment(args):
-    """The frozen retriever, seen through each renamed episode's names (header 5; other episodes unchanged)."""
+    """The frozen retriever, seen through each renamed episode's names (header 10; other episodes unchanged)."""
     return RenamingEnv(open_retriever(args.index, args.corpus, args.encoder))
 
 
@@ -720,7 +722,7 @@ def warm_up(accelerator, args, out, train_rows, test_rows, env, world, warnings)
         warnings += state.get("warnings", [])
         return policy, tokenizer, tag_ids, state["before_sft"], state["steps"]
     policy, tokenizer, tag_ids = load_policy(args, accelerator.device)
-    if args.base_pretrain_steps:  # simplification: a toy base model that knows the popular facts (header 6)
+    if args.base_pretrain_steps:  # simplification: a toy base model that knows the popular facts (header 11)
         policy = pretrain_toy_base(accelerator, out, policy, tokenizer, tag_ids, train_rows, args, warnings)
     before_sft = evaluate_stage(accelerator, out, "raw", policy, tokenizer, env, test_rows, args, tag_ids)
     examples, known = build_warmup(train_rows, env, args)
@@ -768,7 +770,7 @@ def train(args):
     check_metadata(train_rows, args)
     env, warnings = environment(args), []
     renaming = args.world and (args.augment_p or args.rl_augment_p)
-    world = world_or_none(args.world) if renaming else None  # toy renaming (header 5)
+    world = world_or_none(args.world) if renaming else None  # toy renaming (header 10)
     policy, tokenizer, tag_ids, before_sft, sft_steps = warm_up(
         accelerator, args, out, train_rows, test_rows, env, world, warnings
     )
@@ -790,7 +792,7 @@ def train(args):
         model.eval()  # rollouts without dropout and with the KV cache; ppo_iteration switches to train mode
         while not rounds or tokens < args.rollout_tokens:  # [§4] 5120 generated tokens, all processes together
             rows = rng.sample(train_rows, min(args.rollout_batch, len(train_rows)))
-            rows = rename_rows(rows, world, rng, args.rl_augment_p)  # simplification: header 5
+            rows = rename_rows(rows, world, rng, args.rl_augment_p)  # simplification: header 10
             own = rows[accelerator.process_index :: accelerator.num_processes]
             seed = rollout_seed(args, it, rounds * accelerator.num_processes + accelerator.process_index)
             with accelerator.autocast():

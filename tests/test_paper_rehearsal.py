@@ -178,9 +178,9 @@ SMARTRAG_PAPER = {  # flag: the paper preset's value, where the paper (or the au
     "rollout_batch": 64,  # ours
     "micro_batch_size": 8,  # ours: memory only
     "gradient_checkpointing": True,  # ours: memory only
-    "base_pretrain_steps": 0,  # toy world only (header 6)
-    "augment_p": 0.0,  # toy world only (header 5)
-    "rl_augment_p": 0.0,  # toy world only (header 5)
+    "base_pretrain_steps": 0,  # toy world only (header 11)
+    "augment_p": 0.0,  # toy world only (header 10)
+    "rl_augment_p": 0.0,  # toy world only (header 10)
 }
 
 
