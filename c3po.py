@@ -3,33 +3,33 @@
 """C-3PO: a small proxy LM plays three agents between a frozen retriever and a frozen LLM; tree rollout, PPO.
 
 One proxy, three instructions [§4.1]: the Reasoning Router picks a strategy, the Information Filter keeps documents,
-the Decision Maker issues the next sub-query or stops; the frozen LLM writes the roadmap and the answer [Alg. 1].
-Training [§5]: SFT on a teacher's successful tree-rollout paths, then PPO in which every agent node of a tree rollout
-(Eq. 1-4) is rewarded with the mean reward of the leaves it reaches (Eq. 5), with a centralized critic (Eq. 6-11).
+the Decision Maker issues the next sub-query or stops; the LLM writes roadmap and answer [Alg. 1]. Warm-up SFT [§5.2],
+then PPO with a centralized critic (Eq. 6-11): each tree-rollout node (Eq. 1-4) earns its leaves' mean reward (Eq. 5).
 
     python c3po.py --train --run_name c3po                    # toy world, tiny proxy, CPU: warm-up, SFT, PPO, eval
     python c3po.py --eval --model runs/c3po/ppo               # evaluate a checkpoint on the toy test split
     python c3po.py --ask "what is the birthplace of the director of zekil ?" --model runs/c3po/ppo
     accelerate launch c3po.py --train --preset paper --data_dir DATA --index INDEX --llm http://HOST/v1 --llm_model M
 
-Deviations from the paper (each marked `# simplification: ... (header N)` where it lives):
-1. Toy world: the warm-up teacher is an oracle reading the question's metadata, wrong with p = --teacher_noise.
-2. Toy preset: the warm-up keeps only the cheapest successful strategy's paths (--warmup_select cheapest).
-3. Toy world: SFT examples and not-popular PPO trees are entity-renamed for the proxy (--augment_p, --rl_augment_p).
-4. Toy preset: the forced root tokens' policy loss is scaled by --forced_weight 0.1 (paper preset 1: all nodes, §5.2).
-5. Toy preset: the judge is cover-EM of the short toy answer, not the LLM judge of App. D.2 (--judge).
-6. Toy preset: compact templates, one- and two-hop questions, top-3 documents, and smaller PPO sizes (PRESETS).
-7. --teacher llm plays the proxy roles zero-shot (the authors' pipeline adds 2 few-shot examples per prompt).
-8. With --teacher llm a forced prefix (`[Retrieval]`) ends the user message instead of starting the reply.
-9. RL starts from the final SFT model (the paper: the model after one of the three SFT epochs).
-10. Advantages are whitened over the rollout of all processes (OpenRLHF; the paper is silent); toy: 2 PPO epochs.
-11. The value loss clips around the old values (OpenRLHF, 0.2) where Eq. 10 prints the MSE (--value_clip 0: Eq. 10).
-12. The policy loss is a token mean over the minibatch (OpenRLHF) where Eq. 9 sums over each sequence's tokens.
-13. The value head is zero-initialised (the paper does not say how).
-14. SFT uses AdamW betas (0.9, 0.98) and a cosine floor of 0.1 x lr (Tab. 6 says only AdamW and cosine).
-15. The LLM's roadmaps, answers and verdicts are capped at --answer_max_tokens (the paper states none).
-16. Latency is batched wall time per question (all questions advance together), not one question served at a time.
-17. Prompts over --prompt_max_len (Tab. 7) and SFT pairs over --cutoff_len (Tab. 6) lose middle tokens (where: ours).
+Departures from the paper, in both presets (each marked `# simplification: ... (header N)` where it lives):
+1. --teacher llm plays the proxy roles zero-shot (the authors' pipeline adds 2 few-shot examples per prompt).
+2. With --teacher llm a forced prefix (`[Retrieval]`) ends the user message instead of starting the reply.
+3. RL starts from the final SFT model (the paper: the model after one of the three SFT epochs).
+4. Advantages are whitened over the rollout of all processes (OpenRLHF; the paper is silent).
+5. The value loss clips around the old values (OpenRLHF, 0.2) where Eq. 10 prints the MSE (--value_clip 0: Eq. 10).
+6. The policy loss is a token mean over the minibatch (OpenRLHF) where Eq. 9 sums over each sequence's tokens.
+7. The value head is zero-initialised (the paper does not say how).
+8. SFT uses AdamW betas (0.9, 0.98) and a cosine floor of 0.1 x lr (Tab. 6 says only AdamW and cosine).
+9. The LLM's roadmaps, answers and verdicts are capped at --answer_max_tokens (the paper states none).
+10. Latency is batched wall time per question (all questions advance together), not one question served at a time.
+11. Prompts over --prompt_max_len (Tab. 7) and SFT pairs over --cutoff_len (Tab. 6) lose middle tokens (where: ours).
+Toy-world adaptations, what only the toy preset changes (marked alike):
+12. The warm-up teacher is an oracle reading the question's metadata, wrong with p = --teacher_noise.
+13. The warm-up keeps only the cheapest successful strategy's paths (--warmup_select cheapest; paper preset: uniform).
+14. SFT examples and not-popular PPO trees are entity-renamed for the proxy (--augment_p, --rl_augment_p).
+15. The forced root tokens' policy loss is scaled by --forced_weight 0.1 (paper preset 1: every node, §5.2).
+16. The judge is cover-EM of the short toy answer, not the LLM judge of App. D.2 (--judge).
+17. Compact templates, one- and two-hop questions, top-3 documents, smaller PPO sizes, 2 PPO epochs (PRESETS).
 """
 
 import copy
@@ -94,8 +94,8 @@ class Args:
     roadmap_temperature: float = arg(0.3, "LLM roadmap temperature (impl: 0.3)", low=0.0)
     max_query_words: int = arg(100, "queries truncated to this many words (impl: 100)", low=1)
     max_new_tokens: int | None = arg(None, "proxy (and LLM teacher) tokens per action [Tab. 7: 2048]", low=1)
-    prompt_max_len: int = arg(4096, "proxy prompt tokens, the middle cut beyond (header 17) [Tab. 7: 4096]", low=1)
-    answer_max_tokens: int = arg(256, "LLM tokens per answer, roadmap or verdict (ours: header 15)", low=1)
+    prompt_max_len: int = arg(4096, "proxy prompt tokens, the middle cut beyond (header 11) [Tab. 7: 4096]", low=1)
+    answer_max_tokens: int = arg(256, "LLM tokens per answer, roadmap or verdict (ours: header 9)", low=1)
     credit_mode: str = arg("tree", "Eq. 5, or the w/o-tree ablation (§6.4)", choices=["tree", "single_trajectory"])
     forced_weight: float | None = arg(None, "policy-loss weight of forced root tokens (1: every node, §5.2)", low=0.0)
     gen_batch_size: int = arg(512, "prompts per proxy generate call (memory only)", low=1)
@@ -135,27 +135,27 @@ PRESETS = {  # field: (toy, paper), for the fields left at None; any flag overri
     "encoder": ("tfidf", "facebook/contriever-msmarco"),  # [§6.1]
     "model": ("toy-lm", "Qwen/Qwen2-0.5B"),  # [Tab. 6]
     "llm": ("toy", "hf:Qwen/Qwen2-72B-Instruct"),  # [§6.1]
-    "judge": ("cover_em", "llm"),  # simplification: string match in the toy world (header 5)
-    "templates": ("compact", "paper"),  # simplification: no instruction prose in the toy world (header 6)
+    "judge": ("cover_em", "llm"),  # simplification: string match in the toy world (header 16)
+    "templates": ("compact", "paper"),  # simplification: no instruction prose in the toy world (header 17)
     "system_prompt": ("", "You are a helpful assistant."),  # impl
     "question_types": ("one_hop,two_hop", ""),
     "top_k": (3, 10),  # impl
     "max_documents": (6, 10),  # impl
     "max_new_tokens": (20, 2048),  # [Tab. 7]
-    "teacher": ("oracle", "llm"),  # simplification: the toy oracle teacher (header 1)
-    "warmup_select": ("cheapest", "uniform"),  # simplification: header 2
+    "teacher": ("oracle", "llm"),  # simplification: the toy oracle teacher (header 12)
+    "warmup_select": ("cheapest", "uniform"),  # simplification: header 13
     "sft_epochs": (0.0, 3.0),  # [Tab. 6]
     "sft_steps": (1500, 0),
     "sft_lr": (2e-3, 4e-5),  # [Tab. 6]
     "sft_batch_size": (32, 512),  # [Tab. 6]
     "micro_batch_size": (8, 4),
-    "augment_p": (1.0, 0.0),  # simplification: toy renaming (header 3)
+    "augment_p": (1.0, 0.0),  # simplification: toy renaming (header 14)
     "rl_augment_p": (1.0, 0.0),
     "ppo_iterations": (20, 150),  # impl
-    "ppo_epochs": (2, 1),  # simplification: header 10
+    "ppo_epochs": (2, 1),  # simplification: header 17
     "rollout_batch": (32, 64),
     "ppo_batch_size": (32, 1024),  # [Tab. 7]
-    "forced_weight": (0.1, 1.0),  # simplification: header 4
+    "forced_weight": (0.1, 1.0),  # simplification: header 15
     "policy_lr": (1e-4, 5e-7),  # [Tab. 7]
     "value_lr": (1e-3, 5e-6),  # [Tab. 7]
 }
@@ -177,7 +177,7 @@ def apply_preset(args):
 
 # --------------------------------------------------------------------------- 1. prompts [App. B.1, D; impl strings]
 # The paper set: the instructions of App. B.1 and D as the authors' code writes them (zero-shot, as the trained proxy
-# runs); the compact set keeps the same fields and output formats without the prose (header 6).
+# runs); the compact set keeps the same fields and output formats without the prose (header 17).
 PAPER_TEMPLATES = {
     # [App. B.1] Reasoning Router (impl: prompt/decision.py)
     "router": """\
@@ -370,7 +370,7 @@ Predicted Answer: {prediction}
 
 TEMPLATES = {
     "paper": PAPER_TEMPLATES,
-    "compact": dict(  # simplification: the toy preset's compact set (header 6)
+    "compact": dict(  # simplification: the toy preset's compact set (header 17)
         router="decide : no retrieval , retrieval or planning . question : {question}",
         filter_plan="filter documents . goal : {objective} question : {question} documents : {documents}",
         filter_direct="filter documents . question : {question} documents : {documents}",
@@ -601,7 +601,7 @@ def rollout(rows, act, env, args, mode, seed=0):
                 continue
             messages, rows = [[{"role": "user", "content": c[4]}] for c in todo], [c[0]["row"] for c in todo]
             temperature = args.roadmap_temperature if kind == "roadmap" else 0.0  # impl
-            # simplification: a cap on the LLM's output (header 15)
+            # simplification: a cap on the LLM's output (header 9)
             replies = env.chat(messages, rows, temperature=temperature, max_tokens=args.answer_max_tokens)
             for (tree, node, ctx, *_), reply in zip(todo, map(visible, replies)):  # a thinking LLM's reply
                 tree["llm_calls"] += 1
@@ -625,7 +625,7 @@ def score_leaves(trees, env, args):
         replies = env.chat([[{"role": "user", "content": p}] for p in prompts], [t["row"] for t, _ in leaves],
                            temperature=0.0, max_tokens=args.answer_max_tokens)  # fmt: skip
         rewards = [float("true" in visible(r).lower()) for r in replies]  # impl; a thinking judge's verdict
-    else:  # simplification: a gold answer as a whole-token span of the short toy answer (header 5)
+    else:  # simplification: a gold answer as a whole-token span of the short toy answer (header 16)
         rewards = [cover_em(n["answer"], t["row"]["golden_answers"]) for t, n in leaves]
     for (_, n), r in zip(leaves, rewards):
         n["reward"] = r
@@ -653,7 +653,7 @@ def proxy_actor(model, tokenizer, args, greedy):
     """act(requests, seed) -> per request [(text, prompt_ids, action_ids)]: one generate call (per gen_batch_size)."""
 
     def act(requests, seed):
-        # [Tab. 7] prompt max len, the middle cut beyond (header 17)
+        # [Tab. 7] prompt max len, the middle cut beyond (header 11)
         prompts = encode_prompts(tokenizer, [r["prompt"] for r in requests], args.system_prompt, args.prompt_max_len)
         out, batch, owners = [[] for _ in requests], [], []
         for i, (r, p) in enumerate(zip(requests, prompts)):
@@ -681,11 +681,11 @@ def teacher_actor(args, llm):
 
     def act(requests, _seed):
         free = [r for r in requests if not r["fixed"] for _ in range(r["n"])]
-        if args.teacher == "oracle":  # simplification: the toy world's stand-in for C-3PO-ICL (header 1)
+        if args.teacher == "oracle":  # simplification: the toy world's stand-in for C-3PO-ICL (header 12)
             rng = {id(r): question_rng(args.seed, r["tree"]["row"], r["parent"], r["prefix"]) for r in free}
             replies = (r["prefix"] + oracle_c3po(r["tree"]["row"], r["agent"], r["ctx"], r["prefix"], rng[id(r)],
                                                  args.teacher_noise, args.templates) for r in free)  # fmt: skip
-        else:  # simplification: zero-shot (header 7); a forced prefix ends the user message (header 8)
+        else:  # simplification: zero-shot (header 1); a forced prefix ends the user message (header 2)
             system = [{"role": "system", "content": args.system_prompt}] if args.system_prompt else []
             user = lambda r: {"role": "user", "content": (r["prompt"] + "\n" + r["prefix"]).strip()}
             sampling = dict(temperature=args.teacher_temperature, max_tokens=args.max_new_tokens)  # the proxy's cap
@@ -705,12 +705,12 @@ STRATEGY_COST = {"No Retrieval": 0, "Retrieval": 1, "Planning": 2}
 
 
 def successful_paths(tree, keep, rng, select="uniform"):
-    """The (prompt, output) pairs of the agent nodes on up to `keep` random successful paths (cheapest: header 2)."""
+    """The (prompt, output) pairs of the agent nodes on up to `keep` random successful paths (cheapest: header 13)."""
     nodes = tree["nodes"]
     wins = [i for i, n in enumerate(nodes) if n["kind"] == "leaf" and n["reward"] == 1]
     router = lambda i: i if nodes[i]["kind"] == "router" else router(nodes[i]["parent"])  # the path's router node
     cost = {i: STRATEGY_COST.get(nodes[router(i)].get("strategy"), 3) for i in wins} if select == "cheapest" else {}
-    wins = [i for i in wins if select == "uniform" or cost[i] == min(cost.values())]  # simplification: header 2
+    wins = [i for i in wins if select == "uniform" or cost[i] == min(cost.values())]  # simplification: header 13
     pairs = {}
     for i in rng.sample(wins, min(keep, len(wins))):
         while i is not None:
@@ -744,7 +744,7 @@ def sft_batch(pairs, tokenizer, args):
     for prompt, output in pairs:
         target = tokenizer(output, add_special_tokens=False)["input_ids"] + [tokenizer.eos_token_id]
         room = max(args.cutoff_len - len(target), args.cutoff_len // 2)  # outputs (<= --max_new_tokens) fit in half
-        prompt = encode_prompts(tokenizer, [prompt], args.system_prompt, room)[0]  # the middle cut (header 17)
+        prompt = encode_prompts(tokenizer, [prompt], args.system_prompt, room)[0]  # the middle cut (header 11)
         seqs.append((prompt + target, [-100] * len(prompt) + target))
     seqs.sort(key=lambda s: len(s[0]))  # micro-batches of similar lengths: less padding, the same gradient
     ids, labels = right_pad([s[0] for s in seqs], tokenizer.pad_token_id), right_pad([s[1] for s in seqs], -100)
@@ -755,7 +755,7 @@ def sft(accelerator, model, tokenizer, examples, args, world, out):
     """Cross-entropy on the warm-up outputs (runs.sft_step), AdamW, 3% warm-up, cosine [Tab. 6]; logs sft/loss."""
     rng = random.Random(args.seed)
     steps = (args.sft_steps or math.ceil(args.sft_epochs * len(examples) / args.sft_batch_size)) if examples else 0
-    # simplification: betas and the cosine floor are ours (header 14)
+    # simplification: betas and the cosine floor are ours (header 8)
     optimizer = torch.optim.AdamW(model.parameters(), lr=args.sft_lr, betas=(0.9, 0.98), weight_decay=0.0)
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: cosine(s, steps, max(1, int(0.03 * steps))))
     model, optimizer = accelerator.prepare(model, optimizer)
@@ -766,7 +766,7 @@ def sft(accelerator, model, tokenizer, examples, args, world, out):
             order += rng.sample(range(len(examples)), len(examples))
         batch, order = order[: args.sft_batch_size], order[args.sft_batch_size :]
         pairs = [[examples[i]["prompt"], examples[i]["output"]] for i in batch]
-        if world is not None:  # simplification: toy renaming (header 3), drawn for the whole batch: rng stays shared
+        if world is not None:  # simplification: toy renaming (header 14), drawn for the whole batch: rng stays shared
             pairs = [rename_entities(p, world, rng, "keep") if rng.random() < args.augment_p else p for p in pairs]
         own, weight = runs.own_share(pairs, accelerator)  # this process's share of the batch
         step_args = (*sft_batch(own, tokenizer, args), args.micro_batch_size, 1.0, weight)
@@ -785,7 +785,7 @@ class ValueModel(torch.nn.Module):
         super().__init__()
         self.backbone = backbone_of(copy.deepcopy(policy))
         self.head = torch.nn.Linear(policy.config.hidden_size, 1, bias=False)
-        torch.nn.init.zeros_(self.head.weight)  # simplification: zero-initialised head (header 13)
+        torch.nn.init.zeros_(self.head.weight)  # simplification: zero-initialised head (header 7)
 
     def forward(self, input_ids, attention_mask):
         hidden = self.backbone(input_ids=input_ids, attention_mask=attention_mask).last_hidden_state  # (B, T, H)
@@ -829,13 +829,13 @@ def clipped_surrogate(new_logp, old_logp, advantages, mask, clip, weights=None):
     ratio = torch.exp(new_logp - old_logp)  # (B, T)
     surrogate = torch.min(ratio * advantages, ratio.clamp(1 - clip, 1 + clip) * advantages)
     weighted = surrogate * mask if weights is None else surrogate * mask * weights
-    return -weighted.sum() / mask.sum().clamp(min=1), ratio  # simplification: a token mean (header 12)
+    return -weighted.sum() / mask.sum().clamp(min=1), ratio  # simplification: a token mean (header 6)
 
 
 def value_loss(values, old_values, returns, mask, clip):
     """Token mean of (V - G)^2 [Eq. 10]; clip > 0: of max((V - G)^2, (V_old + clip(V - V_old) - G)^2) (OpenRLHF)."""
     loss = (values - returns) ** 2  # (B, T)
-    if clip > 0:  # simplification: OpenRLHF's value clipping (header 11)
+    if clip > 0:  # simplification: OpenRLHF's value clipping (header 5)
         loss = torch.max(loss, (old_values + (values - old_values).clamp(-clip, clip) - returns) ** 2)
     return (loss * mask).sum() / mask.sum().clamp(min=1)
 
@@ -876,7 +876,7 @@ def ppo_update(accelerator, policy, value, ref, optimizers, schedulers, samples,
     device, n_proc, total = accelerator.device, accelerator.num_processes, lambda x: runs.global_sum(accelerator, x)
     policy.eval()
     score_samples(accelerator.unwrap_model(policy), ref, accelerator.unwrap_model(value), samples, pad, device, args)
-    # simplification: advantages whitened over the rollout of every process (header 10)
+    # simplification: advantages whitened over the rollout of every process (header 4)
     flat = torch.tensor([a for s in samples for a in s["adv"]])
     count = total(len(flat) * weight)
     mean = (total(flat.sum() * weight) / count).item()
@@ -886,7 +886,7 @@ def ppo_update(accelerator, policy, value, ref, optimizers, schedulers, samples,
     old, v_old, returns = (on_mask([x for s in samples for x in s[k]]) for k in ("old", "val", "ret"))
     advantages = on_mask([(x - mean) * (1 / (std + 1e-8)) for s in samples for x in s["adv"]])
     forced = lambda s: [args.forced_weight] * s.get("forced", 0) + [1.0] * (len(s["adv"]) - s.get("forced", 0))
-    weights = on_mask([w for s in samples for w in forced(s)])  # header 4
+    weights = on_mask([w for s in samples for w in forced(s)])  # header 15
     lengths = [len(s["ids"]) for s in samples]
     policy.train()
     stats, rng = defaultdict(list), random.Random(args.seed + len(samples))
@@ -896,7 +896,7 @@ def ppo_update(accelerator, policy, value, ref, optimizers, schedulers, samples,
         for b in range(n_mb):
             # this process's part of minibatch b, length-sorted (less padding); none: a stand-in that counts nothing
             mb, w = (sorted(order[b::n_mb], key=lengths.__getitem__), weight) if b < len(order) else (order[:1], 0.0)
-            scale = n_proc * w / total(mask[mb].sum() * w).clamp(min=1)  # token mean over the minibatch (header 12)
+            scale = n_proc * w / total(mask[mb].sum() * w).clamp(min=1)  # token mean over the minibatch (header 6)
             sums = dict.fromkeys(("policy", "value", "clipfrac", "approx_kl"), 0.0)  # summed over micro-batches
 
             def loss_of(part, critic=False):
@@ -969,7 +969,7 @@ def evaluate(model, tokenizer, env, rows, args, greedy=True, seed=0, batch=256, 
         records += [tree_record(t) for t in trees]
         if predictions is not None:
             predictions += [prediction_of(t, r, decoding) for t, r in zip(trees, records[-len(trees) :])]
-    latency = (time.time() - start) / max(len(rows), 1)  # simplification: batched wall time per question (header 16)
+    latency = (time.time() - start) / max(len(rows), 1)  # simplification: batched wall time per question (header 10)
     return summarize(records, rows, {"strategy": "strategies"}) | {"latency_s": latency}
 
 
@@ -995,7 +995,7 @@ TABLE_ROWS = ("accuracy", "em", "f1", "acc", "retrievals", "llm_calls", "proxy_c
 
 
 def environment(args):
-    """The frozen retriever and LLM, seen through each renamed question's names (header 3; others unchanged)."""
+    """The frozen retriever and LLM, seen through each renamed question's names (header 14; others unchanged)."""
     llm = make_llm(args.llm, world=args.world, **({"model": args.llm_model} if args.llm_model else {}))
     return RenamingEnv(open_retriever(args.index, args.corpus, args.encoder), llm)
 
@@ -1044,15 +1044,15 @@ def train(args):
     accelerator, out = runs.start(args, "c3po")  # the run's folder; refuses a checkpoint without --resume
     train_rows = sample_rows(load_split(args.data_dir, "train", args.question_types), args.n_train, args.seed)
     test_rows = load_split(args.data_dir, "test", args.question_types)[: args.n_eval]
-    if args.teacher == "oracle":  # simplification: the toy oracle reads each question's hops (header 1)
+    if args.teacher == "oracle":  # simplification: the toy oracle reads each question's hops (header 12)
         fields = ("type", "entities", "sub_queries", "hops", "popular", "popular_hops")
         require_metadata(train_rows, fields, Path(args.data_dir) / "train.jsonl", "the oracle teacher (--teacher)")
     env = environment(args)
-    world = load_world(args.world) if args.world and (args.augment_p or args.rl_augment_p) else None  # header 3
+    world = load_world(args.world) if args.world and (args.augment_p or args.rl_augment_p) else None  # header 14
     policy, tokenizer, before_sft, steps, warnings = warm_up(accelerator, args, out, train_rows, test_rows, env, world)
     before = evaluate_stage(accelerator, out, "sft", policy, tokenizer, env, test_rows, args, step=0)
     # ---- PPO: policy and centralized critic with separate optimizers, reference frozen [App. A.1, Tab. 7]
-    # simplification: policy, critic and reference start from the final SFT model (header 9)
+    # simplification: policy, critic and reference start from the final SFT model (header 3)
     ref, value = copy.deepcopy(policy).eval().requires_grad_(False), ValueModel(policy)
     optimizers = [torch.optim.Adam(m.parameters(), lr=lr, betas=(0.9, 0.95))
                   for m, lr in ((policy, args.policy_lr), (value, args.value_lr))]  # fmt: skip
@@ -1069,7 +1069,7 @@ def train(args):
     for it in range(steps["ppo"], args.ppo_iterations):
         t0 = time.time()
         rows = rng.sample(train_rows, min(args.rollout_batch, len(train_rows)))
-        rows = rename_rows(rows, world, rng, args.rl_augment_p)  # simplification: renamed not-popular trees (header 3)
+        rows = rename_rows(rows, world, rng, args.rl_augment_p)  # simplification: rename not-popular trees (header 14)
         rows, weight = runs.own_share(rows, accelerator)  # this process's trees of the --rollout_batch
         actor = proxy_actor(accelerator.unwrap_model(policy), tokenizer, args, greedy=False)
         with accelerator.autocast():

@@ -365,7 +365,7 @@ def test_no_gradient_beyond_the_clip_and_masked_tokens_ignored():
 
 
 def test_forced_tokens_can_be_down_weighted_in_the_surrogate():
-    """Forced root tokens count in the token mean but their term is scaled by --forced_weight (header 4)."""
+    """Forced root tokens count in the token mean but their term is scaled by --forced_weight (header 15)."""
     new_logp, old_logp = torch.zeros(1, 3), torch.zeros(1, 3)  # ratio 1: the surrogate is A per token
     advantages, mask = torch.tensor([[2.0, -1.0, 4.0]]), torch.tensor([[1.0, 1.0, 0.0]])
     full, _ = c3po.clipped_surrogate(new_logp, old_logp, advantages, mask, 0.2)
@@ -388,7 +388,7 @@ def test_node_samples_count_the_forced_root_tokens():
 
 
 def test_value_loss_clips_around_the_old_values():
-    """OpenRLHF's value clipping (header 11), eps 0.2, by hand; the fifth token is masked out."""
+    """OpenRLHF's value clipping (header 5), eps 0.2, by hand; the fifth token is masked out."""
     values = torch.tensor([[1.0, 0.6, 1.0, 1.0, 9.0]], requires_grad=True)
     old, ret = torch.tensor([[0.5, 0.5, 0.5, 0.5, 0.0]]), torch.tensor([[1.2, 0.0, 0.9, 0.0, 0.0]])
     mask = torch.tensor([[1.0, 1.0, 1.0, 1.0, 0.0]])
@@ -464,7 +464,7 @@ def test_ppo_update_whitens_advantages_over_the_rollout(monkeypatch, value_clip,
 
 class OneOfTwoProcesses:
     """What ppo_update asks of an Accelerator, for process 0 of two whose other process holds two node samples (as
-    main's per-process PPO read it) and sums like this one (as a global sum reads it)."""
+    a gather reads it) and sums like this one (as a global sum reads it)."""
 
     num_processes, process_index, device = 2, 0, torch.device("cpu")
 
@@ -596,7 +596,7 @@ def test_forced_top_and_one_proxy_call_per_level_for_all_trees():
     assert [len(c) for c in llm.calls] == [3, 3, 6]  # level 1: roadmaps, then answers; level 2: answers
 
 
-@pytest.mark.parametrize("mode", ["single_trajectory", "single"])  # the --credit_mode value, and the old name
+@pytest.mark.parametrize("mode", ["single_trajectory", "single"])  # the --credit_mode value, and any mode but "tree"
 @pytest.mark.parametrize("answer, reward", [("gold", 1.0), ("wrong", 0.0)])
 def test_single_trajectory_rollout_is_one_free_path_whose_reward_every_node_gets(answer, reward, mode):
     """The w/o-tree ablation (§6.4): the router is sampled, not forced, K = 1 everywhere, one leaf per question."""

@@ -337,16 +337,16 @@ C3PO_PAPER = {  # flag: the paper preset's value, where the paper (or the author
     "policy_lr": 5e-7,  # Tab. 7
     "value_lr": 5e-6,  # Tab. 7
     "kl_coef": 0.005,  # Tab. 7
-    "ppo_epochs": 1,  # OpenRLHF, App. A.2's framework (header 10)
+    "ppo_epochs": 1,  # OpenRLHF, App. A.2's framework (header 17: the toy preset's 2)
     "gamma": 1.0,  # OpenRLHF
     "lam": 0.95,  # OpenRLHF
     "clip": 0.2,  # OpenRLHF (Eq. 9's epsilon)
     "vf_coef": 0.5,  # OpenRLHF (Eq. 11's c_v)
-    "value_clip": 0.2,  # OpenRLHF (header 11)
+    "value_clip": 0.2,  # OpenRLHF (header 5)
     "max_grad_norm": 1.0,  # OpenRLHF
     "rollout_batch": 64,  # ours: 64 trees give about 1024 agent-node samples (Tab. 7's batch)
     "micro_batch_size": 4,  # ours: memory only (every loss is the same for any micro-batch size)
-    "answer_max_tokens": 256,  # ours (header 15)
+    "answer_max_tokens": 256,  # ours (header 9)
     "gen_batch_size": 512,  # ours: memory only
 }
 
