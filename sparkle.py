@@ -12,22 +12,23 @@ credited with the mean reward of its leaves (Eq. 2), R = α·Recall(c_T) + (1−
     python sparkle.py --ask "what is the birthplace of the director of zekil ?" --model runs/sparkle/ppo
     accelerate launch sparkle.py --train --preset paper --data_dir DATA --index DIR --llm http://HOST/v1 --llm_model M
 
-Deviations from the paper (each marked `# simplification: ... (header N)` where it lives):
-1. Toy world: the warm-up teacher is an oracle reading the thoughts and the question's metadata (--teacher_noise).
-2. Toy preset: the warm-up keeps only the cheapest successful paths (fewest QF, KI calls, then steps; --warmup_select).
-3. Toy world: SFT examples are entity-renamed for the proxy (--augment_p; not-popular PPO trees with --rl_augment_p).
-4. Toy preset: compact templates, top-3 documents, 5 triples, L = 2, 128 trees per update, smaller PPO minibatches.
-5. --teacher llm: --teacher_model plays the proxy zero-shot with the agents' prompts (the paper's are unstated).
-6. The thoughts so far go to the LLM as an assistant message (impl: the assistant turn continued raw).
-7. PPO trains QF's and KI's sampled tokens, not the authors' canonical re-renders (RD's: the exact Yes/No, impl).
-8. The critic starts from --critic_init (impl: the base proxy; the toy preset: the SFT proxy), head zero-initialised.
-9. Advantages are whitened over the rollout, one PPO epoch, value clipping 0.2 (the authors' OpenRLHF settings).
-10. The ablations' prompts are ours (the paper describes them; App. D.2); w/o QF keeps the QF output format.
-11. The LLM's steps are capped at --llm_max_tokens; latency is batched wall time per question.
-12. Toy preset: forced RD answers' loss x --forced_weight 0.1; the code's credit shaping (--code_shaping, impl).
-13. Toy preset: warm-up data from one- and two-hop questions only (--warmup_types), a teacher weaker than RL can reach.
-14. The context keeps at most --max_context documents (impl: 5; the paper: no cap), the best new ones, oldest out.
-15. A proxy prompt over --max_length minus --max_new_tokens tokens is cut in the middle (Tab. 5-6: 2048, no rule).
+Departures from the paper, both presets (each marked `# simplification: ... (header N)` where it lives):
+1. --teacher llm: --teacher_model plays the proxy zero-shot with the agents' prompts (the paper's are unstated).
+2. The thoughts so far go to the LLM as an assistant message (impl: the assistant turn continued raw).
+3. PPO trains QF's and KI's sampled tokens, not the authors' canonical re-renders (RD's: the exact Yes/No, impl).
+4. The critic is a proxy backbone from --critic_init (impl: the base proxy) with a zero-initialised scalar head.
+5. Advantages are whitened over the rollout, one PPO epoch, value clipping 0.2 (the authors' OpenRLHF settings).
+6. The ablations' prompts are ours (the paper describes them; App. D.2); w/o QF keeps the QF output format.
+7. The LLM's steps are capped at --llm_max_tokens; latency is batched wall time per question.
+8. The context keeps at most --max_context documents (impl: 5; the paper: no cap), the best new ones, oldest out.
+9. A proxy prompt over --max_length minus --max_new_tokens tokens is cut in the middle (Tab. 5-6: 2048, no rule).
+
+Toy-world adaptations, the toy preset only (numbered on):
+10. The warm-up teacher is an oracle reading the thoughts and the question's metadata (--teacher_noise).
+11. The warm-up keeps the cheapest successful paths (--warmup_select) of one- and two-hop questions (--warmup_types).
+12. SFT examples are entity-renamed for the proxy (--augment_p; not-popular PPO trees with --rl_augment_p).
+13. toy-lm proxy, toy reader, compact templates, top-3 documents, 5 triples, L = 2, 128 trees, PPO minibatches of 32.
+14. PPO: forced RD answers' loss x --forced_weight 0.1, the code's credit shaping (impl), --critic_init sft.
 """
 
 import copy
@@ -89,7 +90,7 @@ class Args:
     # agents, loop, tree rollout [§2.2, §3.1, Alg. 1]
     top_k: int | None = arg(None, "documents per retrieval [§D.3: 10]", low=1)
     n_triples: int | None = arg(None, "candidate triples for KI [§D.3: 20] (impl: 25)", low=1)
-    max_context: int = arg(5, "documents in the context: the best new ones, oldest out (impl: 5; header 14)", low=1)
+    max_context: int = arg(5, "documents in the context: the best new ones, oldest out (impl: 5; header 8)", low=1)
     max_steps: int = arg(12, "LLM reasoning steps in training (impl: 12)", low=1)
     max_steps_eval: int = arg(20, "LLM reasoning steps at test (impl: 20)", low=1)
     max_retrievals: int = arg(5, "retrievals per trajectory (impl: 5)", low=0)
@@ -101,7 +102,7 @@ class Args:
     ablation: str = arg("none", "w/o RD, QF; w/ Direct QF; w/o KI; w/ Direct KI [Tab. 4]", choices=ABLATIONS)
     alpha: float = arg(0.3, "R = alpha Recall(c_T) + (1 - alpha) F1(y) [§3.2, §D.3: 0.3] (impl: 0.7)", low=0, high=1)
     max_new_tokens: int | None = arg(None, "proxy tokens per action (impl: 160 in training)", low=1)
-    max_length: int = arg(2048, "prompt + action tokens, a longer prompt cut [Tab. 5, 6: 2048] (header 15)", low=2)
+    max_length: int = arg(2048, "prompt + action tokens, a longer prompt cut [Tab. 5, 6: 2048] (header 9)", low=2)
     llm_max_tokens: int = arg(256, "LLM tokens per step (impl: 256)", low=1)
     gen_batch_size: int = arg(512, "prompts per proxy generate call (memory only)", low=1)
     # warm-up [§D.3, Tab. 5]
@@ -112,7 +113,7 @@ class Args:
     teacher_temperature: float = arg(0.6, "llm teacher sampling temperature", low=0)
     warmup_keep: int = arg(4, "teacher trajectories per question, the successful ones kept [§D.3]", low=1)
     warmup_select: str | None = arg(None, "all successes, or the cheapest ones", choices=["uniform", "cheapest"])
-    warmup_types: str | None = arg(None, "types of the warm-up data, comma-separated (empty: all; header 13)")
+    warmup_types: str | None = arg(None, "types of the warm-up data, comma-separated (empty: all; header 11)")
     sft_epochs: float | None = arg(None, "SFT epochs [Tab. 5: 1] (when --sft_steps is 0)", low=0)
     sft_steps: int | None = arg(None, "SFT steps; overrides epochs when > 0", low=0)
     sft_lr: float | None = arg(None, "SFT learning rate [Tab. 5: 5e-6]", low=0)
@@ -131,7 +132,7 @@ class Args:
     gamma: float = arg(1.0, "GAE gamma within an operation (impl: 1)", low=0, high=1)
     lam: float = arg(0.95, "GAE lambda (impl: 0.95)", low=0, high=1)
     clip: float = arg(0.2, "PPO clip epsilon (impl: 0.2)", low=0)
-    code_shaping: bool | None = arg(None, "the authors' code's credit shaping of Eq. 2 (impl; header 12)")
+    code_shaping: bool | None = arg(None, "the authors' code's credit shaping of Eq. 2 (impl; header 14)")
     rd_subsample: bool = arg(False, "the authors' code's RD subsampling: per tree, RD samples down to #QF + #KI")
     forced_weight: float | None = arg(None, "policy-loss weight of Eq. 1's forced RD answers (App. E.4: 1)", low=0)
     vf_coef: float = arg(0.5, "value loss coefficient (impl: 0.5)", low=0)
@@ -146,29 +147,29 @@ PRESETS = {  # field: (toy, paper), for the fields left at None; any flag overri
     "encoder": ("tfidf", "intfloat/e5-large-v2"),  # [§D.3]
     "model": ("toy-lm", "Qwen/Qwen2.5-3B-Instruct"),  # [§4.1]
     "llm": ("toy", "hf:Qwen/Qwen2.5-7B-Instruct"),  # [§4.1]
-    "templates": ("compact", "paper"),  # simplification: no instruction prose in the toy world (header 4)
+    "templates": ("compact", "paper"),  # simplification: no instruction prose in the toy world (header 13)
     "top_k": (3, 10),  # [§D.3]
     "n_triples": (5, 20),  # [§D.3]
     "tree_depth": (2, 4),  # [§D.3]
     "max_new_tokens": (48, 160),  # impl
-    "teacher": ("oracle", "llm"),  # simplification: the toy oracle teacher (header 1)
+    "teacher": ("oracle", "llm"),  # simplification: the toy oracle teacher (header 10)
     "teacher_model": ("", "hf:Qwen/Qwen2.5-72B-Instruct"),  # [§D.3]
-    "warmup_select": ("cheapest", "uniform"),  # simplification: header 2
-    "warmup_types": ("one_hop,two_hop", ""),  # simplification: header 13
+    "warmup_select": ("cheapest", "uniform"),  # simplification: header 11
+    "warmup_types": ("one_hop,two_hop", ""),  # simplification: header 11
     "sft_epochs": (0.0, 1.0),  # [Tab. 5]
     "sft_steps": (1500, 0),
     "sft_lr": (2e-3, 5e-6),  # [Tab. 5]
     "sft_batch_size": (32, 64),  # [Tab. 5]
     "micro_batch_size": (8, 4),  # impl
-    "augment_p": (1.0, 0.0),  # simplification: toy renaming (header 3)
+    "augment_p": (1.0, 0.0),  # simplification: toy renaming (header 12)
     "ppo_iterations": (10, 120),  # impl: one episode of 7,500 questions, 64 per rollout
-    "rollout_batch": (128, 64),  # impl: 64 (header 4)
+    "rollout_batch": (128, 64),  # impl: 64 (header 13)
     "ppo_batch_size": (32, 1024),  # [Tab. 6]
     "policy_lr": (1e-4, 5e-7),  # [Tab. 6]
     "value_lr": (1e-3, 5e-6),  # [Tab. 6]
-    "critic_init": ("sft", "base"),  # simplification: header 8
-    "forced_weight": (0.1, 1.0),  # simplification: header 12
-    "code_shaping": (True, False),  # simplification: header 12
+    "critic_init": ("sft", "base"),  # simplification: header 14
+    "forced_weight": (0.1, 1.0),  # simplification: header 14
+    "code_shaping": (True, False),  # simplification: header 14
 }
 
 
@@ -191,7 +192,7 @@ def apply_preset(args):
 # --------------------------------------------------------------------------- 1. prompts [App. A; impl strings]
 # The paper set: Fig. 4-8 as printed, the instruction as the system message and the inputs as the user message (impl);
 # the authors' code strings add lines to each. The compact set keeps the fields and output formats without the prose
-# (header 4).
+# (header 13).
 PAPER_TEMPLATES = {
     # [App. A.4, Fig. 6] the LLM: one <think> step per call, {context} re-rendered every step
     "llm": """\
@@ -298,7 +299,7 @@ Inputs:
 Context: {context}
 
 Question: {question}""",
-    # the ablations' prompts [App. D.2]; simplification: ours, after the paper's description (header 10)
+    # the ablations' prompts [App. D.2]; simplification: ours, after the paper's description (header 6)
     "llm_search": "{llm}\n\nWhen a thought needs external information, write <search> inside it.",
     "rd_qf_system": "{rd_system}\n\nIf retrieval is required, continue after it with the three steps:\n\n{qf_system}",
     "qf_direct_system": "Given a question and the reasoning thoughts so far, formulate an appropriate retrieval query "
@@ -329,7 +330,7 @@ the same relation with a head entity, aggregate these tail entities using commas
 
 TEMPLATES = {
     "paper": PAPER_TEMPLATES,
-    "compact": dict(  # simplification: the toy preset's compact set (header 4)
+    "compact": dict(  # simplification: the toy preset's compact set (header 13)
         llm="think step by step , one thought per <think> </think> , then the answer in <answer> </answer> . "
         "context : {context} question : {question}",
         llm_boxed="think step by step , then the answer in \\boxed{{ }} . context : {context} question : {question}",
@@ -375,7 +376,7 @@ def llm_messages(tpl, args, question, path):
     """[Fig. 6; Fig. 7] The user message, {context} re-rendered from c_t; the thoughts so far as the assistant's."""
     key = "llm_search" if args.ablation == "no_rd" else "llm_boxed" if args.reasoning_llm else "llm"
     user = tpl[key].format(context=format_documents(tpl, path["docs"]), question=question)
-    # simplification: the thoughts so far as an assistant message, not a raw continuation (header 6)
+    # simplification: the thoughts so far as an assistant message, not a raw continuation (header 2)
     thoughts = [{"role": "assistant", "content": path["thoughts"].strip()}] if path["thoughts"] else []
     return [{"role": "user", "content": user}] + thoughts
 
@@ -503,7 +504,7 @@ def rank_triples(encoder, questions, queries, found, n):
 
 
 def add_documents(docs, new, cap):
-    """c_{t+1} = c_t + the best `cap` new documents in rank order, none twice, oldest out past `cap` (header 14)."""
+    """c_{t+1} = c_t + the best `cap` new documents in rank order, none twice, oldest out past `cap` (header 8)."""
     ids = {d["id"] for d in docs}
     return (docs + [d for d in new[:cap] if d["id"] not in ids and not ids.add(d["id"])])[-cap:]
 
@@ -568,7 +569,7 @@ def rollout(rows, act, env, args, mode, seed=0):
         # [Alg. 1 L4] r_t = LLM(q, c_t): one thought per live path (stop at </think>), {context} re-rendered
         messages = [llm_messages(tpl, args, t["row"]["question"], p) for t, _, p in live]
         replies = env.chat(messages, [t["row"] for t, _, _ in live], temperature=0.0, max_tokens=args.llm_max_tokens,
-                           stop=[end])  # fmt: skip  # simplification: capped steps (header 11)
+                           stop=[end])  # fmt: skip  # simplification: capped steps (header 7)
         deciding, going, ended = [], [], []
         for (tree, parent, path), reply in zip(live, replies):
             tree["llm_calls"] += 1
@@ -643,7 +644,7 @@ def rollout(rows, act, env, args, mode, seed=0):
 
 # --------------------------------------------------------------------------- 5. the proxy and the teacher as actors
 def encode_prompts(tokenizer, prompts, room=None):
-    """Agent prompts as single-turn chats (impl: system = instruction), over `room` tokens cut mid-way (header 15)."""
+    """Agent prompts as single-turn chats (impl: system = instruction), over `room` tokens cut mid-way (header 9)."""
     chats = [([{"role": "system", "content": s}] if s else []) + [{"role": "user", "content": u}] for s, u in prompts]
     ids = tokenizer(chat_prompts(tokenizer, chats), add_special_tokens=False)["input_ids"]
     return [p if not room or len(p) <= room else p[: room // 2] + p[len(p) - room + room // 2 :] for p in ids]
@@ -664,7 +665,7 @@ def proxy_actor(model, tokenizer, args, greedy):
         for s in range(0, len(batch), args.gen_batch_size):
             chunk = batch[s : s + args.gen_batch_size]  # T = 1 in training (impl), greedy at test [App. C]
             gen = generate(model, tokenizer, chunk, args.max_new_tokens, do_sample=not greedy, seed=seed + s)
-            # simplification: QF and KI train their sampled ids, not a canonical re-render (header 7; RD: op_samples)
+            # simplification: QF and KI train their sampled ids, not a canonical re-render (header 3; RD: op_samples)
             for (i, prefix), ids in zip(owners[s : s + args.gen_batch_size], gen.token_ids):
                 out[i] = (tokenizer.decode(prefix + ids, skip_special_tokens=True), prompts[i], prefix + ids)
         return out
@@ -677,10 +678,10 @@ def teacher_actor(args, llm, seed):
     tpl = TEMPLATES[args.templates]
 
     def act(requests, draw):  # draw: the seed of this call's sampling
-        if args.teacher == "oracle":  # simplification: the toy oracle, in the template set's formats (header 1)
+        if args.teacher == "oracle":  # simplification: the toy oracle, in the template set's formats (header 10)
             return [(oracle_text(r, tpl, args.ablation, seed, args.teacher_noise), None, None) for r in requests]
         system = lambda r: [{"role": "system", "content": r["prompt"][0]}] if r["prompt"][0] else []
-        messages = [system(r) + [{"role": "user", "content": r["prompt"][1]}] for r in requests]  # header 5
+        messages = [system(r) + [{"role": "user", "content": r["prompt"][1]}] for r in requests]  # header 1
         replies = llm.chat(messages, temperature=args.teacher_temperature, max_tokens=args.llm_max_tokens, seed=draw)
         return [(text.strip(), None, None) for text in replies]
 
@@ -693,7 +694,7 @@ def successful_paths(trees, select="uniform"):
     path = lambda nodes, i: [nodes[i]] + path(nodes, nodes[i]["parent"]) if i is not None else []  # leaf to root
     wins = [path(t["nodes"], i) for t in trees for i, n in enumerate(t["nodes"])
             if n["kind"] == "leaf" and n["why"] == "answer" and n["f1"] == 1]  # fmt: skip
-    cost = lambda p: (sum(n["kind"] in ("qf", "ki") for n in p), p[0]["depth"])  # simplification: header 2
+    cost = lambda p: (sum(n["kind"] in ("qf", "ki") for n in p), p[0]["depth"])  # simplification: header 11
     kept = [n for p in wins if select == "uniform" or cost(p) == min(map(cost, wins)) for n in p]
     pairs = {(tuple(n["prompt"]), n["text"]): n["kind"] for n in kept if n["kind"] in AGENTS and n["fixed"] is None}
     return [dict(prompt=p, output=o, agent=a) for (p, o), a in pairs.items()]
@@ -719,7 +720,7 @@ def sft_batch(examples, tokenizer, args, world):
     seqs = []
     for ex, seed in examples:  # (example, the seed of its renaming)
         texts, rng = [*ex["prompt"], ex["output"]], random.Random(seed)
-        if world is not None and rng.random() < args.augment_p:  # simplification: toy renaming (header 3)
+        if world is not None and rng.random() < args.augment_p:  # simplification: toy renaming (header 12)
             texts = rename_entities(texts, world, rng, popular="keep")
         prompt = encode_prompts(tokenizer, [texts[:2]], args.max_length - args.max_new_tokens)[0]
         target = tokenizer(texts[2], add_special_tokens=False)["input_ids"] + [tokenizer.eos_token_id]
@@ -760,7 +761,7 @@ class ValueModel(torch.nn.Module):
         super().__init__()
         self.backbone = backbone_of(copy.deepcopy(model))
         self.head = torch.nn.Linear(model.config.hidden_size, 1, bias=False)
-        torch.nn.init.zeros_(self.head.weight)  # simplification: zero-initialised head (header 8)
+        torch.nn.init.zeros_(self.head.weight)  # simplification: zero-initialised head (header 4)
 
     def forward(self, input_ids, attention_mask):
         hidden = self.backbone(input_ids=input_ids, attention_mask=attention_mask).last_hidden_state  # (B, T, H)
@@ -810,7 +811,7 @@ def clipped_surrogate(new_logp, old_logp, advantages, mask, clip, weights=1.0):
 def value_loss(values, old_values, returns, mask, clip):
     """Per operation, the masked mean of (V - G)^2; clip > 0: of max((V - G)^2, (V_old + clip(V - V_old) - G)^2)."""
     loss = (values - returns) ** 2  # (B, T)
-    if clip > 0:  # simplification: OpenRLHF's value clipping (header 9)
+    if clip > 0:  # simplification: OpenRLHF's value clipping (header 5)
         loss = torch.max(loss, (old_values + (values - old_values).clamp(-clip, clip) - returns) ** 2)
     return (loss * mask).sum(-1) / mask.sum(-1).clamp(min=1)  # (B,)
 
@@ -852,7 +853,7 @@ def ppo_update(accelerator, policy, value, ref, optimizers, schedulers, samples,
     samples = gather_object(samples)  # every process's, in process order: the same minibatches on every process
     if not samples:  # no operation was credited: nothing to learn from
         return {}
-    # simplification: advantages whitened over the rollout, population variance (header 9)
+    # simplification: advantages whitened over the rollout, population variance (header 5)
     ids, attention, mask = batch_tensors(samples, pad, device)  # pad once: (N, T), (N, T), (N, T-1)
     on_mask = lambda values: torch.zeros_like(mask).masked_scatter(mask.bool(), torch.tensor(values, device=device))
     old, old_values, returns, adv = (on_mask([x for s in samples for x in s[k]]) for k in ("old", "val", "ret", "adv"))
@@ -946,7 +947,7 @@ def evaluate(model, tokenizer, env, rows, args, greedy=True, seed=0, batch=256, 
         records += [tree_record(t) for t in trees[s:]]
         if predictions is not None:
             predictions += [prediction_of(t, r, decoding) for t, r in zip(trees[s:], records[s:])]
-    # simplification: latency = batched wall time per question (header 11)
+    # simplification: latency = batched wall time per question (header 7)
     return summarize(records, rows) | step_curves(trees) | {"latency_s": (time.time() - start) / max(len(rows), 1)}
 
 
@@ -966,7 +967,7 @@ def evaluate_stage(accelerator, out, stage, model, tokenizer, env, rows, args, s
 
 # --------------------------------------------------------------------------- 9. train / eval / ask / triples
 def environment(args):
-    """The frozen retriever (with the KG corpus) and LLM, seen through each renamed question's names (header 3)."""
+    """The frozen retriever (with the KG corpus) and LLM, seen through each renamed question's names (header 12)."""
     llm = make_llm(args.llm, world=args.world, **({"model": args.llm_model} if args.llm_model else {}))
     triples = {} if args.ablation in ("no_ki", "direct_ki") else load_triples(args.triples)
     return RenamingEnv(KGRetriever(open_retriever(args.index, args.corpus, args.encoder), triples), llm)
@@ -998,7 +999,7 @@ def warm_up(accelerator, args, out, train_rows, test_rows, env, world, record):
         return policy, tokenizer, state["before_sft"], {"sft": state["steps"], "ppo": 0}
     policy, tokenizer = load_proxy(args, accelerator.device)
     before_sft = evaluate_stage(accelerator, out, "raw", policy, tokenizer, env, test_rows, args)
-    types = {t.strip() for t in args.warmup_types.split(",") if t.strip()}  # simplification: header 13
+    types = {t.strip() for t in args.warmup_types.split(",") if t.strip()}  # simplification: header 11
     rows = [r for r in train_rows if not types or r["metadata"].get("type") in types | {None}]  # untyped rows: kept
     served = {"model": args.teacher_llm_model} if args.teacher_llm_model else {}  # [§D.3] the teacher apart from --llm
     teacher = make_llm(args.teacher_model, **served) if args.teacher == "llm" and args.teacher_model else env.llm
@@ -1016,17 +1017,17 @@ def train(args):
     """Teacher warm-up data, SFT, PPO on binary tree rollouts, evaluation before and after; --resume continues."""
     start, (accelerator, out) = time.time(), runs.start(args, "sparkle")  # refuses a checkpoint without --resume
     train_rows = sample_rows(load_split(args.data_dir, "train", args.question_types), args.n_train, args.seed)
-    if args.teacher == "oracle":  # simplification: the toy teacher reads the questions' metadata (header 1)
+    if args.teacher == "oracle":  # simplification: the toy teacher reads the questions' metadata (header 10)
         require_metadata(train_rows, ("type", "entities", "relations"), args.data_dir, "--teacher oracle")
     test_rows, env = load_split(args.data_dir, "test", args.question_types)[: args.n_eval], environment(args)
     # what every checkpoint records beside its stage's state; warnings: the stages that trained on nothing
     record = dict(warnings=[], method="sparkle", data_dir=args.data_dir, world=args.world, args=asdict(args))
-    world = load_world(args.world) if args.world and (args.augment_p or args.rl_augment_p) else None  # header 3
+    world = load_world(args.world) if args.world and (args.augment_p or args.rl_augment_p) else None  # header 12
     policy, tokenizer, before_sft, steps = warm_up(accelerator, args, out, train_rows, test_rows, env, world, record)
     before = evaluate_stage(accelerator, out, "sft", policy, tokenizer, env, test_rows, args, step=0)
     # ---- PPO: policy and critic with separate optimizers, reference = the SFT proxy, frozen [Tab. 6; impl]
     ref = copy.deepcopy(policy).eval().requires_grad_(False)
-    # simplification: the critic's backbone per --critic_init (header 8)
+    # simplification: the critic's backbone per --critic_init (header 4)
     value = ValueModel(policy if args.critic_init == "sft" else load_proxy(args, accelerator.device)[0])
     optimizers = [torch.optim.Adam(m.parameters(), lr=lr, betas=(0.9, 0.95))
                   for m, lr in ((policy, args.policy_lr), (value, args.value_lr))]  # fmt: skip
@@ -1045,7 +1046,7 @@ def train(args):
         t0 = time.time()
         share = len(range(accelerator.process_index, args.rollout_batch, accelerator.num_processes))
         rows = rng.sample(train_rows, min(share, len(train_rows)))  # this process's share of the rollout
-        rows = rename_rows(rows, world, rng, args.rl_augment_p)  # simplification: renamed trees (header 3), if asked
+        rows = rename_rows(rows, world, rng, args.rl_augment_p)  # simplification: renamed trees (header 12), if asked
         rows = [r for r in rows for _ in range(args.samples_per_question)]
         actor = proxy_actor(accelerator.unwrap_model(policy), tokenizer, args, greedy=False)
         with accelerator.autocast():

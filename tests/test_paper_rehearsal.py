@@ -418,7 +418,7 @@ SPARKLE_PAPER = {  # flag -> (value, where the paper or the authors' code has it
     "templates": ("paper", "App. A, Fig. 4-8"),
     "top_k": (10, "§D.3"),
     "n_triples": (20, "§D.3 (impl: 25)"),
-    "max_context": (5, "impl (the paper: no cap; header 14)"),
+    "max_context": (5, "impl (the paper: no cap; header 8)"),
     "max_steps": (12, "impl"),
     "max_steps_eval": (20, "impl"),
     "max_retrievals": (5, "impl"),

@@ -836,7 +836,7 @@ def outcome(result):
     [([], True, False), (["--code_shaping", "false"], False, False), (["--rd_subsample"], True, True)],
 )
 def test_train_hands_the_code_flags_to_the_samples(tmp_path, capsys, monkeypatch, flags, shaped, subsampled):
-    # the toy preset shapes the Eq. 2 credits (header 12), a flag turns it off; RD subsampling is off unless asked
+    # the toy preset shapes the Eq. 2 credits (header 14), a flag turns it off; RD subsampling is off unless asked
     seen, op_samples = [], sparkle.op_samples
     spy = lambda trees, canonical, shaping, rng: (
         seen.append((shaping, rng is not None)) or op_samples(trees, canonical, shaping, rng)
