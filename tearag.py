@@ -18,22 +18,24 @@ extra steps cost), builds chosen/rejected pairs and trains DPO + eta SFT against
 
 The paper prints no prompt: the instruction and the summary templates are ours (`# proposal:`).
 
-Deviations from the paper (each marked `# simplification:` where it lives):
+Departures from the paper, in both presets (each marked `# simplification:` where it lives):
 1. The knowledge graph is a triples jsonl (one source chunk per triplet) held in memory, not extracted by an LLM.
-2. Toy retrieval system: a TF-IDF bi-encoder and a lexical cross-scorer stand in for E5-base-v2 and BGE-reranker-v2.
-3. SFT subqueries are the decomposition's as written, not rewritten into fluent questions by Qwen2.5-72B.
-4. Toy world only: SFT paths are entity-renamed (--augment_p) so that the tiny model reads instead of memorising.
-5. `</Reference>` is written by the environment and masked like the evidence between the tags.
-6. Toy preset: full fine-tuning of a 0.6M model; SFT by steps on all question types plus 3 retrieved distractors.
-7. One LoRA adapter is trained through SFT and all rounds (Theta_p starts from Theta_{p-1}, nothing merged).
-8. `--evidence sentence`: a hop's supporting sentence is the one holding its sub-answer, not an annotated fact.
-9. Toy option (off): `--sft_redundant_p` of the one-hop SFT paths repeat their step: a start that over-decomposes.
-10. Option (off): `--sft_summaries 1` writes every SFT summary with one template, not the paper's "diverse" ones.
-11. The SFT losses are token means (SFT: over a batch's loss tokens, IP-DPO: its chosen paths'), not Eq. 4/15's sums.
-12. SFT supporting triplets: the step passage's triplets whose head or tail is its answer (paper: Qwen2.5-72B picks).
-13. SFT important entities: the supporting triplets' entities that the subquery names (paper: all their entities).
-14. Golden evidence: a multi-hop question's supporting passages, HotpotQA's too (paper: its evidence sentences).
-15. Toy preset: the compact template, the question without the instruction (the paper preset writes it as system turn).
+2. SFT subqueries are the decomposition's as written, not rewritten into fluent questions by Qwen2.5-72B.
+3. SFT supporting triplets: the step passage's triplets whose head or tail is its answer (paper: Qwen2.5-72B picks).
+4. SFT important entities: the supporting triplets' entities that the subquery names (paper: all their entities).
+5. Option (off): `--sft_summaries 1` writes every SFT summary with one template, not the paper's "diverse" ones.
+6. `</Reference>` is written by the environment and masked like the evidence between the tags.
+7. The SFT losses are token means (SFT: over a batch's loss tokens, IP-DPO: its chosen paths'), not Eq. 4/15's sums.
+8. One LoRA adapter is trained through SFT and all rounds (Theta_p starts from Theta_{p-1}, nothing merged).
+9. Golden evidence: a multi-hop question's supporting passages, HotpotQA's too (paper: its evidence sentences).
+10. `--evidence sentence`: a hop's supporting sentence is the one holding its sub-answer, not an annotated fact.
+
+Toy-world adaptations (the toy preset's values and toy-only options; the paper preset leaves them off):
+11. Toy retrieval system: a TF-IDF bi-encoder and a lexical cross-scorer stand in for E5-base-v2 and BGE-reranker-v2.
+12. Toy preset: full fine-tuning of a 0.6M model; SFT by steps on all question types plus 3 retrieved distractors.
+13. Toy preset: the compact template, the question without the instruction (the paper preset writes it as system turn).
+14. Toy world only: SFT paths are entity-renamed (--augment_p) so that the tiny model reads instead of memorising.
+15. Toy option (off): `--sft_redundant_p` of the one-hop SFT paths repeat their step: a start that over-decomposes.
 """
 
 import math
@@ -126,13 +128,13 @@ class Args:
 
 
 PRESETS = {  # values for the fields left at None; any flag overrides them
-    "toy": {  # simplification: a tiny model, SFT on every type with distractors, fewer questions (header item 6)
+    "toy": {  # simplification: a tiny model, SFT on every type with distractors, fewer questions (header item 12)
         "data_dir": "data/toy",
         "encoder": "tfidf",
         "reranker": "lexical",
         "model": "toy-lm",
         "lora_r": 0,
-        "templates": "compact",  # simplification: the question without the instruction (header item 15)
+        "templates": "compact",  # simplification: the question without the instruction (header item 13)
         "n_dpo": 96,
         "n_eval": 200,
         "max_new_tokens": 40,
@@ -143,7 +145,7 @@ PRESETS = {  # values for the fields left at None; any flag overrides them
         "micro_batch_size": 64,
         "augment_p": 1.0,
         "sft_distractors": 3,
-        "sft_redundant_p": 0.0,  # 0.6 removes steps on data/toy but lost EM on world seed 5 (docs/tearag.md)
+        "sft_redundant_p": 0.0,  # 0.6 removes steps on data/toy but lost EM on world seed 5 (docs/log.md)
         "sft_summaries": 3,
         "dpo_epochs": "1,1,1",
         "dpo_lr": 2e-4,
@@ -303,7 +305,7 @@ STOPWORDS = frozenset(
 )
 
 
-# simplification: the toy world's reranker and TF-IDF bi-encoder stand in for BGE-reranker-v2 and E5 (header item 2)
+# simplification: the toy world's reranker and TF-IDF bi-encoder stand in for BGE-reranker-v2 and E5 (header item 11)
 class LexicalReranker:
     """The toy world's cross-scorer: logit = 8 F1 - 4, F1 of the idf-weighted overlap
     of the two texts' content words (not stopwords, seen in the corpus); sigmoid(logit) lies in [0.018, 0.982]."""
@@ -538,13 +540,13 @@ def golden_evidence(row, docs, unit="passage"):
     meta = row.get("metadata") or {}
     if int(meta.get("hops") or 1) < 2:
         return []
-    # simplification: supporting passages, HotpotQA's too (the paper: its evidence sentences) (header item 14)
+    # simplification: supporting passages, HotpotQA's too (the paper: its evidence sentences) (header item 9)
     ids, answers = [str(i) for i in meta.get("supporting_doc_ids") or []], meta.get("sub_answers")
     gold, answers = [], [norm_name(a) for a in answers or []]
     for t, i in [(t, i) for t, i in enumerate(ids) if i in docs]:  # hop t's passage, if the corpus holds it
         sentences = re.split(r"(?<=[.!?])\s+", docs[i]["text"])
         hits = [s for s in sentences if t < len(answers) and f" {answers[t]} " in f" {norm_name(s)} "]
-        # simplification: the sentence holding the hop's sub-answer stands in for annotated facts (header item 8)
+        # simplification: the sentence holding the hop's sub-answer stands in for annotated facts (header item 10)
         gold.append(hits[0] if unit == "sentence" and hits else item_text(docs[i]))  # none found: the passage
     return gold
 
@@ -678,7 +680,7 @@ def rollout(model, tokenizer, system, rows, args, n_samples=1, greedy=True, seed
         for (p, _), ctx in zip(asking, contexts):
             block = reference_block(ctx)
             block_ids = tokenizer(block, add_special_tokens=False)["input_ids"]
-            p.append(block_ids, block, trained=False)  # simplification: </Reference> masked too (header item 5)
+            p.append(block_ids, block, trained=False)  # simplification: </Reference> masked too (header item 6)
             p.contexts.append(ctx)
             p.retrieved += len(block_ids)
     for p in paths:
@@ -698,13 +700,13 @@ def sft_steps(row, system, rng):
         return None  # no decomposition, or a step without its passage (an unanswerable question)
     steps = []
     for sub, answer, doc in zip(subs, answers, doc_ids):
-        # simplification: the decomposition's subquery as written, placeholders #k filled (header item 3)
+        # simplification: the decomposition's subquery as written, placeholders #k filled (header item 2)
         sub = re.sub(r"#(\d+)", lambda m: answers[int(m[1]) - 1] if int(m[1]) <= len(answers) else m[0], sub)
         ends = lambda t: (norm_name(t["head"]), norm_name(t["tail"]))
-        # simplification: (1) the passage's triplets that hold the answer, not an LLM's choice (header item 12)
+        # simplification: (1) the passage's triplets that hold the answer, not an LLM's choice (header item 3)
         support = [t for t in system.kg.by_doc[str(doc)] if norm_name(answer) in ends(t)]
         names = [v for t in support for v in (t["head"], t["tail"]) if norm_name(v) in norm_name(sub)]
-        # simplification: (2) of their entities, those the subquery names, as Tab. 11 and Eq. 8 want (header item 13)
+        # simplification: (2) of their entities, those the subquery names, as Tab. 11 and Eq. 8 want (header item 4)
         entities = list(dict.fromkeys(names))
         if not support or not entities:
             return None
@@ -714,7 +716,7 @@ def sft_steps(row, system, rng):
         for t in support + others:  # (4) the golden paragraph, triplets (and distractors) at random places
             context.insert(rng.randint(0, len(context)), t)
         facts = " and ".join(item_text(t) for t in support)
-        # simplification: --sft_summaries < 3 narrows the "diverse templates" (header item 10)
+        # simplification: --sft_summaries < 3 narrows the "diverse templates" (header item 5)
         summary = rng.choice(SUMMARIES[: system.args.sft_summaries]).format(facts=facts, answer=answer)  # (5)
         steps.append({"entities": entities, "subquery": sub, "context": context, "summary": summary, "answer": answer})
     return steps
@@ -729,7 +731,7 @@ def sft_examples(rows, system, args, rng):
             continue
         if len(steps) == 1 and args.sft_redundant_p and rng.random() < args.sft_redundant_p:
             # simplification: a one-hop path that retrieves its step twice, the redundant retrieval of agents trained
-            # on outcomes (§1, Fig. 2b) that the toy start lacks; IP-DPO's r_outcome / k removes it (header item 9)
+            # on outcomes (§1, Fig. 2b) that the toy start lacks; IP-DPO's r_outcome / k removes it (header item 15)
             items = [(row["question"], steps + [dict(steps[0])], row["golden_answers"][0])]
         else:
             items = [(row["question"], steps, row["golden_answers"][0])]
@@ -749,7 +751,7 @@ def sft_sequence(example, tokenizer, args, rng, world):
     question, segments = example
     texts = [question] + [text for text, _ in segments]
     if world is not None and rng.random() < args.augment_p:
-        texts = rename_entities(texts, world, rng, popular="free")  # simplification: toy renaming (header item 4)
+        texts = rename_entities(texts, world, rng, popular="free")  # simplification: toy renaming (header item 14)
     ids = encode_prompts(tokenizer, texts[:1], args.templates)[0]
     mask = [0] * len(ids)
     for text, (_, trained) in zip(texts[1:], segments):
@@ -778,7 +780,7 @@ def dpo_loss(pi_chosen, pi_rejected, ref_chosen, ref_rejected, beta):
 def sft_nll(logp_sums, n_tokens):
     """L_SFT [Eq. 15] of chosen paths: minus their summed log-probs over `n_tokens`, the loss tokens of the whole
     batch, so that the micro-batches of every process add up to the batch's token mean, whatever their number."""
-    # simplification: a token mean, not Eq. 15's sum per path, so that eta weighs it like a mean (header item 11)
+    # simplification: a token mean, not Eq. 15's sum per path, so that eta weighs it like a mean (header item 7)
     return -logp_sums.sum() / n_tokens
 
 
@@ -809,7 +811,7 @@ def sft(accelerator, model, tokenizer, examples, args, world, out):
         labels = right_pad([[t if m else -100 for t, m in zip(x, mask)] for x, mask in seqs], -100)  # mask 0: -100
         attention = right_pad([[1] * len(x) for x, _ in seqs], 0)  # (B, T)
         # [Eq. 4] in micro-batches, no gradient clipping (the paper states none); simplification: the token mean over
-        # the batch, not a sum (header item 11)
+        # the batch, not a sum (header item 7)
         loss = runs.sft_step(accelerator, model, optimizer, scheduler, ids, labels, attention, mb, math.inf, weight)
         losses.append(loss)
         bar.set_postfix(loss=f"{sum(losses[-20:]) / len(losses[-20:]):.3f}", refresh=False)
@@ -952,7 +954,7 @@ def load_policy(args, device):
     if args.lora_r and not hasattr(model, "peft_config"):
         lora = {"r": args.lora_r, "lora_alpha": 32, "lora_dropout": 0.1, "target_modules": ["q_proj", "k_proj"]}
         lora["target_modules"] += ["v_proj", "o_proj"]  # [§5.1.3]
-        # simplification: one adapter through SFT and every round, never merged (header item 7); new token rows trained
+        # simplification: one adapter through SFT and every round, never merged (header item 8); new token rows trained
         model = add_lora(model, lora | ({"trainable_token_indices": new_ids} if new_ids else {}))
     for p in model.parameters():  # never Adam on bf16 weights
         if p.requires_grad:
@@ -994,7 +996,7 @@ def train(args):
         model, tokenizer = load_policy(args, accelerator.device)
         stages["before_sft"] = evaluate_stage(accelerator, out, "raw", model, tokenizer, system, test_rows, args)
         accelerator.print(f"SFT: {len(examples)} paths from {len(sft_rows)} questions")
-        # simplification: toy renaming (header item 4)
+        # simplification: toy renaming (header item 14)
         world = load_world(args.world) if args.augment_p and args.world else None
         model, steps["sft"] = sft(accelerator, model, tokenizer, examples, args, world, out)
         stages["before"] = evaluate_stage(accelerator, out, "sft", model, tokenizer, system, test_rows, args, 0)

@@ -606,7 +606,7 @@ TEARAG_PAPER = {  # flag: value under --preset paper, and where the paper gives 
     "dpo_batch_size": 16,  # §5.1.3: overall batch size 16
     "n_dpo": None,  # Tab. 2: the whole IP-DPO split (10,000 questions)
     "n_eval": None,  # §5.1.1: the whole test sets
-    "evidence": "passage",  # §4.3.2: MuSiQue's paragraphs; departure for HotpotQA's sentences (header item 14)
+    "evidence": "passage",  # §4.3.2: MuSiQue's paragraphs; departure for HotpotQA's sentences (header item 9)
     "data_dir": "data/tearag",  # not in the paper: where the data is
     "max_new_tokens": 512,  # not in the paper (ours)
     "temperature": 1.0,  # not in the paper (ours; Fig. 13 evaluates 0.2-1.0)

@@ -661,13 +661,18 @@ def test_sft_summaries_come_from_the_first_n_templates(system, monkeypatch):
 
 # --------------------------------------------------------------------------- departures from the paper, marked
 def test_every_departure_is_listed_in_the_header_and_marked_where_it_lives():
-    """Each numbered header item is cited by a `(header item N)` mark, and every mark names a listed item; among them
+    """Each numbered header item is cited by a `(header item N)` mark, and every mark names a listed item; the
+    departures of both presets come first, the toy-world adaptations after them, numbered on; among them
     the token-mean SFT losses (Eq. 4, 15 sum), the rule-chosen supporting triplets and the entities the subquery names
     (§4.3.1: an LLM's choice, all their entities), passage evidence for HotpotQA, the toy's compact template."""
     source = (ROOT / "tearag.py").read_text()
     items = dict(re.findall(r"^(\d+)\. (.*)$", T.__doc__, re.M))
     marks = set(re.findall(r"\(header item (\d+)\)", source))
     assert marks == set(items), (sorted(marks), sorted(items))
+    departures, toy = (re.findall(r"^(\d+)\. (.*)$", part, re.M) for part in T.__doc__.split("Toy-world adaptations"))
+    assert [int(n) for n, _ in departures + toy] == list(range(1, len(items) + 1))  # two lists, numbered on
+    assert toy and all(item.startswith("Toy") for _, item in toy), toy  # what only the toy world changes, apart
+    assert not any(item.startswith("Toy") for _, item in departures), departures
     header = " ".join(items.values())
     for needle in ("token means", "Eq. 4/15's sums", "Qwen2.5-72B", "that the subquery names", "evidence sentences",
                    "compact template"):  # fmt: skip
