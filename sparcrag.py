@@ -17,29 +17,23 @@ a wrong stop weighted lambda = 2), trained by weighted DPO with LoRA against the
     python sparcrag.py --ask "what is the birthplace of the director of poli ?" --model runs/sparcrag/dpo
     accelerate launch sparcrag.py --train --preset paper --data_dir DATA --bm25_index IDX1 --dense_index IDX2
 
-Deviations from the paper (each marked `# simplification:` where it lives):
-1. Toy world: the trained roles (Query Rewriter, Answer Evaluator) are a tiny toy-lm; the Context Manager and the
-   Answer Generator are the toy reader (`--llm toy`, its note and answer modes), not the same backbone.
-2. Toy world: the untuned start is a warm-up SFT on an oracle teacher's traces (the raw toy-lm writes nothing valid),
-   a teacher that over-accepts wrong answers and writes near-duplicate rewrites (base models in §5.2 and Fig. 7).
-3. Toy world: warm-up SFT examples and DPO pairs are entity-renamed (a tiny model learns to copy names only then).
-4. Toy preset: greedy rewrites (paper: T 0.5), top-3 passages (paper: 6), depth 4 untuned and tuned (paper: 6 fixed,
-   cap 8; Tab. 3's caption: 6), compact templates with single-token tags.
-5. The Answer Evaluator's prompt is ours: the paper describes the agent (§3.2) but prints no prompt (App. D).
-6. DPO against the adapter-disabled model, though the printed loss (§3.4) has no reference (--reference_free): the
-   paper trains "DPO" with TRL 0.23.1 and LoRA (App. A.4), whose DPO takes that model as the reference.
-7. Paper preset: BM25 and E5 over wiki-18 (the paper: Elasticsearch BM25, BGE-large-en-v1.5, IRCoT and DPR corpora).
-8. Cost: every role's tokens (toy reader included) in the trained model's tokenizer; latency is batched wall time;
-   the rewrite-group overlap (App. B.2) uses the branches' own retrieved sets.
-9. Toy preset: EM labels correctness (evaluator pairs, incorrect acceptance): FlashRAG's acc finds "no" in "unknown".
-10. Toy preset: wrong-stop weight lambda = 8 (paper: 2; Fig. 6 sweeps it): at the paper's DPO lr 5e-5 a smaller lambda
-    leaves the tuned toy evaluator stopping on some "unknown" answers (docs/sparcrag.md, Toy results).
-11. Toy preset: one LoRA adapter per trained role (--role_adapters; the paper tunes one for all agents), each trained
-    on its own role's pairs and serving it (the untrained roles: the rewriter's), the rewriter's 1 epoch (--dpo_epochs;
-    paper 3), the evaluator's 5 (--evaluator_epochs): F1 held on 3 seeds where one adapter lost some (docs).
-12. --rpo_alpha (0 in both presets): DPO + alpha x the chosen's per-token NLL (RPO, Pang et al. 2024; TRL's name).
-13. W = 1 calls no Select or Merge (Alg. 1 calls both every round): the one branch's note is m^(t), its answer a_k*.
-14. One seed per batched generate call: a sample depends on its batch-mates (per-question seeds: a call each).
+Departures from the paper, in both presets (each marked `# simplification: ... (header item N)` where it lives):
+1. The Answer Evaluator's prompt is ours: the paper describes the agent (§3.2) but prints no prompt (App. D).
+2. DPO against the adapter-disabled model (TRL 0.23.1's DPO with LoRA, App. A.4); §3.4's printed loss has no reference.
+3. Paper preset: BM25 and E5 over wiki-18 (the paper: Elasticsearch BM25, BGE-large-en-v1.5, IRCoT and DPR corpora).
+4. Cost: all roles' tokens in the trained model's tokenizer; latency batched; App. B.2's overlap on the branches' sets.
+5. --rpo_alpha (0 in both presets): DPO + alpha x the chosen's per-token NLL (RPO, Pang et al. 2024; TRL's name).
+6. W = 1 calls no Select or Merge (Alg. 1 calls both every round): the one branch's note is m^(t), its answer a_k*.
+7. One seed per batched generate call: a sample depends on its batch-mates (per-question seeds: a call each).
+
+Toy-world adaptations, the toy preset only (numbered on):
+8. The trained roles are a tiny toy-lm; the Context Manager and Answer Generator the toy reader (--llm toy).
+9. Untuned start: warm-up SFT on an oracle teacher that over-accepts and writes near-duplicates (§5.2, Fig. 7).
+10. Warm-up SFT examples and DPO pairs are entity-renamed (a tiny model learns to copy names only then).
+11. Greedy rewrites (paper: T 0.5), top-3 (6), depth 4 untuned and tuned (6, cap 8), compact single-token tags.
+12. EM labels correctness (evaluator pairs, incorrect acceptance): FlashRAG's acc finds "no" in "unknown".
+13. Wrong-stop weight lambda = 8 (paper: 2; Fig. 6): at DPO lr 5e-5 a smaller one leaves "unknown" stops (docs/log.md).
+14. One LoRA adapter per trained role, on its pairs (paper: one); the rewriter's 1 epoch, the evaluator's 5 (paper: 3).
 """
 
 import random
@@ -61,7 +55,7 @@ from common.llm import add_lora, chat_prompts, generate, right_pad, unknown_word
 from common.metrics import answer_scores, exact_match, f1_score, normalize_answer, sub_exact_match
 from common.models import load_model_and_tokenizer, make_llm
 from common.retrieval import open_retriever
-from common.toy import oracle_sparcrag, rename_entities, world_or_none  # toy renaming, teacher (header items 2-3)
+from common.toy import oracle_sparcrag, rename_entities, world_or_none  # toy renaming, teacher (header items 9-10)
 
 SYSTEMS = ("sparcrag", "vanilla", "parallel", "sequential")  # SPARC-RAG and the naive baselines [App. A.5]
 
@@ -137,27 +131,27 @@ class Args:
 
 PRESETS = {  # field: (toy, paper), for the fields left at None; any flag overrides them
     "data_dir": ("data/toy", "data/sparcrag"),
-    "encoder": ("tfidf", "intfloat/e5-base-v2"),  # simplification: E5 over wiki-18 (header item 7)
-    "model": ("toy-lm", "Qwen/Qwen2.5-7B-Instruct"),  # [§4.2]; simplification: a tiny toy-lm (header item 1)
-    "llm": ("toy", "policy"),  # [§4.2]; simplification: the toy reader (header item 1)
-    "templates": ("compact", "paper"),  # simplification: header item 4
+    "encoder": ("tfidf", "intfloat/e5-base-v2"),  # simplification: E5 over wiki-18 (header item 3)
+    "model": ("toy-lm", "Qwen/Qwen2.5-7B-Instruct"),  # [§4.2]; simplification: a tiny toy-lm (header item 8)
+    "llm": ("toy", "policy"),  # [§4.2]; simplification: the toy reader (header item 8)
+    "templates": ("compact", "paper"),  # simplification: header item 11
     "n_train": (400, None),
-    "depth": (4, 8),  # [§4.5]; simplification: header item 4
+    "depth": (4, 8),  # [§4.5]; simplification: header item 11
     "untuned_depth": (4, 6),  # [§4.5]
     "top_k": (3, 6),  # [App. A.3]
     "temperature": (0.0, 0.5),  # [App. A.4]
     "max_new_tokens": (64, 600),  # [App. A.4]
     "evaluator_max_tokens": (8, 600),  # [App. A.4]
-    "format_tokens": (True, False),  # simplification: single-token tags (header item 4)
-    "correct_by": ("em", "acc"),  # simplification: header item 9
-    "lam": (8.0, 2.0),  # [§5.2, Fig. 6]; simplification: header item 10
-    "role_adapters": (True, False),  # simplification: per-role adapters in the toy (header item 11)
-    "dpo_epochs": (1, 3),  # [App. A.4: 3]; simplification: the toy rewriter's adapter, 1 epoch (header item 11)
-    "evaluator_epochs": (5, 3),  # [App. A.4: 3] with --role_adapters (header item 11)
+    "format_tokens": (True, False),  # simplification: single-token tags (header item 11)
+    "correct_by": ("em", "acc"),  # simplification: header item 12
+    "lam": (8.0, 2.0),  # [§5.2, Fig. 6]; simplification: header item 13
+    "role_adapters": (True, False),  # simplification: per-role adapters in the toy (header item 14)
+    "dpo_epochs": (1, 3),  # [App. A.4: 3]; simplification: the toy rewriter's adapter, 1 epoch (header item 14)
+    "evaluator_epochs": (5, 3),  # [App. A.4: 3] with --role_adapters (header item 14)
     "micro_batch_size": (16, 1),
-    "warmup": ("teacher", "none"),  # simplification: the toy's warm-up (header item 2)
+    "warmup": ("teacher", "none"),  # simplification: the toy's warm-up (header item 9)
     "sft_steps": (800, 0),
-    "augment_p": (1.0, 0.0),  # simplification: toy renaming (header item 3)
+    "augment_p": (1.0, 0.0),  # simplification: toy renaming (header item 10)
     "dpo_augment_p": (1.0, 0.0),
 }
 
@@ -271,7 +265,7 @@ Please ensure that the note includes all original text information useful for an
 response with the literal tag [END].
 Your response:"""
 
-# simplification: ours (header item 5): the paper describes the Answer Evaluator [§3.2] (inputs q0, q_t, a_t, m_t;
+# simplification: ours (header item 1): the paper describes the Answer Evaluator [§3.2] (inputs q0, q_t, a_t, m_t;
 # STOP or CONTINUE on correctness and grounding, abstract) but prints no prompt
 EVALUATOR_PROMPT = """\
 You are the answer evaluator in a Retrieval-Augmented Generation (RAG) system. Decide whether the candidate answer \
@@ -302,7 +296,7 @@ ROLES = ("update", "answer", "rewrite", "select", "merge", "evaluate", "confiden
 PAPER_PROMPTS = (ANSWER_SELECTION_PROMPT, CONTEXT_MERGING_PROMPT, EVALUATOR_PROMPT, CONFIDENCE_PROMPT)
 TEMPLATES = {
     "paper": dict(zip(ROLES, (CONTEXT_MANAGER_PROMPT, ANSWER_GENERATOR_PROMPT, REWRITE_PROMPT) + PAPER_PROMPTS)),
-    # simplification: the toy preset's compact set, the same fields, tags and output formats without the prose
+    # simplification: the toy preset's compact set, the fields, tags and output formats without prose (header item 11)
     "compact": {
         "update": "keep what answers the query , end with [END] . original query : {query} old note : {note} "
         "new information : {new_context} updated note :",
@@ -454,12 +448,12 @@ def policy_role(model, tokenizer, args, temperature, max_tokens=None, adapter="d
 
     def chat(requests, seed=0):
         prompts = chat_prompts(tokenizer, [[{"role": "user", "content": r["prompt"]}] for r in requests])
-        if len(names := getattr(model, "peft_config", {})) > 1:  # simplification: header item 11
+        if len(names := getattr(model, "peft_config", {})) > 1:  # simplification: header item 14
             model.set_adapter(adapter if adapter in names else "default")
         model.eval()
         sampling = {"do_sample": temperature > 0, "temperature": temperature or 1.0, "stop": ["[END]"]}
         texts, n, size = [], max_tokens or args.max_new_tokens, args.gen_batch_size
-        for s in range(0, len(prompts), size):  # simplification: one seed per generate call (header item 14)
+        for s in range(0, len(prompts), size):  # simplification: one seed per generate call (header item 7)
             texts += generate(model, tokenizer, prompts[s : s + size], n, seed=seed + s, **sampling).texts
         return texts
 
@@ -486,7 +480,7 @@ def make_ctx(policy, tokenizer, retrievers, llm, args, trained=None):
     # the naive baselines [App. A.5]: Parallel's answers at T 0.7, Vanilla's and Sequential's at A.4's; confidence ours
     roles |= {"parallel": other(0.7), "naive": other(args.temperature), "confidence": other(0.0)}
 
-    def count(prompts, outputs):  # simplification: every role in the backbone's tokenizer (header item 8)
+    def count(prompts, outputs):  # simplification: every role in the backbone's tokenizer (header item 4)
         chats = chat_prompts(tokenizer, [[{"role": "user", "content": p}] for p in prompts])
         ins, outs = (tokenizer(list(texts), add_special_tokens=False)["input_ids"] for texts in (chats, outputs))
         return [len(i) for i in ins], [len(o) for o in outs]
@@ -591,7 +585,7 @@ def aggregate(ctx, live, branches, t, seed):
     """Phase 3: the Context Manager selects the best branch k* [L12] and merges the branch notes, the winner's first,
     into the new global note m^(t) [L13]: the only write to the shared context. One branch: its note, no calls."""
     of = {id(run): [b for b in branches if b["run"] is run] for run in live}
-    many = [run for run in live if len(of[id(run)]) > 1]  # simplification: one branch, no call (header item 13)
+    many = [run for run in live if len(of[id(run)]) > 1]  # simplification: one branch, no call (header item 6)
     requests = []
     for run in many:
         bs, q0 = of[id(run)], run["row"]["question"]
@@ -718,7 +712,7 @@ def dpo_loss(pi_chosen, pi_rejected, ref_chosen, ref_rejected, weights, beta, re
     log pi(y+) - log pi(y-) as printed, minus the reference's by default; and beta * margin (the reward margins)."""
     margin = pi_chosen - pi_rejected  # [§3.4, Eq. L_AE]
     if not reference_free:
-        margin = margin - (ref_chosen - ref_rejected)  # simplification: a reference (header item 6)
+        margin = margin - (ref_chosen - ref_rejected)  # simplification: a reference (header item 2)
     return (weights * F.softplus(-beta * margin)).mean(), beta * margin  # softplus(-x) = -log sigmoid(x)
 
 
@@ -728,7 +722,7 @@ def pair_loss(model, ids, mask, attention, weights, args, reference):
         ref = sequence_logps(model, ids, mask, attention).chunk(2)  # (B,) chosen, (B,) rejected
     pi = sequence_logps(model, ids, mask, attention).chunk(2)
     loss, rewards = dpo_loss(*pi, *ref, weights, args.beta, args.reference_free)
-    nll = -pi[0] / mask[: len(weights), 1:].sum(-1)  # simplification: RPO's NLL term (header item 12)
+    nll = -pi[0] / mask[: len(weights), 1:].sum(-1)  # simplification: RPO's NLL term (header item 5)
     return loss + args.rpo_alpha * (weights * nll).mean(), rewards
 
 
@@ -750,13 +744,13 @@ def batch_tensors(seqs, pad_id, device):
     return tuple(x.to(device) for x in tensors)
 
 
-# --------------------------------------------------------------------------- 9. the toy warm-up (header item 2)
+# --------------------------------------------------------------------------- 9. the toy warm-up (header item 9)
 TEACHER_READS = ("type", "entities", "sub_queries", "sub_answers")  # the toy teacher's metadata (common.toy)
 
 
 def teacher_role(role, args, seed):
     """The warm-up teacher as a trained role's backbone in its templates' format (the paper's: <think> before rewrites,
-    a reason before a decision): the toy oracle's rewrites, or STOP at header item 2's rates on EM (the toy truth)."""
+    a reason before a decision): the toy oracle's rewrites, or STOP at header item 9's rates on EM (the toy truth)."""
     rng, paper = random.Random(seed), args.templates == "paper"
 
     def rewrite(r):
@@ -786,7 +780,7 @@ def warmup_examples(rows, policy, tokenizer, llm, retrievers, args):
 
 
 def renamed(texts, world, rng, p):
-    """The texts entity-renamed as one with probability p in the toy world (header item 3), else as they are."""
+    """The texts entity-renamed as one with probability p in the toy world (header item 10), else as they are."""
     return rename_entities(texts, world, rng, popular="keep") if world and rng.random() < p else texts
 
 
@@ -826,7 +820,7 @@ def tune(accelerator, model, tokenizer, pairs, args, world, out):
     """The tuned model and its DPO steps: one adapter on the combined pairs [§4.5], or one per trained role."""
     if not args.role_adapters:
         return dpo_train(accelerator, model, tokenizer, pairs, args, world, out)
-    done = 0  # simplification: per-role adapters, the rewriter's "default" (header item 11)
+    done = 0  # simplification: per-role adapters, the rewriter's "default" (header item 14)
     for role, epochs in zip(TRAINED, (args.dpo_epochs, args.evaluator_epochs)):
         mine, name = [p for p in pairs if p["role"] == role], {"rewrite": "default"}.get(role, role)
         model, done = dpo_train(accelerator, model, tokenizer, mine, args, world, out, name, done, epochs)
@@ -888,7 +882,7 @@ def run_record(run, args, upto=None):
     retrieved = [(t, set(map(str, ids))) for t, ids in run["retrieved"] if t <= rounds]
     judged = [(e["answer"], e["parsed"]) for e in run["trace"] if e["role"] == "evaluate" and e["t"] <= rounds]
     wrong = [d for a, d in judged if not is_correct(a, golds, args.correct_by)]
-    # simplification: the B.2 overlap of each round's own retrievals, not a dense re-retrieval (header item 8)
+    # simplification: the B.2 overlap of each round's own retrievals, not a dense re-retrieval (header item 4)
     overlaps = [o for r in range(1, rounds + 1) if (o := jaccard_avg([s for t, s in retrieved if t == r])) is not None]
     gold = run["row"]["metadata"].get("supporting_doc_ids")
     record = answer_scores(answer, golds)
@@ -957,10 +951,10 @@ def load_policy(args, device, model_name=None):
     dtype = torch.bfloat16 if device.type == "cuda" and args.warmup == "none" else torch.float32
     model, tokenizer = load_model_and_tokenizer(model_name or args.model, dtype=dtype, world=args.world)
     new = [t for t in FORMAT_TOKENS if t not in tokenizer.get_vocab()] if args.format_tokens else []
-    if new:  # simplification: single-token tags for a model trained from scratch (header item 4)
+    if new:  # simplification: single-token tags for a model trained from scratch (header item 11)
         tokenizer.add_tokens([AddedToken(w, single_word=w.isalpha(), normalized=False) for w in new])
         model.resize_token_embeddings(len(tokenizer), mean_resizing=False)
-    if (second := Path(model_name or args.model) / "evaluate").is_dir():  # --role_adapters (header item 11)
+    if (second := Path(model_name or args.model) / "evaluate").is_dir():  # --role_adapters (header item 14)
         model.load_adapter(str(second), adapter_name="evaluate", is_trainable=True)
     return model.to(device), tokenizer
 
@@ -978,10 +972,10 @@ def saved_state(args, **state):
 
 
 def warm_up(accelerator, args, out, rows, test_rows, llm, retrievers, world, results):
-    """The toy's untuned start (header item 2): raw evaluation, teacher runs, SFT, sft/ (resumed: loaded)."""
+    """The toy's untuned start (header item 9): raw evaluation, teacher runs, SFT, sft/ (resumed: loaded)."""
     state = runs.load_state(out / "sft") if args.warmup == "teacher" else None
     policy, tokenizer = load_policy(args, accelerator.device, str(out / "sft") if state else None)
-    if args.warmup == "none" or state:  # simplification: the toy's warm-up follows (header item 2)
+    if args.warmup == "none" or state:  # simplification: the toy's warm-up follows (header item 9)
         results["before_sft"] = state and state["before_sft"]
         return policy, tokenizer, state["steps"] if state else 0
     require_metadata(rows, TEACHER_READS, Path(args.data_dir) / "train.jsonl", "the toy teacher (--warmup teacher)")
@@ -1006,7 +1000,7 @@ def train(args):
     train_rows = sample_rows(load_split(args.data_dir, "train", args.question_types), args.n_train, args.seed)
     test_rows = load_split(args.data_dir, "test", args.question_types)[: args.n_eval]
     (retrievers, llm), results, warnings = frozen_parts(args), {}, []
-    # simplification: toy renaming (header item 3)
+    # simplification: toy renaming (header item 10)
     world = world_or_none(args.world) if args.world and (args.augment_p or args.dpo_augment_p) else None
     policy, tokenizer, n_sft = warm_up(accelerator, args, out, train_rows, test_rows, llm, retrievers, world, results)
     policy.name_or_path = str((out / "sft").resolve()) if args.warmup == "teacher" else args.model  # the LoRA base

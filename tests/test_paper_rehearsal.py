@@ -724,7 +724,7 @@ def test_sparcrag_paper_preset_prints_every_value_pinned_to_the_paper(capsys):
         "bootstrap_with_q0": False,  # [Alg. 1: the Rewriter from round 1]
         "lam": 2.0,  # [§5.2: lambda = 2 in the final model]
         "beta": 0.1,  # [App. A.4]
-        "reference_free": False,  # header item 6: TRL 0.23.1's DPO with LoRA [App. A.4]
+        "reference_free": False,  # header item 2: TRL 0.23.1's DPO with LoRA [App. A.4]
         "lora_r": 16,  # [App. A.4]
         "lora_alpha": 32,  # [App. A.4]
         "lora_dropout": 0.05,  # [App. A.4]
@@ -741,12 +741,12 @@ def test_sparcrag_paper_preset_prints_every_value_pinned_to_the_paper(capsys):
         "system": "sparcrag",
         "naive_n": 3,  # [App. A.5: Sequential (Naive), D = 3 attempts]
         "correct_by": "acc",  # [§4.1: acc.]; the label itself the paper does not define (ours)
-        "encoder": "intfloat/e5-base-v2",  # header item 7 (the paper: BGE-large-en-v1.5, App. A.2)
-        "format_tokens": False,  # a pretrained tokenizer reads the tags as text (header item 4: the toy's tokens)
+        "encoder": "intfloat/e5-base-v2",  # header item 3 (the paper: BGE-large-en-v1.5, App. A.2)
+        "format_tokens": False,  # a pretrained tokenizer reads the tags as text (header item 11: the toy's tokens)
         "n_samples": 4,  # ours: samples per state [§3.4 gives none]
         "rewrite_pair_temperature": 1.0,  # ours
         "rpo_alpha": 0.0,  # DPO alone [§3.4]
-        "augment_p": 0.0,  # no toy renaming (header item 3)
+        "augment_p": 0.0,  # no toy renaming (header item 10)
         "dpo_augment_p": 0.0,
         "evaluator_epochs": 3,  # [App. A.4: 3] (used with --role_adapters only)
     }
