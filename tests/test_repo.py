@@ -138,6 +138,14 @@ def test_the_readmes_fork_section_names_real_functions_and_the_docs_smoke_comman
     assert len(commands) == len(METHODS)
 
 
+def test_every_docs_page_is_a_manual_of_at_most_300_lines():
+    for page in (ROOT / "docs").glob("*.md"):
+        lines = page.read_text(encoding="utf-8").splitlines()
+        assert len(lines) <= 300, f"{page.name}: {len(lines)} lines"
+        narration = re.compile(r"\b(issue \d+|session|spec §)", re.I)
+        assert not [line for line in lines if narration.search(line)], page.name
+
+
 def test_safety_rules_hold_in_every_python_file():
     """trust_remote_code off by default, torch.load only with weights_only=True, model output never run (no eval,
     exec or pickle), API keys read from the environment only."""
