@@ -20,7 +20,7 @@ from common.data import load_qa  # noqa: E402
 from common.llm import generate  # noqa: E402
 from common.retrieval import BM25Retriever, DenseRetriever, load_corpus, make_encoder  # noqa: E402
 from common.toy import DEFAULT_WORLD  # noqa: E402
-from common.toy_lm import load_toy_lm  # noqa: E402
+from common.toy.lm import load_toy_lm  # noqa: E402
 
 
 def timed(fn, repeat=3):

@@ -78,7 +78,7 @@ import sparkle  # noqa: E402
 import tearag  # noqa: E402
 from common import runs  # noqa: E402
 from common.toy import DEFAULT_WORLD, RenamingEnv, load_world  # noqa: E402
-from common.toy_lm import build_tokenizer, toy_vocabulary  # noqa: E402
+from common.toy.lm import build_tokenizer, toy_vocabulary  # noqa: E402
 
 
 def shape(config_class, hidden, intermediate, layers, heads, kv_heads, vocab, **extra):

@@ -25,7 +25,7 @@ import tearag as T
 from common import runs
 from common.data import load_split
 from common.toy import load_world
-from common.toy_lm import build_tokenizer
+from common.toy.lm import build_tokenizer
 
 
 def holds(item, doc, head, answer):

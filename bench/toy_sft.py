@@ -35,7 +35,7 @@ from common.llm import generate
 from common.metrics import exact_match
 from common.retrieval import DenseRetriever, load_corpus, make_encoder
 from common.toy import DEFAULT_WORLD, load_world, rename_entities
-from common.toy_lm import load_toy_lm
+from common.toy.lm import load_toy_lm
 
 TAGS = ("[SEARCH]", "[ANSWER]", "[OBS]", "[ACT]")
 

@@ -1,5 +1,5 @@
 """Spec strings to models and frozen LLMs: the one place that knows every backend. Hub ids, local folders and
-OpenAI-compatible endpoints come from common.llm; the toy world's tiny `toy-lm[:options]` models (common.toy_lm) and
+OpenAI-compatible endpoints come from common.llm; the toy world's tiny `toy-lm[:options]` models (common.toy.lm) and
 its `toy[:<world dir>]` reader (common.toy) are added here, so common.llm never imports the toy world and a method
 file meets the toy world only as a value (a model name, an LLM spec).
 
@@ -35,7 +35,7 @@ def load_model_and_tokenizer(name_or_path, dtype=None, device=None, lora=None, t
             f"{name!r} takes its vocabulary from a toy world: pass --world DIR (a folder with world.json; "
             "python -m common.toy --out DIR writes one)"
         )
-    from common.toy_lm import load_toy_lm  # imported when asked for: real runs never load the toy world
+    from common.toy.lm import load_toy_lm  # imported when asked for: real runs never load the toy world
 
     try:
         model, tokenizer = load_toy_lm(name, dtype=dtype, device=device, world=world)

@@ -408,7 +408,7 @@ TINY_LM = "toy-lm:layers=1,hidden=32,heads=2,kv_heads=2,intermediate=64"
 
 def test_value_model_is_a_copy_of_the_policy_with_a_zero_scalar_head():
     from common.llm import right_pad
-    from common.toy_lm import load_toy_lm
+    from common.toy.lm import load_toy_lm
 
     model, _ = load_toy_lm(TINY_LM)
     value = c3po.ValueModel(model)
@@ -430,7 +430,7 @@ def test_ppo_update_whitens_advantages_over_the_rollout(monkeypatch, value_clip,
     starts at V = 0, so its clipped loss follows from the stored old values by hand."""
     from accelerate import Accelerator
 
-    from common.toy_lm import load_toy_lm
+    from common.toy.lm import load_toy_lm
 
     model, tokenizer = load_toy_lm(TINY_LM)
     samples = [
@@ -492,7 +492,7 @@ class OneOfTwoProcesses:
 def test_ppo_micro_batches_hold_micro_batch_size_sequences_whatever_another_process_holds(monkeypatch):
     """Each process runs as many micro-batches of --micro_batch_size as its own share needs (DDP all-reduces once per
     minibatch: runs.micro_backward), never fewer and fuller ones because another process holds fewer samples."""
-    from common.toy_lm import load_toy_lm
+    from common.toy.lm import load_toy_lm
 
     model, tokenizer = load_toy_lm(TINY_LM)
     samples = [
@@ -618,7 +618,7 @@ def test_single_trajectory_rollout_is_one_free_path_whose_reward_every_node_gets
 
 def test_proxy_actor_forces_root_texts_and_prefix(monkeypatch):
     from common.llm import Generation
-    from common.toy_lm import load_toy_lm
+    from common.toy.lm import load_toy_lm
 
     model, tokenizer = load_toy_lm("toy-lm:layers=1,hidden=32,heads=2,kv_heads=2,intermediate=64")
     seen = []
@@ -647,7 +647,7 @@ def test_proxy_prompts_over_the_prompt_max_len_lose_their_middle_and_ppo_scores_
     assistant turn); the node stores the ids generate read (cut once more if the model's context asks), so that PPO
     scores the context the action was sampled in."""
     from common.llm import Generation
-    from common.toy_lm import load_toy_lm
+    from common.toy.lm import load_toy_lm
 
     model, tokenizer = load_toy_lm(TINY_LM)
     fed, cut_more = [], {"on": False}
@@ -676,7 +676,7 @@ def test_proxy_prompts_over_the_prompt_max_len_lose_their_middle_and_ppo_scores_
 
 def test_sft_pairs_over_the_cutoff_len_lose_the_middle_of_their_prompt():
     """[Tab. 6] cutoff length: prompt + output + EOS fit --cutoff_len; the output whole, the prompt keeps its ends."""
-    from common.toy_lm import load_toy_lm
+    from common.toy.lm import load_toy_lm
 
     _, tokenizer = load_toy_lm(TINY_LM)
     prompt, output = "filter documents . question : " + " ".join(["zekil"] * 40) + " ?", "thought : t . action : [ 1 ]"
@@ -805,7 +805,7 @@ def ppo_once(seed, forced_weight=1.0, only_fixed=False):
     ref, samples)."""
     from accelerate import Accelerator
 
-    from common.toy_lm import load_toy_lm
+    from common.toy.lm import load_toy_lm
 
     model, tokenizer = load_toy_lm("toy-lm:layers=1,hidden=32,heads=2,kv_heads=2,intermediate=64")
     args = args_for(
@@ -1152,7 +1152,7 @@ def test_the_llm_teacher_writes_at_the_proxys_length_and_its_reasoning_is_droppe
 
 # ---------------------------------------------------------------- SFT warm-up: the loss is on the output tokens only
 def test_sft_batch_puts_labels_on_the_output_and_eos_only():
-    from common.toy_lm import load_toy_lm
+    from common.toy.lm import load_toy_lm
 
     _, tokenizer = load_toy_lm(TINY_LM)
     examples = [
@@ -1176,7 +1176,7 @@ def test_length_sorted_micro_batches_give_the_full_batch_gradient(tmp_path):
     """Micro-batches cut to their own longest sequence change the padding, not the gradient of the SFT step."""
     from accelerate import Accelerator
 
-    from common.toy_lm import load_toy_lm
+    from common.toy.lm import load_toy_lm
 
     examples = [
         dict(prompt="question : " + "x " * n + "?", output=["[Planning]", "[No Retrieval]"][n % 2])
@@ -1525,7 +1525,7 @@ def test_bf16_mixed_precision_trains_fp32_weights_under_autocast(monkeypatch, tm
 
 
 def test_the_critic_runs_no_lm_head():
-    from common.toy_lm import load_toy_lm
+    from common.toy.lm import load_toy_lm
 
     model, _ = load_toy_lm(TINY_LM)
     value = c3po.ValueModel(model)

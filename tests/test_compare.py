@@ -82,7 +82,7 @@ def test_one_by_one_generation_writes_what_the_batched_call_writes():
     sys.path.insert(0, str(ROOT / "bench"))
     import throughput
 
-    from common.toy_lm import load_toy_lm
+    from common.toy.lm import load_toy_lm
 
     model, tokenizer = load_toy_lm(TINY_LM, world=ROOT / "data" / "toy")
     prompts = ["question : who is the director of velbo ?", "what", "in what year did zorvak come out ? answer"]

@@ -532,7 +532,7 @@ def test_right_pad_pads_on_the_right():
 
 
 def test_a_prompt_longer_than_the_context_is_cut_in_the_middle_with_a_warning():
-    from common.toy_lm import load_toy_lm
+    from common.toy.lm import load_toy_lm
 
     model, tokenizer = load_toy_lm("toy-lm:layers=1,hidden=16,heads=2,kv_heads=2,intermediate=32,max_positions=32")
     long, short = list(range(10, 60)), list(range(10, 20))  # 50 and 10 token ids; room 32 - 4 = 28

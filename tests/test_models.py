@@ -18,10 +18,10 @@ LORA = {"r": 2, "lora_alpha": 4, "target_modules": ["q_proj", "v_proj"]}
 
 @pytest.fixture
 def fake_toy_lm(monkeypatch):
-    """common.toy_lm replaced by a module whose load_toy_lm records its calls and returns a stand-in model."""
-    calls, fake, model = [], types.ModuleType("common.toy_lm"), types.SimpleNamespace()
+    """common.toy.lm replaced by a module whose load_toy_lm records its calls and returns a stand-in model."""
+    calls, fake, model = [], types.ModuleType("common.toy.lm"), types.SimpleNamespace()
     fake.load_toy_lm = lambda name, **kw: calls.append((name, kw)) or (model, "tokenizer")
-    monkeypatch.setitem(sys.modules, "common.toy_lm", fake)
+    monkeypatch.setitem(sys.modules, "common.toy.lm", fake)
     return calls, model
 
 
@@ -69,7 +69,7 @@ def test_other_names_go_to_common_llm_with_a_base_loader_that_knows_the_toy_worl
 
 
 def test_other_names_ignore_the_world(tmp_path):
-    from common.toy_lm import load_toy_lm
+    from common.toy.lm import load_toy_lm
 
     saved, tokenizer = load_toy_lm(TINY_LM, world=COMMITTED)
     saved.save_pretrained(tmp_path)

@@ -69,7 +69,7 @@ def test_c3po_paper_preset_trains_in_two_processes_with_short_batches(tmp_path):
     Qwen2 saved as from_pretrained reads it, the toy reader as the LLM and the oracle teacher (a random model solves
     nothing), under two processes: one tree per PPO update (process 1 rolls out a stand-in of weight 0), a warm-up
     built once over both, and the result contract."""
-    from common.toy_lm import load_toy_lm
+    from common.toy.lm import load_toy_lm
 
     model, tokenizer = load_toy_lm(TINY_LM)
     model.save_pretrained(tmp_path / "qwen2")
@@ -125,7 +125,7 @@ def test_smartrag_paper_preset_trains_in_two_processes_on_short_batches(tmp_path
     import torch
     from transformers import LlamaConfig, LlamaForCausalLM
 
-    from common.toy_lm import load_toy_lm
+    from common.toy.lm import load_toy_lm
 
     _, tokenizer = load_toy_lm(TINY_LM)
     torch.manual_seed(0)

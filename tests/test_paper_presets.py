@@ -12,7 +12,7 @@ import torch
 from conftest import check_contract
 from transformers import LlamaConfig, LlamaForCausalLM
 
-from common.toy_lm import load_toy_lm
+from common.toy.lm import load_toy_lm
 
 SIZES = dict(hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=2, num_key_value_heads=2)
 # the paper's model family: Llama-2-7B (smartrag), Qwen2 (c3po), Qwen2.5 (sparkle, sparcrag), Llama-3-8B (tearag)

@@ -524,7 +524,7 @@ def tearag_oracle_runs():
 
     import tearag as T
     from common.runs import flag_parser
-    from common.toy_lm import load_toy_lm
+    from common.toy.lm import load_toy_lm
 
     world = ROOT / "data" / "toy"
     rows = [json.loads(line) for line in (world / "test.jsonl").open()][::6]

@@ -12,7 +12,7 @@ import torch
 from safetensors.torch import load_file
 
 from common import runs
-from common.toy_lm import load_toy_lm
+from common.toy.lm import load_toy_lm
 
 ROOT = Path(__file__).resolve().parents[1]
 

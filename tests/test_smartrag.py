@@ -17,7 +17,7 @@ import smartrag
 from common import runs
 from common.llm import Generation
 from common.toy import RenamingEnv
-from common.toy_lm import load_toy_lm
+from common.toy.lm import load_toy_lm
 
 ROOT = Path(__file__).resolve().parents[1]
 

@@ -495,7 +495,7 @@ def test_rpo_alpha_adds_the_chosen_responses_per_token_nll_weighted_as_their_pai
 
 def test_dpo_train_logs_the_rpo_term_from_its_first_step(tmp_path):
     from common import runs
-    from common.toy_lm import load_toy_lm
+    from common.toy.lm import load_toy_lm
 
     model, tokenizer = load_toy_lm("toy-lm:layers=1,hidden=16,heads=2,kv_heads=2,intermediate=32")
     pair = {"role": "evaluate", "prompt": "answer : unknown decision :", "weight": 8.0}
@@ -534,7 +534,7 @@ def test_sequence_logps_scores_token_i_plus_1_with_the_logits_at_i():
 
 
 def test_encode_masks_exactly_the_response_end_tag_and_eos():
-    from common.toy_lm import load_toy_lm
+    from common.toy.lm import load_toy_lm
 
     _, tokenizer = load_toy_lm("toy-lm:layers=1,hidden=16,heads=2,kv_heads=2,intermediate=32")
     ids, mask = sparcrag.encode(tokenizer, "decide stop or continue . answer : velbo", "< decision > stop [END] junk")
@@ -553,7 +553,7 @@ def test_dpo_and_sft_train_on_the_response_as_stored_with_its_think_block():
     """The Rewrite prompt asks for a <think> block before the queries (App. D): the trained response is the stored
     completion through its [END], the block included, then EOS; one the token cap cut before [END] (inside its
     <think> block) trains as written, without an [END] or EOS it never wrote."""
-    from common.toy_lm import load_toy_lm
+    from common.toy.lm import load_toy_lm
 
     _, tokenizer = load_toy_lm("toy-lm:layers=1,hidden=16,heads=2,kv_heads=2,intermediate=32")
     prompt, tokens = "write 1 queries , output :", lambda text: tokenizer(text, add_special_tokens=False)["input_ids"]
@@ -578,7 +578,7 @@ def test_dpo_and_sft_train_on_the_response_as_stored_with_its_think_block():
 
 def test_the_adapter_disabled_reference_equals_a_fresh_lora_model_so_the_first_loss_is_ln2():
     from common.llm import add_lora
-    from common.toy_lm import load_toy_lm
+    from common.toy.lm import load_toy_lm
 
     model, tokenizer = load_toy_lm("toy-lm:layers=1,hidden=16,heads=2,kv_heads=2,intermediate=32")
     ids, mask = (torch.tensor([x]) for x in sparcrag.encode(tokenizer, "answer : velbo", "< decision > stop"))

@@ -418,7 +418,7 @@ def test_ppo_update_steps_along_the_hand_computed_gradient():
 def test_ppo_update_whitens_over_the_rollout_with_the_population_variance(monkeypatch):
     from accelerate import Accelerator
 
-    from common.toy_lm import load_toy_lm
+    from common.toy.lm import load_toy_lm
 
     model, tokenizer = load_toy_lm(TINY_LM)
     samples = [dict(ids=[4, 7, 8], loss_mask=[0, 1, 1], credit=0.75, agent="rd", forced=True),
@@ -598,7 +598,7 @@ def test_a_reasoning_llm_steps_in_paragraphs_and_answers_in_boxed():
 def test_prompts_and_sft_sequences_fit_the_papers_max_length():
     # [Tab. 5, 6] max length 2048: a prompt longer than max_length - max_new_tokens is cut in the middle (both ends
     # kept), in the rollout as in SFT; an SFT sequence holds at most max_length tokens, its target's labels kept
-    from common.toy_lm import load_toy_lm
+    from common.toy.lm import load_toy_lm
 
     model, tokenizer = load_toy_lm(TINY_LM)
     long = ("system", "question : " + " ".join(["zorvak"] * 300) + " velbo")

@@ -17,7 +17,7 @@ from conftest import check_contract
 import tearag as T
 from common import runs
 from common.llm import Generation
-from common.toy_lm import load_toy_lm
+from common.toy.lm import load_toy_lm
 
 ROOT = Path(__file__).resolve().parents[1]
 WORLD = ROOT / "data" / "toy"

@@ -362,7 +362,7 @@ def test_rename_entities_consistent_typed_and_answer_preserving():
 
 
 def test_tokenizer_single_tokens_and_chat_template():
-    from common.toy_lm import load_toy_lm, toy_vocabulary
+    from common.toy.lm import load_toy_lm, toy_vocabulary
 
     world = toy.load_world(str(COMMITTED))
     model, tok = load_toy_lm("toy-lm", extra_tokens=("[Search]", "<think>", "</think>"), world=COMMITTED)
@@ -384,7 +384,7 @@ def test_tiny_model_builds_fast_and_round_trips(tmp_path):
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    from common.toy_lm import load_toy_lm
+    from common.toy.lm import load_toy_lm
 
     start = time.time()
     model, tok = load_toy_lm("toy-lm", extra_tokens=("[Search]",), seed=0, world=COMMITTED)
@@ -493,38 +493,51 @@ def test_whatever_reads_a_world_takes_its_folder():
 
 
 def test_model_code_imports_the_toy_world_not_the_reverse():
-    """common.llm never imports the toy world, not even lazily; common.toy_lm is built on common.toy; common.models,
+    """common.llm never imports the toy world, not even lazily; common.toy.lm is built on the toy world; common.models,
     the one place that knows every backend, imports common.llm at module level and the toy world only when a toy
-    name or spec is asked for; no other common module imports any of them."""
+    name or spec is asked for; no other common module imports any of them; inside common/toy/, the reader reads the
+    world, the teachers read both, and nothing imports common.llm or common.models."""
     import ast
     import subprocess
     import sys
     from pathlib import Path
 
-    common, edges = Path(toy.__file__).parent, {}
-    for path in sorted(common.glob("*.py")):
+    common, edges = Path(toy.__file__).parent.parent, {}
+    names = {"llm": "llm", "models": "models", "toy": "toy", "toy.lm": "lm", "toy.world": "world"}
+    names |= {"toy.reader": "reader", "toy.teachers": "teachers"}
+    paths = sorted(common.glob("*.py")) + sorted(common.glob("toy/*.py"))
+    for path in paths:
+        stem = path.stem if path.parent == common else f"toy/{path.stem}"
         for statement in ast.parse(path.read_text(encoding="utf-8")).body:
             where = getattr(statement, "name", "")  # the top-level function holding a lazy import, "" at module level
             for node in ast.walk(statement):
                 modules = [a.name for a in node.names] if isinstance(node, ast.Import) else []
                 if isinstance(node, ast.ImportFrom) and node.module:
                     modules = [node.module] + [f"common.{a.name}" for a in node.names if node.module == "common"]
-                watched = {"llm", "models", "toy", "toy_lm"}
-                for target in {m.split(".")[1] for m in modules if m.startswith("common.")} & watched:
-                    edges.setdefault((path.stem, target), set()).add(where)
-    assert {"llm", "models", "toy", "toy_lm", "runs"} <= {p.stem for p in common.glob("*.py")}  # all were read
+                for target in {names.get(m[len("common.") :]) for m in modules if m.startswith("common.")} - {None}:
+                    edges.setdefault((stem, target), set()).add(where)
+    assert {"llm", "models", "runs", "toy/__init__", "toy/lm", "toy/world"} <= {
+        p.stem if p.parent == common else f"toy/{p.stem}" for p in paths
+    }  # all were read
     assert edges == {
-        ("toy_lm", "toy"): {""},  # the model's vocabulary is its world's
+        ("toy/lm", "world"): {""},  # the model's vocabulary is its world's
+        ("toy/reader", "world"): {""},
+        ("toy/teachers", "reader"): {""},
+        ("toy/teachers", "world"): {""},
+        ("toy/__init__", "reader"): {""},  # the package's names as one module
+        ("toy/__init__", "teachers"): {""},
+        ("toy/__init__", "world"): {""},
+        ("toy/__main__", "toy"): {""},
         ("models", "llm"): {""},  # hub ids, folders, endpoints
-        ("models", "toy_lm"): {"load_model_and_tokenizer"},  # the "toy-lm" name, imported when asked for
+        ("models", "lm"): {"load_model_and_tokenizer"},  # the "toy-lm" name, imported when asked for
         ("models", "toy"): {"make_llm"},  # the "toy" LLM spec, likewise
     }
     toy_first = (
         "import sys, common.toy\n"
-        "assert not {'torch', 'transformers', 'common.llm', 'common.toy_lm'} & set(sys.modules)\n"
-        "import common.toy_lm\nassert not {'common.llm', 'common.models'} & set(sys.modules)"
+        "assert not {'torch', 'transformers', 'common.llm', 'common.toy.lm'} & set(sys.modules)\n"
+        "import common.toy.lm\nassert not {'common.llm', 'common.models'} & set(sys.modules)"
     )
-    models_first = "import sys, common.models\nassert not {'common.toy', 'common.toy_lm'} & set(sys.modules)"
+    models_first = "import sys, common.models\nassert not {'common.toy', 'common.toy.lm'} & set(sys.modules)"
     for code in (toy_first, models_first):  # each in a fresh interpreter
         out = subprocess.run([sys.executable, "-c", code], cwd=common.parent, capture_output=True, text=True)
         assert out.returncode == 0, out.stderr[-2000:]

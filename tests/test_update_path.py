@@ -19,7 +19,7 @@ from accelerate import Accelerator
 
 import c3po
 import smartrag
-from common.toy_lm import load_toy_lm
+from common.toy.lm import load_toy_lm
 
 TINY = "toy-lm:layers=1,hidden=16,heads=2,kv_heads=2,intermediate=32"
 

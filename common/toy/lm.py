@@ -21,7 +21,7 @@ import torch
 from tokenizers import AddedToken, Tokenizer, models, normalizers, pre_tokenizers
 from transformers import PreTrainedTokenizerFast, Qwen2Config, Qwen2ForCausalLM
 
-from common.toy import CHAINS, COMPARISONS, DEFAULT_WORLD, FORMAT_WORDS, HATNOTE, RELATIONS, load_world
+from common.toy.world import CHAINS, COMPARISONS, DEFAULT_WORLD, FORMAT_WORDS, HATNOTE, RELATIONS, load_world
 
 SPECIALS = ["<pad>", "<eos>", "<unk>", "<system>", "<user>", "<assistant>"]
 CHAT_TEMPLATE = (
