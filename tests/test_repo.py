@@ -147,6 +147,15 @@ def test_every_docs_page_is_a_manual_of_at_most_300_lines():
         assert not [line for line in lines if narration.search(line)], page.name
 
 
+def test_the_code_and_tests_speak_of_the_project_alone():
+    narration = re.compile(r"\b(issue \d+|spec §)", re.I)
+    for path in [p for p in ROOT.rglob("*.py") if ".git" not in p.parts and p.name != "test_repo.py"]:
+        found = [
+            n for n, line in enumerate(path.read_text(encoding="utf-8").splitlines(), 1) if narration.search(line)
+        ]
+        assert not found, f"{path.relative_to(ROOT)}: lines {found}"
+
+
 def test_safety_rules_hold_in_every_python_file():
     """trust_remote_code off by default, torch.load only with weights_only=True, model output never run (no eval,
     exec or pickle), API keys read from the environment only."""

@@ -442,7 +442,7 @@ def test_the_tokenizer_of_a_world_knows_every_word_of_it(which, seed1_world, tmp
     texts = world_texts(world_dir)
     _, tokenizer = load_model_and_tokenizer(TINY_LM, world=world_dir)
     assert len(texts) > 1000 and unk_count(tokenizer, texts) == 0
-    _, committed = load_model_and_tokenizer(TINY_LM, world=COMMITTED)  # issue 15: the committed world's vocabulary
+    _, committed = load_model_and_tokenizer(TINY_LM, world=COMMITTED)  # the committed world's vocabulary
     assert unk_count(committed, texts) > 100
 
 

@@ -1,4 +1,4 @@
-"""The PPO update path of smartrag.py and c3po.py against numbers computed by hand from a tiny model (issue 22).
+"""The PPO update path of smartrag.py and c3po.py against numbers computed by hand from a tiny model.
 
 Each test fails when one realistic bug is planted: the per-token log-prob gather shifted by one token, values read one
 position late (V(s_t+1) for V(s_t)) in scoring or in the update, the loss mask shifted or dropped, the value loss left
