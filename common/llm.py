@@ -46,8 +46,7 @@ def load_model_and_tokenizer(
     own, which also knows the toy world's base models) and its adapters, trainable."""
     name = str(name_or_path)
     local = (folder := Path(name).expanduser()).is_dir()
-    # a path, not a hub id (org/name): runs/x/ppo (more parts), or runs/x where runs/ is a folder here
-    path_like = len(folder.parts) > 2 or any(p.is_dir() for p in folder.parents if str(p) != ".")
+    path_like = len(folder.parts) > 2  # runs/x/ppo: a path, never a hub id (org/name)
     if not local and (name.startswith(("/", "./", "../", "~", ".\\")) or path_like):
         raise ModelLoadError(f"model folder {name!r} does not exist")
     source = str(folder) if local else name
