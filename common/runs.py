@@ -22,11 +22,13 @@ STATE = "run_state.json"
 NOT_COMPARED = ("output_dir", "run_name", "resume", "dry_run", "eval_every", "report_to", "gradient_checkpointing")
 
 
-def arg(default, help, low=None, high=None, group=None, **metadata):
+def arg(default, help, low=None, high=None, group=None, flag=True, **metadata):
     """A dataclass field with its --help text (the method files' Args); `low`/`high`: the range a number must lie in
     (checked by parse_flags; None, a preset's placeholder, is left to the preset); `group`: the --help group this
-    field and the ones after it belong to."""
+    field and the ones after it belong to; `flag=False`: no flag, the presets alone set it (toy-world tuning),
+    listed at the end of --help with its toy and paper values."""
     extras = {k: v for k, v in dict(low=low, high=high, group=group).items() if v is not None}
+    extras |= {} if flag else {"flag": False}
     return field(default=default, metadata={"help": help, **extras, **metadata})
 
 
@@ -125,12 +127,13 @@ def start_run(args, method, stages=("sft", "ppo")):
 def flag_parser(args_classes, presets=None):
     """An HfArgumentParser of `args_classes` that reads arg()'s extras: --help lists the flags under the groups their
     fields open (arg's `group`, kept by the fields that follow), a preset's field (`presets`: name -> (toy, paper))
-    with its toy and paper values; an argparse mistake (wrong type, not a choice) is one line, exit 2."""
+    with its toy and paper values; a field of arg(flag=False) is no flag: --help lists it after the flags with its
+    preset values; an argparse mistake (wrong type, not a choice) is one line, exit 2."""
     import argparse
 
     from transformers import HfArgumentParser
 
-    class Formatter(argparse.ArgumentDefaultsHelpFormatter):
+    class Formatter(argparse.ArgumentDefaultsHelpFormatter, argparse.RawDescriptionHelpFormatter):
         def _get_help_string(self, action):  # a preset's field (default None) shows its two values instead
             return action.help if action.default is None else super()._get_help_string(action)
 
@@ -141,6 +144,13 @@ def flag_parser(args_classes, presets=None):
             self.exit(2, f"error: {message} (see --help)\n")
 
         def _parse_dataclass_field(self, parser, f):  # group and range are ours, not argparse's
+            if f.metadata.get("flag") is False:  # set by the presets only: in the namespace, not on the command line
+                self.set_defaults(**{f.name: f.default})
+                values = " (toy: {!r}, paper: {!r})".format(*presets[f.name]) if f.name in (presets or {}) else ""
+                self.epilog = (self.epilog or "set by --preset only (toy-world tuning), not flags:") + (
+                    f"\n  {f.name}: {f.metadata['help']}{values}"
+                )
+                return
             metadata = {k: v for k, v in f.metadata.items() if k not in ("low", "high", "group")}
             self.group = f.metadata.get("group") or self.group
             if f.name in (presets or {}):

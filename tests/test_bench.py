@@ -161,3 +161,22 @@ def test_index_scale_bench_encodes_in_bfloat16_on_a_gpu(tmp_path):
     assert by_stage["load"]["encoder_dtype"] == "bfloat16" and by_stage["load"]["device"].startswith("cuda")
     assert all(r["peak_gpu_gib"] > 0 for r in records if r["stage"] == "build")  # a CUDA context at least
     assert all(r["peak_gpu_gib"] is not None for r in records if r["stage"] == "search")
+
+
+def test_the_learning_curve_is_the_mean_and_range_over_runs_of_a_smoothed_signal(tmp_path, capsys):
+    sys.path.insert(0, str(ROOT / "bench"))
+    import curve
+
+    for seed, values in enumerate([[0.0, 1.0, 2.0, 3.0], [2.0, 3.0, 4.0, 5.0]]):
+        lines = [{"iteration": i + 1, "rollout/reward": v} for i, v in enumerate(values)]
+        lines += [{"stage": "sft", "eval": {"f1": 0.5 + seed}}, {"stage": "ppo", "eval": {"f1": 0.7}}]
+        (tmp_path / f"s{seed}").mkdir()
+        (tmp_path / f"s{seed}" / "metrics.jsonl").write_text("\n".join(json.dumps(r) for r in lines) + "\n")
+    runs = [str(tmp_path / "s0"), str(tmp_path / "s1")]
+    curve.main([*runs, "--key", "rollout/reward", "--points", "2", "--window", "2"])
+    out = capsys.readouterr().out
+    assert "| 1 | 1.000 | 0.000 | 2.000 |" in out  # update 1: the window holds one update
+    assert "| 4 | 3.500 | 2.500 | 4.500 |" in out  # update 4: (2+3)/2 and (4+5)/2
+    assert "| sft | 1.000 | 0.500 | 1.500 |" in out and "| ppo | 0.700 | 0.700 | 0.700 |" in out
+    with pytest.raises(SystemExit, match="no line holds 'missing'"):
+        curve.main([*runs, "--key", "missing"])

@@ -943,6 +943,25 @@ def test_help_groups_the_flags_and_shows_a_presets_toy_and_paper_values(capsys):
     assert "(default: None)" not in text and "the seed (default: 0)" in " ".join(text.split())
 
 
+def test_a_preset_only_field_is_no_flag_and_help_lists_its_values(capsys):
+    from dataclasses import dataclass
+
+    @dataclass
+    class Args:
+        seed: int = runs.arg(0, "the seed")
+        rename_p: float | None = runs.arg(None, "entity-renaming probability", flag=False)
+
+    presets = {"rename_p": (0.5, 0.0)}
+    assert runs.parse_flags(Args, ["--seed", "3"], presets=presets) == Args(seed=3, rename_p=None)  # the preset fills
+    with pytest.raises(SystemExit) as e:
+        runs.parse_flags(Args, ["--rename_p", "0.3"], presets=presets)
+    assert e.value.code == 2 and "unknown flags ['--rename_p', '0.3']" in capsys.readouterr().err
+    with pytest.raises(SystemExit):
+        runs.parse_flags(Args, ["--help"], presets=presets)
+    text = capsys.readouterr().out
+    assert "--rename_p" not in text and "rename_p: entity-renaming probability (toy: 0.5, paper: 0.0)" in text
+
+
 def test_off_a_terminal_the_libraries_bars_stay_silent(monkeypatch):
     from transformers.utils import logging as hf_logging
 
