@@ -25,8 +25,8 @@ NOT_COMPARED = ("output_dir", "run_name", "resume", "dry_run", "eval_every", "re
 def arg(default, help, low=None, high=None, group=None, flag=True, **metadata):
     """A dataclass field with its --help text (the method files' Args); `low`/`high`: the range a number must lie in
     (checked by parse_flags; None, a preset's placeholder, is left to the preset); `group`: the --help group this
-    field and the ones after it belong to; `flag=False`: no flag, the presets alone set it (toy-world tuning),
-    listed at the end of --help with its toy and paper values."""
+    field and the ones after it belong to; `flag=False`: no flag, the presets alone set it (toy-world tuning, a
+    constant of the authors' code), listed at the end of --help with its toy and paper values."""
     extras = {k: v for k, v in dict(low=low, high=high, group=group).items() if v is not None}
     extras |= {} if flag else {"flag": False}
     return field(default=default, metadata={"help": help, **extras, **metadata})
@@ -147,7 +147,7 @@ def flag_parser(args_classes, presets=None):
             if f.metadata.get("flag") is False:  # set by the presets only: in the namespace, not on the command line
                 self.set_defaults(**{f.name: f.default})
                 values = " (toy: {!r}, paper: {!r})".format(*presets[f.name]) if f.name in (presets or {}) else ""
-                self.epilog = (self.epilog or "set by --preset only (toy-world tuning), not flags:") + (
+                self.epilog = (self.epilog or "set by --preset only (PRESETS in the file), not flags:") + (
                     f"\n  {f.name}: {f.metadata['help']}{values}"
                 )
                 return
