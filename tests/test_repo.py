@@ -90,6 +90,12 @@ def test_the_index_builder_stays_small():
     assert code_lines(ROOT / "common" / "indexing.py") <= 150
 
 
+def test_the_evidence_step_stays_small():
+    """common/evidence.py, the command line that finds the datasets' supporting facts in a corpus (data/README.md, "The
+    evidence step"), is a tool beside the plumbing the method files share, counted apart like the index builder."""
+    assert code_lines(ROOT / "common" / "evidence.py") <= 170
+
+
 @pytest.mark.parametrize("name", METHOD_FILES)
 def test_importing_a_method_file_does_no_work(name):
     if not (ROOT / name).exists():
