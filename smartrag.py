@@ -93,9 +93,7 @@ class Args:
     rewriter_model: str = arg("", "model name when --rewriter is an endpoint URL")
     base_llm: str | None = arg(None, "LLM spec that plays the base model's knowledge probe")
     know_f1: float = arg(0.2, "the base model 'knows' x if its direct-answer F1 >= this [App. A.2: 0.2]", flag=False)
-    probe_tokens: int = arg(
-        32, "tokens of the knowledge probe's reply (ours: 32; more for a <think> block)", flag=False
-    )
+    probe_tokens: int = arg(32, "tokens of the knowledge probe's reply (ours: 32; more for <think>)", flag=False)
     base_pretrain_steps: int | None = arg(None, "steps teaching the raw toy base model the popular facts", flag=False)
     sft_steps: int | None = arg(None, "SFT steps (0: one epoch [§4: 1 epoch])", low=0)
     sft_lr: float | None = arg(None, "SFT learning rate [§4: 3e-4]", low=0.0)
@@ -426,7 +424,7 @@ def act(model, tokenizer, live, n, args, tag_ids, greedy, seed):
         reward = step_reward(kind, text, e["row"]["golden_answers"], args.alpha, args.invalid_reward)
         turn = dict(prompt_ids=prompt, forced_ids=prefix if forced else [], action_ids=ids if forced else action)
         e["turns"].append(turn | dict(kind=kind, text=text, reward=reward))
-        e["done"] = kind != "retrieve"
+        e["done"] = kind != "retrieve"  # [Alg. 1 L8-10] an answer (or an invalid action) ends the episode
         e["answer"] = text if kind == "answer" else e["answer"]
 
 
@@ -671,10 +669,8 @@ def warm_up(accelerator, args, out, train_rows, test_rows, env, world, warnings)
         return policy, tokenizer, tag_ids, state["before_sft"], state["steps"]
     policy, tokenizer, tag_ids = load_policy(args, accelerator.device)
     if args.base_pretrain_steps:  # simplification: a toy base model that knows the popular facts (header 11)
-        base = lambda pairs, steps: sft(
-            accelerator, out, policy, tokenizer, tag_ids, pairs, args, None, steps, "base"
-        )[0]
-        policy = toy.pretrain_base(policy, train_rows, args.base_pretrain_steps, base, accelerator, warnings)
+        base_sft = lambda pairs, n: sft(accelerator, out, policy, tokenizer, tag_ids, pairs, args, None, n, "base")[0]
+        policy = toy.pretrain_base(policy, train_rows, args.base_pretrain_steps, base_sft, accelerator, warnings)
     before_sft = evaluate_stage(accelerator, out, "raw", policy, tokenizer, env, test_rows, args, tag_ids)
     examples, known = build_warmup(train_rows, env, args)
     accelerator.print(f"warm-up: {len(examples)} pairs ({args.initial_policy}; the base model knows {known:.2f})")
