@@ -687,12 +687,6 @@ def rollout_seed(args, iteration, slot):
     return args.seed * 100_003 + iteration * 97 + 10_000_019 * slot
 
 
-def mean_over_processes(accelerator, values):
-    """The mean of the values of every process."""
-    total, count = runs.global_sum(accelerator, [sum(values), len(values)]).tolist()
-    return total / max(count, 1)
-
-
 def checkpoint_record(args):
     """What every checkpoint records besides its stage's state: its method, data, toy world and arguments."""
     absolute = lambda path: path and str(Path(path).resolve())  # --eval from any folder finds them
@@ -719,12 +713,13 @@ def collect_rollout(accelerator, model, tokenizer, env, rows, args, tag_ids, rng
 
 
 def rollout_stats(accelerator, episodes, tokens):
-    """The logged figures of an iteration's rollout, over every process's episodes."""
+    """The logged figures of an iteration's rollout: means over the episodes of every process."""
     returns = [discounted_return([t["reward"] for t in e["turns"]], 1.0) for e in episodes]
     retrieved = [float(any(t["kind"] == "retrieve" for t in e["turns"])) for e in episodes]
-    return {"rollout/return": mean_over_processes(accelerator, returns),
-            "rollout/retrieval_rate": mean_over_processes(accelerator, retrieved), "rollout/tokens": int(tokens),
-            "rollout/episodes": int(runs.global_sum(accelerator, len(episodes)))}  # fmt: skip
+    total_return, total_retrieved, n = runs.global_sum(accelerator, [sum(returns), sum(retrieved), len(episodes)])
+    return {"rollout/return": total_return.item() / max(n.item(), 1),
+            "rollout/retrieval_rate": total_retrieved.item() / max(n.item(), 1), "rollout/tokens": int(tokens),
+            "rollout/episodes": int(n)}  # fmt: skip
 
 
 def save_ppo(accelerator, folder, model, optimizer, tokenizer, beta, iteration, args, rng):

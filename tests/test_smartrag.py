@@ -398,6 +398,34 @@ def test_threshold_decides_the_first_token(tagged, monkeypatch):
         assert seen[0] == tags[tag]
 
 
+def test_the_toy_renaming_of_warm_up_pairs_draws_only_for_pairs_that_retrieve_or_read():
+    """common.toy.smartrag.rename_pair (header 10), as sft_batch calls it: the direct-answer pair (2) is never renamed
+    and draws nothing; the search (3) and reading (4) pairs are renamed with probability p, their searched entity onto
+    a non-popular one (one map for question, observation and target); without a world nothing changes."""
+    import random
+
+    from common.toy import DEFAULT_WORLD, load_world
+    from common.toy.smartrag import rename_pair
+
+    world = load_world(str(DEFAULT_WORLD))
+    rows = [json.loads(line) for line in (ROOT / "data/toy/train.jsonl").read_text().splitlines()]
+    row = next(r for r in rows if r["metadata"]["type"] == "one_hop" and not r["metadata"]["popular"])
+    entity, query = row["metadata"]["entities"][0], row["metadata"]["sub_queries"][0]
+    direct, search, read = smartrag.warmup_examples(row, query, f"{entity} : about {entity}", False, "plain")
+    texts = lambda ex: [ex["question"], *ex["observations"], ex["text"]]
+    untouched = random.Random(0).random()
+    rng = random.Random(0)
+    assert rename_pair(texts(direct), direct, world, rng, 1.0) == texts(direct) and rng.random() == untouched
+    rng = random.Random(0)
+    assert rename_pair(texts(search), search, world, rng, 0.0) == texts(search) and rng.random() != untouched
+    assert rename_pair(texts(read), read, None, random.Random(0), 1.0) == texts(read)
+    for ex in (search, read):
+        renamed = rename_pair(texts(ex), ex, world, random.Random(0), 1.0)
+        (new,) = {w for text in renamed for w in text.split() if w in world["types"]} - {row["golden_answers"][0]}
+        assert entity not in " ".join(renamed).split() and new not in world["popular"]
+        assert all(new in text.split() for text in renamed[:2])  # the question, then the query or the observation
+
+
 def test_the_toy_base_model_learns_the_popular_facts_before_the_warm_up(tmp_path, capsys):
     """base_pretrain_steps (common.toy.smartrag.pretrain_base through smartrag.sft, as warm_up calls it): the raw
     toy-lm learns to answer the popular training questions directly, with no tag, its loss logged as base/loss;
