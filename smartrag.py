@@ -26,13 +26,13 @@ Departures from the paper, both presets (each marked `# simplification: ... (hea
 7. An empty search query searches with the question (the paper does not say what an empty query does).
 8. Metrics: EM and F1 as the paper reports them (FlashRAG's definitions); `acc` (sub-EM) is logged beside them.
 
-Toy-world adaptations, the toy preset only (PRESETS):
-9. The warm-up rewriter (GPT-3.5 in the paper) is the oracle entity + relation rewrite of the metadata.
-10. SFT retrieval pairs and not-popular PPO episodes are entity-renamed (--augment_p, --rl_augment_p).
-11. The raw toy-lm knows nothing, so the toy base first learns the popular facts (--base_pretrain_steps).
-12. The knowledge probe is the toy reader, whose parametric memory is exactly the `popular` flag.
-13. One-hop questions, compact template, greedy decoding after the threshold, smaller PPO.
-14. The plain warm-up pi_0 and a fixed KL coefficient 0.1 (impl: adaptive from 0.001).
+Toy-world adaptations, the toy preset only (PRESETS; the machinery in common/toy/smartrag.py):
+9. The warm-up rewriter (GPT-3.5 in the paper) is the oracle entity + relation rewrite of the metadata (rewriter).
+10. SFT retrieval pairs and not-popular PPO episodes are entity-renamed (augment_p, rl_augment_p).
+11. The raw toy-lm knows nothing, so the toy base first learns the popular facts (base_pretrain_steps).
+12. The knowledge probe is the toy reader, whose parametric memory is exactly the `popular` flag (base_llm).
+13. One-hop questions, compact template, greedy decoding after the threshold, smaller PPO (question_types, templates).
+14. The plain warm-up pi_0 and a fixed KL coefficient 0.1 (initial_policy, kl_init, kl_adaptive; impl: adaptive).
 """
 
 import copy
@@ -49,13 +49,13 @@ from accelerate import PartialState
 from accelerate.utils import broadcast, gather_object
 
 from common import runs
-from common.data import load_split, require_metadata, sample_rows, write_jsonl
+from common.data import load_split, sample_rows, write_jsonl
 from common.llm import backbone_of, chat_prompts, generate, left_pad, right_pad, unknown_words
 from common.metrics import answer_scores, cover_em, f1_score, summarize
 from common.models import is_toy_lm, load_model_and_tokenizer, make_llm
 from common.retrieval import open_retriever
 from common.runs import arg
-from common.toy import RenamingEnv, rename_entities, rename_rows, world_or_none
+from common.toy import smartrag as toy
 
 
 @dataclass
@@ -64,9 +64,7 @@ class Args:
     train: bool = arg(False, "SFT warm-up, then PPO, then evaluation")
     eval: bool = arg(False, "evaluate --model (a checkpoint or the untrained start)")
     ask: str = arg("", "answer one question with --model and print the trajectory")
-    output_dir: str | None = arg(
-        None, "results, metrics, checkpoints (default: runs/<run_name>; --eval: a new <model>/eval/<data>-<time>)"
-    )
+    output_dir: str | None = arg(None, "run folder (default: runs/<run_name>; --eval: <model>/eval/<data>-<time>)")
     run_name: str | None = arg(None, "a training run's name (default: smartrag__<seed>__<time>)")
     resume: bool = arg(False, "continue the run --run_name / --output_dir from its last checkpoint")
     dry_run: bool = arg(False, "print the resolved configuration, check its paths and models, load nothing")
@@ -83,27 +81,26 @@ class Args:
     templates: str | None = arg(None, "paper (Tab. 7 verbatim) or compact", choices=["paper", "compact"])
     n_train: int | None = arg(None, "training questions (None: all)", low=1)
     n_eval: int | None = arg(None, "test questions evaluated (None: all)", low=1)
-    question_types: str | None = arg(None, "comma-separated metadata types to keep (empty: all)")
+    question_types: str | None = arg(None, "comma-separated metadata types to keep (empty: all)", flag=False)
     quota: int = arg(1, "retrieval quota N [Alg. 1; §4: N = 1]", low=0, group="Algorithm 1 and the reward")
     top_k: int | None = arg(None, "snippets per retrieval K [App. A.3: 4]", low=1)
     alpha: float = arg(0.2, "retrieval cost alpha [Eq. 5; App. A.3: 0.2]", low=0.0)
-    invalid_reward: float = arg(-1.0, "reward of an action without a tag, which ends the episode (impl: -1)")
+    invalid_reward: float = arg(-1.0, "reward of an untagged action, which ends the episode (impl: -1)", flag=False)
     initial_policy: str | None = arg(
         None, "plain pi_0 (pairs 2-4) or filtered pi_0*", choices=["plain", "filtered"], group="warm-up SFT [§3.1]"
     )
     rewriter: str | None = arg(None, "warm-up queries: oracle (toy metadata) or an LLM spec [App. A.2: gpt-3.5]")
     rewriter_model: str = arg("", "model name when --rewriter is an endpoint URL")
     base_llm: str | None = arg(None, "LLM spec that plays the base model's knowledge probe")
-    know_f1: float = arg(0.2, "the base model 'knows' x if its direct-answer F1 >= this [App. A.2]", low=0.0, high=1.0)
-    probe_tokens: int = arg(32, "tokens of the knowledge probe's reply (raise it for a <think> block)", low=1)
-    base_pretrain_steps: int | None = arg(None, "toy: steps teaching the raw base model the popular facts", low=0)
-    sft_epochs: float = arg(1.0, "SFT epochs [§4: 1] (when --sft_steps is 0)", low=1e-6)
-    sft_steps: int | None = arg(None, "SFT steps; overrides epochs when > 0", low=0)
+    know_f1: float = arg(0.2, "the base model 'knows' x if its direct-answer F1 >= this [App. A.2: 0.2]", flag=False)
+    probe_tokens: int = arg(32, "tokens of the knowledge probe's reply (ours: 32; more for <think>)", flag=False)
+    base_pretrain_steps: int | None = arg(None, "steps teaching the raw toy base model the popular facts", flag=False)
+    sft_steps: int | None = arg(None, "SFT steps (0: one epoch [§4: 1 epoch])", low=0)
     sft_lr: float | None = arg(None, "SFT learning rate [§4: 3e-4]", low=0.0)
     sft_batch_size: int | None = arg(None, "SFT batch size, all processes together [§4: 8]", low=1)
     micro_batch_size: int | None = arg(None, "rows per forward/backward pass (memory only: the same gradient)", low=1)
-    augment_p: float | None = arg(None, "toy: entity-renaming probability of a retrieval pair", low=0.0, high=1.0)
-    rl_augment_p: float | None = arg(None, "toy: renaming probability of a not-popular PPO episode", low=0.0, high=1.0)
+    augment_p: float | None = arg(None, "entity-renaming probability of a retrieval pair", flag=False)
+    rl_augment_p: float | None = arg(None, "renaming probability of a not-popular PPO episode", flag=False)
     ppo_iterations: int | None = arg(None, "PPO iterations (impl: 100 for T5-large)", low=0, group="PPO [§3.2, §4]")
     rollout_tokens: int | None = arg(None, "generated tokens per iteration, all processes together [§4: 5120]", low=0)
     rollout_batch: int | None = arg(None, "questions per batched rollout, shared out over the processes", low=1)
@@ -111,13 +108,13 @@ class Args:
     ppo_lr: float | None = arg(None, "PPO learning rate [§4: 2e-6]", low=0.0)
     ppo_batch_size: int | None = arg(None, "sequences per PPO minibatch, all processes together [§4: 32]", low=1)
     gamma: float = arg(0.99, "discount [Eq. 6] (impl: 0.99 per token)", low=0.0, high=1.0)
-    lam: float = arg(0.95, "GAE lambda (impl: 0.95)", low=0.0, high=1.0)
-    clip: float = arg(0.2, "PPO clip epsilon (impl: 0.2)", low=0.0)
-    vf_coef: float = arg(0.5, "value loss coefficient (impl: 0.5)", low=0.0)
-    max_grad_norm: float = arg(0.5, "gradient clipping (impl: 0.5)", low=0.0)
+    lam: float = arg(0.95, "GAE lambda (impl: 0.95)", flag=False)
+    clip: float = arg(0.2, "PPO clip epsilon (impl: 0.2)", flag=False)
+    vf_coef: float = arg(0.5, "value loss coefficient (impl: 0.5)", flag=False)
+    max_grad_norm: float = arg(0.5, "PPO gradient clipping (impl: 0.5)", flag=False)
     kl_init: float | None = arg(None, "initial KL coefficient beta (impl: 0.001)", low=0.0)
-    kl_target: float = arg(0.2, "target KL of the adaptive controller (impl: 0.2)", low=1e-6)
-    kl_adaptive: bool | None = arg(None, "adapt beta to kl_target after each rollout (impl); False: a fixed beta")
+    kl_target: float = arg(0.2, "target KL of the adaptive controller (impl: 0.2)", flag=False)
+    kl_adaptive: bool | None = arg(None, "adapt beta to kl_target after each rollout (impl); False: fixed", flag=False)
     sample_top_k: int = arg(50, "top-k sampling in rollouts [App. A.3: 50]", low=1)
     max_new_tokens: int | None = arg(None, "tokens per action (impl: 50)", low=1)
     threshold: float = arg(0.5, "retrieve iff p([Search]) > this", low=0.0, high=1.0, group="inference [§4.1]")
@@ -132,18 +129,18 @@ PRESETS = {  # field: (toy, paper), for the fields left at None; any flag overri
     "lora_r": (0, 16),  # LoRA [App. A.3]; the rank is ours (the paper gives none)
     "gradient_checkpointing": (False, True),  # a 7B policy, value model and reference on one 80 GB GPU
     "templates": ("compact", "paper"),  # simplification: header 13
-    "question_types": ("one_hop", ""),  # simplification: header 13
+    "question_types": ("one_hop", ""),  # toy: one-hop questions (header 13)
     "top_k": (1, 4),  # [App. A.3]
     "rewriter": ("oracle", ""),  # simplification: header 9; paper: --rewriter <an LLM spec for gpt-3.5>
     "base_llm": ("toy", "hf:meta-llama/Llama-2-7b-chat-hf"),  # simplification: header 12
-    "base_pretrain_steps": (300, 0),  # simplification: header 11
+    "base_pretrain_steps": (300, 0),  # toy: the raw toy-lm first learns the popular facts (header 11)
     "initial_policy": ("plain", "filtered"),  # [§3.1]; simplification: header 14
     "sft_steps": (1200, 0),  # [§4: 1 epoch]
     "sft_lr": (2e-3, 3e-4),  # [§4]
     "sft_batch_size": (64, 8),  # [§4]
     "micro_batch_size": (64, 8),  # ours: memory only (any value, the same gradient)
-    "augment_p": (1.0, 0.0),  # simplification: header 10
-    "rl_augment_p": (1.0, 0.0),
+    "augment_p": (1.0, 0.0),  # toy: non-popular facts copied from observations, never memorised (header 10)
+    "rl_augment_p": (1.0, 0.0),  # toy: the same for PPO's not-popular episodes (header 10)
     "ppo_iterations": (100, 50),
     "rollout_tokens": (0, 5120),  # [§4]
     "rollout_batch": (128, 64),
@@ -151,7 +148,7 @@ PRESETS = {  # field: (toy, paper), for the fields left at None; any flag overri
     "ppo_lr": (1e-4, 2e-6),  # [§4]
     "ppo_batch_size": (64, 32),  # [§4]
     "kl_init": (0.1, 0.001),  # impl: 0.001, adaptive
-    "kl_adaptive": (False, True),  # simplification: a fixed beta in the toy preset (header 14)
+    "kl_adaptive": (False, True),  # toy: a fixed beta (header 14); paper: the authors' adaptive controller
     "max_new_tokens": (8, 50),  # impl
     "num_beams": (1, 4),  # impl
 }
@@ -271,8 +268,7 @@ def knows_answer(prediction, golds, know_f1):
 
 def warmup_examples(row, query, observation, knows, initial_policy):
     """The SFT pairs of one question as text fields: (2) direct answer, (3) retrieve + query, (4) answer with obs."""
-    meta = row.get("metadata", {})  # used only by the toy world's renaming augmentation
-    tags = dict(popular=meta.get("popular", False), searched=meta.get("entities", [])[:1])
+    tags = toy.renaming_tags(row)  # read only by the toy world's renaming augmentation (header 10)
     answer = row["golden_answers"][0]  # ours: the first alias (the paper has one y)
     direct = dict(question=row["question"], observations=[], tag="answer", text=answer, **tags)  # [Eq. 2]
     search = dict(question=row["question"], observations=[], tag="retrieve", text=query, **tags)  # [Eq. 3]
@@ -285,7 +281,7 @@ def warmup_examples(row, query, observation, knows, initial_policy):
 def rewrite_queries(rows, args):
     """Warm-up queries: the paper's GPT-3.5 rewrite prompt on any LLM backend, or the toy world's oracle rewrite."""
     if args.rewriter == "oracle":  # simplification: the entity + relation of hop 1 (header 9)
-        return [r["metadata"]["sub_queries"][0] for r in rows]
+        return toy.oracle_rewrite(rows)
     llm = make_llm(args.rewriter, world=args.world, **({"model": args.rewriter_model} if args.rewriter_model else {}))
     prompts = [[{"role": "user", "content": REWRITE_PROMPT.format(question=r["question"])}] for r in rows]
     replies = llm.chat(prompts, temperature=0.0, max_tokens=64)
@@ -354,14 +350,11 @@ class PolicyAndValue(torch.nn.Module):
 
 def add_tags(model, tokenizer):
     """Register [Answer] and [Search] as single tokens and return their ids [§3] (impl: special tokens)."""
-    tags = (ANSWER_TAG, RETRIEVE_TAG)
-    if new := [t for t in tags if tokenizer.convert_tokens_to_ids(t) in (None, tokenizer.unk_token_id)]:
+    tags = {"answer": ANSWER_TAG, "retrieve": RETRIEVE_TAG}
+    if new := [t for t in tags.values() if tokenizer.convert_tokens_to_ids(t) in (None, tokenizer.unk_token_id)]:
         tokenizer.add_tokens(new, special_tokens=True)
         model.resize_token_embeddings(len(tokenizer))
-    return {
-        "answer": tokenizer.convert_tokens_to_ids(ANSWER_TAG),
-        "retrieve": tokenizer.convert_tokens_to_ids(RETRIEVE_TAG),
-    }
+    return {kind: tokenizer.convert_tokens_to_ids(tag) for kind, tag in tags.items()}
 
 
 def load_policy(args, device):
@@ -403,43 +396,56 @@ def first_token_probs(model, prompts, pad_id):
 
 
 # --------------------------------------------------------------------------- 5. rollout [Alg. 1], batched per turn
+def first_tokens(model, tokenizer, prompts, n, args, tag_ids, greedy):
+    """The decided first token a_0 of each live episode's action at retrieve count n, as a prefix (empty: sampled
+    with the rest): [Answer] at the quota [Alg. 1 L3-4]; when decoding greedily, [Search] iff p([Search]) > threshold
+    [§4.1, App. A.3]; when sampling, none [App. A.3]."""
+    if n == args.quota:  # [Alg. 1 L3-4] the quota is met: force a_0 = [ANSWER]
+        return [[tag_ids["answer"]] for _ in prompts]
+    if not greedy:  # [App. A.3] top-k sampling, the first token sampled freely
+        return [[] for _ in prompts]
+    p_retrieve = first_token_probs(model, prompts, tokenizer.pad_token_id)[:, tag_ids["retrieve"]]
+    return [[tag_ids["retrieve"] if p > args.threshold else tag_ids["answer"]] for p in p_retrieve.tolist()]
+
+
+def act(model, tokenizer, live, n, args, tag_ids, greedy, seed):
+    """a ~ pi_theta([x, os]) for every live episode in one generate call [Alg. 1 L3-6], parsed by its first token
+    and rewarded [Eq. 5]; an answer or an invalid action ends the episode [Alg. 1 L8-10]. The [Answer] forced at the
+    quota is part of the state (forced_ids), not of the action; a tag decided by the threshold is the policy's own."""
+    states = [render_state(e["row"]["question"], e["observations"], args.templates) for e in live]
+    prompts = encode_states(tokenizer, states)
+    prefixes = first_tokens(model, tokenizer, prompts, n, args, tag_ids, greedy)
+    beams, forced = args.num_beams if greedy else 1, n == args.quota
+    gen = generate(model, tokenizer, [p + f for p, f in zip(prompts, prefixes)], args.max_new_tokens,
+                   do_sample=not greedy, top_k=args.sample_top_k, num_beams=beams, seed=seed + n)  # fmt: skip
+    for e, prompt, prefix, ids in zip(live, prompts, prefixes, gen.token_ids):
+        action = prefix + ids
+        kind, text = parse_action(action, tag_ids, tokenizer)
+        reward = step_reward(kind, text, e["row"]["golden_answers"], args.alpha, args.invalid_reward)
+        turn = dict(prompt_ids=prompt, forced_ids=prefix if forced else [], action_ids=ids if forced else action)
+        e["turns"].append(turn | dict(kind=kind, text=text, reward=reward))
+        e["done"] = kind != "retrieve"  # [Alg. 1 L8-10] an answer (or an invalid action) ends the episode
+        e["answer"] = text if kind == "answer" else e["answer"]
+
+
+def observe(env, searching, args):
+    """o = R(a_1:), os = [os, o] for every episode whose action retrieved [Alg. 1 L9]: one retriever call."""
+    # simplification: an empty query searches with the question (header 7)
+    queries = [e["turns"][-1]["text"] or e["row"]["question"] for e in searching]
+    for e, hits in zip(searching, env.search(queries, args.top_k, [e["row"] for e in searching])):
+        e["observations"].append(format_observation(hits))
+
+
 def rollout(model, tokenizer, env, rows, args, tag_ids, greedy, seed):
-    """Algorithm 1 for a batch of questions, one generate call per turn for all live episodes. One episode per row:
-    {"row", "turns": [{prompt_ids, forced_ids, action_ids, kind, text, reward}], "observations", "answer"}; the
-    [Answer] forced at the quota is part of the state (forced_ids), not of the action."""
+    """Algorithm 1 for a batch of questions, turn by turn over the live episodes. One episode per row: {"row",
+    "turns": [{prompt_ids, forced_ids, action_ids, kind, text, reward}], "observations", "answer"}."""
     episodes = [{"row": r, "turns": [], "observations": [], "answer": "", "done": False} for r in rows]
     for n in range(args.quota + 1):  # [Alg. 1 L2] while n <= N
         live = [e for e in episodes if not e["done"]]
         if not live:
             break
-        states = [render_state(e["row"]["question"], e["observations"], args.templates) for e in live]
-        prompts = encode_states(tokenizer, states)
-        if n == args.quota:  # [Alg. 1 L3-4] the quota is met: force a_0 = [ANSWER]
-            prefixes = [[tag_ids["answer"]] for _ in live]
-        elif greedy:  # [§4.1, App. A.3] a threshold on p([Search]) decides the first token, beam search the rest
-            p_retrieve = first_token_probs(model, prompts, tokenizer.pad_token_id)[:, tag_ids["retrieve"]]
-            prefixes = [
-                [tag_ids["retrieve"] if p > args.threshold else tag_ids["answer"]] for p in p_retrieve.tolist()
-            ]
-        else:  # [App. A.3] top-k sampling, the first token sampled freely
-            prefixes = [[] for _ in live]
-        beams = args.num_beams if greedy else 1
-        gen = generate(model, tokenizer, [p + f for p, f in zip(prompts, prefixes)], args.max_new_tokens,
-                       do_sample=not greedy, top_k=args.sample_top_k, num_beams=beams, seed=seed + n)  # fmt: skip
-        forced = n == args.quota
-        for e, prompt, prefix, ids in zip(live, prompts, prefixes, gen.token_ids):
-            action = prefix + ids  # the decided tag (threshold) counts as the policy's own choice
-            kind, text = parse_action(action, tag_ids, tokenizer)
-            reward = step_reward(kind, text, e["row"]["golden_answers"], args.alpha, args.invalid_reward)
-            turn = dict(prompt_ids=prompt, forced_ids=prefix if forced else [], action_ids=ids if forced else action)
-            e["turns"].append(turn | dict(kind=kind, text=text, reward=reward))
-            e["done"] = kind != "retrieve"  # [Alg. 1 L8-10] an answer (or an invalid action) ends the episode
-            e["answer"] = text if kind == "answer" else e["answer"]
-        searching = [e for e in live if not e["done"]]
-        # [Alg. 1 L9] o = R(a_1:), os = [os, o]; simplification: an empty query searches with the question (header 7)
-        queries = [e["turns"][-1]["text"] or e["row"]["question"] for e in searching]
-        for e, hits in zip(searching, env.search(queries, args.top_k, [e["row"] for e in searching])):
-            e["observations"].append(format_observation(hits))
+        act(model, tokenizer, live, n, args, tag_ids, greedy, seed)
+        observe(env, [e for e in live if not e["done"]], args)
     return episodes
 
 
@@ -602,10 +608,7 @@ def sft_batch(examples, tokenizer, tag_ids, args, rng, world):
     seqs = []
     for ex in examples:
         texts = [ex["question"], *ex["observations"], ex["text"]]
-        if world is not None and (ex["tag"] == "retrieve" or ex["observations"]) and rng.random() < args.augment_p:
-            # simplification: searched names onto non-popular ones, other names onto any (header 10, docs/toy_world.md)
-            popular = "keep" if ex["popular"] else "free"
-            texts = rename_entities(texts, world, rng, popular=popular, searched=ex["searched"])
+        texts = toy.rename_pair(texts, ex, world, rng, args.augment_p)  # simplification: header 10
         prompt = encode_states(tokenizer, [render_state(texts[0], texts[1:-1], args.templates)])[0]
         tag = [tag_ids[ex["tag"]]] if ex["tag"] else []  # no tag: the toy base model's pretraining (header 11)
         target = tag + tokenizer(" " + texts[-1], add_special_tokens=False)["input_ids"] + [tokenizer.eos_token_id]
@@ -618,7 +621,7 @@ def sft(accelerator, out, model, tokenizer, tag_ids, examples, args, world, step
     """Cross-entropy on the targets of the warm-up pairs, a mean over the batch's target tokens (of every process);
     AdamW, linear decay [§4: 1 epoch, lr 3e-4, batch 8]. The mean loss of every 100 steps is logged as <name>/loss."""
     rng = random.Random(args.seed)
-    steps = steps or args.sft_steps or math.ceil(args.sft_epochs * len(examples) / args.sft_batch_size)
+    steps = steps or args.sft_steps or math.ceil(len(examples) / args.sft_batch_size)  # [§4: 1 epoch]
     # simplification: betas, warm-up, decay floor and clipping are ours (header 5)
     optimizer = torch.optim.AdamW(model.parameters(), lr=args.sft_lr, betas=(0.9, 0.98))
     warmup = min(50, steps // 10)
@@ -646,19 +649,137 @@ def sft(accelerator, out, model, tokenizer, tag_ids, examples, args, world, step
     return accelerator.unwrap_model(model), steps
 
 
-def pretrain_toy_base(accelerator, out, model, tokenizer, tag_ids, rows, args, warnings):
-    """Toy world only (header 11): the raw toy-lm knows nothing, while the paper's base LLMs know popular facts, the
-    premise of the filtered warm-up and of learning when not to retrieve; so the toy base model first learns to answer
-    the popular training questions in the template-1 prompt (no tag), as a pretrained LLM answers what it knows."""
-    examples = [dict(question=r["question"], observations=[], tag=None, text=r["golden_answers"][0], popular=True,
-                     searched=[]) for r in rows if r.get("metadata", {}).get("popular")]  # fmt: skip
-    if not examples:
-        runs.nothing_to_train(accelerator, warnings, "base pretraining", "no training question is popular")
-        return model
-    return sft(accelerator, out, model, tokenizer, tag_ids, examples, args, None, args.base_pretrain_steps, "base")[0]
+# --------------------------------------------------------------------------- 8. train: warm-up, PPO, evaluation
+# the end-of-run table: the paper's EM and F1 [Tab. 1] and its retrieval rate [§4.2], the reward and the costs
+TABLE_ROWS = ("em", "f1", "acc", "reward", "retrieval_rate", "retrievals", "policy_calls", "generated_tokens")
+UNTRAINED = "--model toy-lm, the untrained start, answers at random"
 
 
-# --------------------------------------------------------------------------- 8. evaluation [§4]
+def environment(args):
+    """The frozen retriever, seen through each renamed episode's names (header 10; other episodes unchanged)."""
+    return toy.RenamingEnv(open_retriever(args.index, args.corpus, args.encoder))
+
+
+def warm_up(accelerator, args, out, train_rows, test_rows, env, world, warnings):
+    """The policy after the warm-up SFT [§3.1], trained now or loaded from the run's sft/ checkpoint (--resume)."""
+    sft_dir = out / "sft"
+    if (state := runs.load_state(sft_dir)) is not None:
+        policy, tokenizer, tag_ids = load_policy(replace(args, model=str(sft_dir)), accelerator.device)
+        warnings += state.get("warnings", [])
+        return policy, tokenizer, tag_ids, state["before_sft"], state["steps"]
+    policy, tokenizer, tag_ids = load_policy(args, accelerator.device)
+    if args.base_pretrain_steps:  # simplification: a toy base model that knows the popular facts (header 11)
+        base_sft = lambda pairs, n: sft(accelerator, out, policy, tokenizer, tag_ids, pairs, args, None, n, "base")[0]
+        policy = toy.pretrain_base(policy, train_rows, args.base_pretrain_steps, base_sft, accelerator, warnings)
+    before_sft = evaluate_stage(accelerator, out, "raw", policy, tokenizer, env, test_rows, args, tag_ids)
+    examples, known = build_warmup(train_rows, env, args)
+    accelerator.print(f"warm-up: {len(examples)} pairs ({args.initial_policy}; the base model knows {known:.2f})")
+    policy, steps = sft(accelerator, out, policy, tokenizer, tag_ids, examples, args, world)
+    if accelerator.is_main_process:
+        state = dict(before_sft=before_sft, steps=steps, warnings=warnings, **checkpoint_record(args))
+        runs.save_checkpoint(sft_dir, policy, tokenizer, state)
+    return policy, tokenizer, tag_ids, before_sft, steps
+
+
+def rollout_seed(args, iteration, slot):
+    """The sampling seed of a PPO rollout batch (rollout samples turn n with seed + n); slot: the batch's number in
+    the iteration, one per round and process. Different slots, iterations and turns never share a seed."""
+    return args.seed * 100_003 + iteration * 97 + 10_000_019 * slot
+
+
+def checkpoint_record(args):
+    """What every checkpoint records besides its stage's state: its method, data, toy world and arguments."""
+    absolute = lambda path: path and str(Path(path).resolve())  # --eval from any folder finds them
+    return dict(method="smartrag", data_dir=absolute(args.data_dir), world=absolute(args.world), args=asdict(args))
+
+
+def collect_rollout(accelerator, model, tokenizer, env, rows, args, tag_ids, rng, world, iteration):
+    """One iteration's sampled episodes [§4: 5120 generated tokens per iteration, all processes together]: batches
+    of rollout_batch questions drawn with the rng every process shares, each process rolling out its share, until the
+    token budget is met. Returns this process's episodes and the tokens all processes generated."""
+    episodes, tokens, rounds = [], 0, 0
+    policy = accelerator.unwrap_model(model).policy
+    model.eval()  # rollouts without dropout and with the KV cache; ppo_iteration switches to train mode
+    while not rounds or tokens < args.rollout_tokens:
+        batch = rng.sample(rows, min(args.rollout_batch, len(rows)))
+        batch = toy.rename_rows(batch, world, rng, args.rl_augment_p)  # simplification: header 10
+        own = batch[accelerator.process_index :: accelerator.num_processes]
+        seed = rollout_seed(args, iteration, rounds * accelerator.num_processes + accelerator.process_index)
+        with accelerator.autocast():
+            episodes += rollout(policy, tokenizer, env, own, args, tag_ids, greedy=False, seed=seed)
+        tokens = runs.global_sum(accelerator, sum(len(t["action_ids"]) for e in episodes for t in e["turns"]))
+        rounds += 1
+    return episodes, tokens
+
+
+def rollout_stats(accelerator, episodes, tokens):
+    """The logged figures of an iteration's rollout: means over the episodes of every process."""
+    returns = [discounted_return([t["reward"] for t in e["turns"]], 1.0) for e in episodes]
+    retrieved = [float(any(t["kind"] == "retrieve" for t in e["turns"])) for e in episodes]
+    total_return, total_retrieved, n = runs.global_sum(accelerator, [sum(returns), sum(retrieved), len(episodes)])
+    return {"rollout/return": total_return.item() / max(n.item(), 1),
+            "rollout/retrieval_rate": total_retrieved.item() / max(n.item(), 1), "rollout/tokens": int(tokens),
+            "rollout/episodes": int(n)}  # fmt: skip
+
+
+def save_ppo(accelerator, folder, model, optimizer, tokenizer, beta, iteration, args, rng):
+    """The PPO checkpoint: the trained weights (never a frozen LoRA base), the optimizer, beta and the rng."""
+    unwrapped = accelerator.unwrap_model(model)
+    trained = {n for n, p in unwrapped.named_parameters() if p.requires_grad}
+    weights = {k: v for k, v in unwrapped.state_dict().items() if k in trained}
+    state = dict(beta=beta, iteration=iteration, **checkpoint_record(args))
+    objects = {"policy_and_value": weights, "optimizer": optimizer}
+    runs.save_training(accelerator, folder, unwrapped.policy, tokenizer, state, objects, rng)
+
+
+def ppo(accelerator, out, policy, tokenizer, tag_ids, env, rows, args, world):
+    """PPO [§3.2] from the warm-up policy: policy and value model trained, the reference frozen; per iteration a
+    sampled rollout, one ppo_iteration and beta's adaptive update (impl). --resume continues from out/ppo. Returns
+    the policy and its iteration count."""
+    ref = copy.deepcopy(policy).eval().requires_grad_(False)
+    model = PolicyAndValue(policy)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=args.ppo_lr, weight_decay=1e-6)  # impl: wd 1e-6
+    folder, beta, done = out / "ppo", args.kl_init, 0
+    rng = random.Random(args.seed * 1000)  # the same draws on every process: each rolls out its share of a batch
+    if state := runs.load_training(accelerator, folder, {"policy_and_value": model, "optimizer": optimizer}, rng):
+        beta, done = state["beta"], state["iteration"]  # --resume
+        accelerator.print(f"resumed PPO at iteration {done}")
+    model, optimizer = accelerator.prepare(model, optimizer)
+    for it in range(done, args.ppo_iterations):
+        t0 = time.time()
+        episodes, tokens = collect_rollout(accelerator, model, tokenizer, env, rows, args, tag_ids, rng, world, it)
+        stats = ppo_iteration(accelerator, model, ref, optimizer, tokenizer, episodes, beta, args)
+        if args.kl_adaptive:
+            beta = update_kl_coef(beta, stats["rollout/kl"], args.kl_target)  # after each rollout (impl)
+        stats |= {"iteration": it + 1, **rollout_stats(accelerator, episodes, tokens), "charts/kl_coef": beta}
+        runs.log_update(accelerator, out, stats | {"charts/seconds": time.time() - t0}, step=it + 1)
+        if (it + 1) % args.eval_every == 0 or it + 1 == args.ppo_iterations:
+            save_ppo(accelerator, folder, model, optimizer, tokenizer, beta, it + 1, args, rng)
+    return accelerator.unwrap_model(model).policy, max(done, args.ppo_iterations)
+
+
+def train(args):
+    """The SFT warm-up [§3.1], PPO [§3.2], and the evaluations before and after each [§4]; --resume continues from
+    output_dir/sft and output_dir/ppo."""
+    start = time.time()
+    accelerator, out = runs.start(args, "smartrag")  # the run's folder; refuses a checkpoint without --resume
+    train_rows = sample_rows(load_split(args.data_dir, "train", args.question_types), args.n_train, args.seed)
+    test_rows = load_split(args.data_dir, "test", args.question_types)[: args.n_eval]
+    toy.check_metadata(train_rows, args, Path(args.data_dir) / "train.jsonl")
+    env, warnings, world = environment(args), [], toy.renaming_world(args)  # toy renaming (header 10)
+    policy, tokenizer, tag_ids, before_sft, sft_steps = warm_up(
+        accelerator, args, out, train_rows, test_rows, env, world, warnings
+    )
+    before = evaluate_stage(accelerator, out, "sft", policy, tokenizer, env, test_rows, args, tag_ids, step=0)
+    policy, ppo_steps = ppo(accelerator, out, policy, tokenizer, tag_ids, env, train_rows, args, world)
+    after = evaluate_stage(accelerator, out, "ppo", policy, tokenizer, env, test_rows, args, tag_ids, step=ppo_steps)
+    accelerator.end_training()
+    steps, seconds = {"sft": sft_steps, "ppo": ppo_steps}, time.time() - start
+    results = runs.result_record("smartrag", args, before_sft, before, after, steps, seconds, "policy_calls")
+    runs.write_results(out, results | {"warnings": warnings}, accelerator.is_main_process, rows=TABLE_ROWS)
+
+
+# --------------------------------------------------------------------------- 9. evaluation [§4], --eval, --ask
 def episode_record(e):
     """What one evaluated episode scored and cost."""
     golds, retrieved = e["row"]["golden_answers"], sum(t["kind"] == "retrieve" for t in e["turns"])
@@ -703,137 +824,10 @@ def evaluate_stage(accelerator, out, stage, model, tokenizer, env, rows, args, t
     return greedy | {"sampled": sampled}
 
 
-# --------------------------------------------------------------------------- 9. train / eval / ask
-# the end-of-run table: the paper's EM and F1 [Tab. 1] and its retrieval rate [§4.2], the reward and the costs
-TABLE_ROWS = ("em", "f1", "acc", "reward", "retrieval_rate", "retrievals", "policy_calls", "generated_tokens")
-UNTRAINED = "--model toy-lm, the untrained start, answers at random"
-
-
-def environment(args):
-    """The frozen retriever, seen through each renamed episode's names (header 10; other episodes unchanged)."""
-    return RenamingEnv(open_retriever(args.index, args.corpus, args.encoder))
-
-
-def warm_up(accelerator, args, out, train_rows, test_rows, env, world, warnings):
-    """The policy after the warm-up SFT [§3.1], trained now or loaded from the run's sft/ checkpoint (--resume)."""
-    sft_dir = out / "sft"
-    if (state := runs.load_state(sft_dir)) is not None:
-        policy, tokenizer, tag_ids = load_policy(replace(args, model=str(sft_dir)), accelerator.device)
-        warnings += state.get("warnings", [])
-        return policy, tokenizer, tag_ids, state["before_sft"], state["steps"]
-    policy, tokenizer, tag_ids = load_policy(args, accelerator.device)
-    if args.base_pretrain_steps:  # simplification: a toy base model that knows the popular facts (header 11)
-        policy = pretrain_toy_base(accelerator, out, policy, tokenizer, tag_ids, train_rows, args, warnings)
-    before_sft = evaluate_stage(accelerator, out, "raw", policy, tokenizer, env, test_rows, args, tag_ids)
-    examples, known = build_warmup(train_rows, env, args)
-    accelerator.print(f"warm-up: {len(examples)} pairs ({args.initial_policy}; the base model knows {known:.2f})")
-    policy, steps = sft(accelerator, out, policy, tokenizer, tag_ids, examples, args, world)
-    if accelerator.is_main_process:
-        state = dict(before_sft=before_sft, steps=steps, warnings=warnings, **checkpoint_record(args))
-        runs.save_checkpoint(sft_dir, policy, tokenizer, state)
-    return policy, tokenizer, tag_ids, before_sft, steps
-
-
-def rollout_seed(args, iteration, slot):
-    """The sampling seed of a PPO rollout batch (rollout samples turn n with seed + n); slot: the batch's number in
-    the iteration, one per round and process. Different slots, iterations and turns never share a seed."""
-    return args.seed * 100_003 + iteration * 97 + 10_000_019 * slot
-
-
-def mean_over_processes(accelerator, values):
-    """The mean of the values of every process."""
-    total, count = runs.global_sum(accelerator, [sum(values), len(values)]).tolist()
-    return total / max(count, 1)
-
-
-def checkpoint_record(args):
-    """What every checkpoint records besides its stage's state: its method, data, toy world and arguments."""
-    absolute = lambda path: path and str(Path(path).resolve())  # --eval from any folder finds them
-    return dict(method="smartrag", data_dir=absolute(args.data_dir), world=absolute(args.world), args=asdict(args))
-
-
-def check_metadata(rows, args):
-    """The training rows' metadata that the toy preset's oracle rewriter and toy base pretraining read, up front."""
-    needs = {"sub_queries": args.rewriter == "oracle", "popular": bool(args.base_pretrain_steps)}
-    flags = {"sub_queries": "--rewriter oracle (else an LLM spec)", "popular": "--base_pretrain_steps (else 0)"}
-    needed = [k for k, need in needs.items() if need]
-    purpose = "the toy preset's " + " and ".join(flags[k] for k in needed)
-    require_metadata(rows, needed, Path(args.data_dir) / "train.jsonl", purpose)
-
-
-def train(args):
-    """SFT warm-up, PPO, evaluation before and after; --resume continues from output_dir/sft and output_dir/ppo."""
-    start = time.time()
-    accelerator, out = runs.start(args, "smartrag")  # the run's folder; refuses a checkpoint without --resume
-    train_rows = sample_rows(load_split(args.data_dir, "train", args.question_types), args.n_train, args.seed)
-    test_rows = load_split(args.data_dir, "test", args.question_types)[: args.n_eval]
-    check_metadata(train_rows, args)
-    env, warnings = environment(args), []
-    renaming = args.world and (args.augment_p or args.rl_augment_p)
-    world = world_or_none(args.world) if renaming else None  # toy renaming (header 10)
-    policy, tokenizer, tag_ids, before_sft, sft_steps = warm_up(
-        accelerator, args, out, train_rows, test_rows, env, world, warnings
-    )
-    steps = {"sft": sft_steps, "ppo": 0}
-    before = evaluate_stage(accelerator, out, "sft", policy, tokenizer, env, test_rows, args, tag_ids, step=0)
-    # ---- PPO [§3.2]: policy + value model trained, reference frozen
-    ref = copy.deepcopy(policy).eval().requires_grad_(False)
-    model = PolicyAndValue(policy)
-    optimizer = torch.optim.AdamW(model.parameters(), lr=args.ppo_lr, weight_decay=1e-6)  # impl: wd 1e-6
-    ppo_dir, beta = out / "ppo", args.kl_init
-    rng = random.Random(args.seed * 1000)  # the same draws on every process: each rolls out its share of a batch
-    if state := runs.load_training(accelerator, ppo_dir, {"policy_and_value": model, "optimizer": optimizer}, rng):
-        beta, steps["ppo"] = state["beta"], state["iteration"]  # --resume
-        accelerator.print(f"resumed PPO at iteration {steps['ppo']}")
-    model, optimizer = accelerator.prepare(model, optimizer)
-    for it in range(steps["ppo"], args.ppo_iterations):
-        t0, episodes, tokens, rounds = time.time(), [], 0, 0
-        policy_now = accelerator.unwrap_model(model).policy
-        model.eval()  # rollouts without dropout and with the KV cache; ppo_iteration switches to train mode
-        while not rounds or tokens < args.rollout_tokens:  # [§4] 5120 generated tokens, all processes together
-            rows = rng.sample(train_rows, min(args.rollout_batch, len(train_rows)))
-            rows = rename_rows(rows, world, rng, args.rl_augment_p)  # simplification: header 10
-            own = rows[accelerator.process_index :: accelerator.num_processes]
-            seed = rollout_seed(args, it, rounds * accelerator.num_processes + accelerator.process_index)
-            with accelerator.autocast():
-                episodes += rollout(policy_now, tokenizer, env, own, args, tag_ids, greedy=False, seed=seed)
-            tokens = runs.global_sum(accelerator, sum(len(t["action_ids"]) for e in episodes for t in e["turns"]))
-            rounds += 1
-        stats = ppo_iteration(accelerator, model, ref, optimizer, tokenizer, episodes, beta, args)
-        if args.kl_adaptive:
-            beta = update_kl_coef(beta, stats["rollout/kl"], args.kl_target)  # after each rollout (impl)
-        returns = [discounted_return([t["reward"] for t in e["turns"]], 1.0) for e in episodes]
-        retrieved = [float(any(t["kind"] == "retrieve" for t in e["turns"])) for e in episodes]
-        stats |= {"iteration": it + 1, "rollout/return": mean_over_processes(accelerator, returns),
-                  "rollout/retrieval_rate": mean_over_processes(accelerator, retrieved), "rollout/tokens": int(tokens),
-                  "rollout/episodes": int(runs.global_sum(accelerator, len(episodes))), "charts/kl_coef": beta,
-                  "charts/seconds": time.time() - t0}  # fmt: skip
-        runs.log_update(accelerator, out, stats, step=it + 1)
-        steps["ppo"] = it + 1
-        if (it + 1) % args.eval_every == 0 or it + 1 == args.ppo_iterations:
-            unwrapped = accelerator.unwrap_model(model)
-            trained = {n for n, p in unwrapped.named_parameters() if p.requires_grad}  # never the frozen LoRA base
-            weights = {k: v for k, v in unwrapped.state_dict().items() if k in trained}
-            state = dict(beta=beta, iteration=it + 1, **checkpoint_record(args))
-            objects = {"policy_and_value": weights, "optimizer": optimizer}
-            runs.save_training(accelerator, ppo_dir, unwrapped.policy, tokenizer, state, objects, rng)
-    policy = accelerator.unwrap_model(model).policy
-    after = evaluate_stage(
-        accelerator, out, "ppo", policy, tokenizer, env, test_rows, args, tag_ids, step=steps["ppo"]
-    )
-    accelerator.end_training()
-    results = runs.result_record(
-        "smartrag", args, before_sft, before, after, steps, time.time() - start, "policy_calls"
-    )
-    runs.write_results(out, results | {"warnings": warnings}, accelerator.is_main_process, rows=TABLE_ROWS)
-
-
 def run_eval(args):
     """Evaluate --model (a checkpoint folder, or the untrained start) on the test split."""
-    start, rows = (
-        time.time(),
-        load_split(args.data_dir, "test", args.question_types)[: args.n_eval],
-    )  # before any folder
+    start = time.time()
+    rows = load_split(args.data_dir, "test", args.question_types)[: args.n_eval]  # before any folder
     accelerator, out = runs.start_eval(args)
     accelerator.print(f"evaluation folder: {out}")
     policy, tokenizer, tag_ids = load_policy(args, accelerator.device)
@@ -858,6 +852,7 @@ def ask(args):
     print(f"answer: {episode['answer']}")
 
 
+# --------------------------------------------------------------------------- 10. main
 def main(argv=None):
     """Parse the flags, fill the preset, dispatch on the mode."""
     args = runs.parse_args(Args, argv, UNTRAINED, method="smartrag", presets=PRESETS)

@@ -59,18 +59,18 @@ SMARTRAG_DATA = str(ROOT / "data" / "toy")
 
 
 def smartrag_oracle(monkeypatch, tokenizer, tags, paper):
-    """The toy oracle (common.toy.oracle_smartrag) as the policy in smartrag's own rollout: generate() writes its
-    action (after a tag the threshold or the quota forced: that tag's text), cut at max_new_tokens; first_token_probs
-    puts p = 1 on its tag. The knowledge probe's base model: oracle_smartrag_base, its reply cut at max_tokens
-    words."""
+    """The toy oracle (common.toy.smartrag.oracle_policy) as the policy in smartrag's own rollout: generate() writes
+    its action (after a tag the threshold or the quota forced: that tag's text), cut at max_new_tokens;
+    first_token_probs puts p = 1 on its tag. The knowledge probe's base model: oracle_base, its reply cut at
+    max_tokens words."""
     import re
 
     import smartrag
     from common.llm import Generation
-    from common.toy import oracle_smartrag, oracle_smartrag_base
+    from common.toy.smartrag import oracle_base, oracle_policy
 
     tag_of = {smartrag.ANSWER_TAG: tags["answer"], smartrag.RETRIEVE_TAG: tags["retrieve"]}
-    action = lambda ids: oracle_smartrag(tokenizer.decode(ids), SMARTRAG_DATA).split(" ", 1)  # [tag, text]
+    action = lambda ids: oracle_policy(tokenizer.decode(ids), SMARTRAG_DATA).split(" ", 1)  # [tag, text]
 
     def generate(model, tokenizer_, prompts, max_new_tokens, **kwargs):
         out = []
@@ -91,7 +91,7 @@ def smartrag_oracle(monkeypatch, tokenizer, tags, paper):
 
     class Base:
         def chat(self, messages_lists, max_tokens=256, **sampling):
-            replies = [oracle_smartrag_base(m[-1]["content"], SMARTRAG_DATA, paper) for m in messages_lists]
+            replies = [oracle_base(m[-1]["content"], SMARTRAG_DATA, paper) for m in messages_lists]
             return [re.match(rf"(\S+\s*){{0,{max_tokens}}}", r).group(0).rstrip() for r in replies]
 
     monkeypatch.setattr(smartrag, "generate", generate)
@@ -147,8 +147,7 @@ SMARTRAG_PAPER = {  # flag: the paper preset's value, where the paper (or the au
     "alpha": 0.2,  # §4, App. A.3: retrieval reward -0.2 (Eq. 5)
     "initial_policy": "filtered",  # §3.1, App. A.2, App. B.4: the main results start from pi_0* (initial policy 2)
     "know_f1": 0.2,  # App. A.2: the base model answers directly with F1 >= 0.2
-    "sft_epochs": 1.0,  # §4, App. A.3: 1 epoch
-    "sft_steps": 0,  # (0: the epochs decide)
+    "sft_steps": 0,  # §4, App. A.3: 1 epoch (0: one epoch)
     "sft_lr": 3e-4,  # §4, App. A.3
     "sft_batch_size": 8,  # §4, App. A.3
     "rollout_tokens": 5120,  # §4, App. A.3: trajectories of 5120 tokens per iteration

@@ -16,9 +16,9 @@ TINY_LM = "toy-lm:layers=1,hidden=32,heads=2,kv_heads=2,intermediate=64"
 PPO = ["--n_train", "32", "--n_eval", "8", "--sft_steps", "8", "--ppo_iterations", "6", "--rollout_batch", "4",
        "--sft_batch_size", "16", "--ppo_batch_size", "64", "--eval_every", "1"]  # fmt: skip
 CASES = {  # method: (flags, the checkpoint whose appearance triggers the kill, a line only a fresh run prints, steps)
-    "smartrag": (["--n_train", "16", "--n_eval", "4", "--base_pretrain_steps", "0", "--sft_steps", "2",
-                  "--sft_batch_size", "8", "--ppo_iterations", "6", "--rollout_batch", "4", "--ppo_batch_size", "8",
-                  "--eval_every", "1"], "ppo", "raw |", {"sft": 2, "ppo": 6}),
+    "smartrag": (["--n_train", "16", "--n_eval", "4", "--sft_steps", "2", "--sft_batch_size", "8",
+                  "--ppo_iterations", "6", "--rollout_batch", "4", "--ppo_batch_size", "8", "--eval_every", "1"],
+                 "ppo", "raw |", {"sft": 2, "ppo": 6}),  # the toy base pretraining (300 steps) included
     "c3po": (PPO, "ppo", "sft/step=8", {"sft": 8, "ppo": 6}),
     "sparkle": (PPO, "ppo", "sft/step=8", {"sft": 8, "ppo": 6}),
     "tearag": (["--sft_steps", "4", "--n_dpo", "6", "--n_rollouts", "2", "--n_eval", "12", "--rounds", "3", "--eta",

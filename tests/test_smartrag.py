@@ -16,8 +16,8 @@ from conftest import check_contract
 import smartrag
 from common import runs
 from common.llm import Generation
-from common.toy import RenamingEnv
 from common.toy.lm import load_toy_lm
+from common.toy.smartrag import RenamingEnv, pretrain_base
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -205,7 +205,7 @@ def test_the_knowledge_probe_reads_the_answer_of_a_chat_or_reasoning_model(quest
                                                                             capsys):  # fmt: skip
     """pi_0*'s probe [App. A.2]: the base model's direct answer is what follows its <think> block and the [Answer] tag
     (words before it dropped); a [Search] reply answers nothing; a reply cut inside <think> is counted and warned of.
-    The reply may be --probe_tokens long."""
+    The reply may be probe_tokens long."""
     budgets = []
 
     class Base:
@@ -398,9 +398,38 @@ def test_threshold_decides_the_first_token(tagged, monkeypatch):
         assert seen[0] == tags[tag]
 
 
+def test_the_toy_renaming_of_warm_up_pairs_draws_only_for_pairs_that_retrieve_or_read():
+    """common.toy.smartrag.rename_pair (header 10), as sft_batch calls it: the direct-answer pair (2) is never renamed
+    and draws nothing; the search (3) and reading (4) pairs are renamed with probability p, their searched entity onto
+    a non-popular one (one map for question, observation and target); without a world nothing changes."""
+    import random
+
+    from common.toy import DEFAULT_WORLD, load_world
+    from common.toy.smartrag import rename_pair
+
+    world = load_world(str(DEFAULT_WORLD))
+    rows = [json.loads(line) for line in (ROOT / "data/toy/train.jsonl").read_text().splitlines()]
+    row = next(r for r in rows if r["metadata"]["type"] == "one_hop" and not r["metadata"]["popular"])
+    entity, query = row["metadata"]["entities"][0], row["metadata"]["sub_queries"][0]
+    direct, search, read = smartrag.warmup_examples(row, query, f"{entity} : about {entity}", False, "plain")
+    texts = lambda ex: [ex["question"], *ex["observations"], ex["text"]]
+    untouched = random.Random(0).random()
+    rng = random.Random(0)
+    assert rename_pair(texts(direct), direct, world, rng, 1.0) == texts(direct) and rng.random() == untouched
+    rng = random.Random(0)
+    assert rename_pair(texts(search), search, world, rng, 0.0) == texts(search) and rng.random() != untouched
+    assert rename_pair(texts(read), read, None, random.Random(0), 1.0) == texts(read)
+    for ex in (search, read):
+        renamed = rename_pair(texts(ex), ex, world, random.Random(0), 1.0)
+        (new,) = {w for text in renamed for w in text.split() if w in world["types"]} - {row["golden_answers"][0]}
+        assert entity not in " ".join(renamed).split() and new not in world["popular"]
+        assert all(new in text.split() for text in renamed[:2])  # the question, then the query or the observation
+
+
 def test_the_toy_base_model_learns_the_popular_facts_before_the_warm_up(tmp_path, capsys):
-    """--base_pretrain_steps: the raw toy-lm learns to answer the popular training questions directly, with no tag,
-    its loss logged as base/loss; training questions none of which is popular: a warning, and the model unchanged."""
+    """base_pretrain_steps (common.toy.smartrag.pretrain_base through smartrag.sft, as warm_up calls it): the raw
+    toy-lm learns to answer the popular training questions directly, with no tag, its loss logged as base/loss;
+    training questions none of which is popular: a warning, and the model unchanged."""
     from accelerate import Accelerator
 
     from common.data import load_split
@@ -412,8 +441,11 @@ def test_the_toy_base_model_learns_the_popular_facts_before_the_warm_up(tmp_path
     rows = load_split(args.data_dir, "train", args.question_types)
     known, warnings = [r for r in rows if r["metadata"]["popular"]][:24], []
     unpopular = [r for r in rows if not r["metadata"]["popular"]]
-    assert smartrag.pretrain_toy_base(Accelerator(cpu=True), tmp_path, model, tokenizer, tag_ids, unpopular, args,
-                                      warnings) is model  # fmt: skip
+    accelerator = Accelerator(cpu=True)
+    base = lambda pairs, n: smartrag.sft(
+        accelerator, tmp_path, model, tokenizer, tag_ids, pairs, args, None, n, "base"
+    )[0]
+    assert pretrain_base(model, unpopular, args.base_pretrain_steps, base, accelerator, warnings) is model
     assert warnings == ["base pretraining: no training question is popular"]
     assert (
         capsys.readouterr().out == "warning: base pretraining trained on nothing (no training question is popular)\n"
@@ -432,23 +464,30 @@ def test_the_toy_base_model_learns_the_popular_facts_before_the_warm_up(tmp_path
         tokenizer.decode(i, skip_special_tokens=True).strip() for i in generate(model, tokenizer, prompts, 3).token_ids
     ]
     assert sum(a == r["golden_answers"][0] for a, r in zip(answers(), known)) <= 2  # the raw model does not know them
-    model = smartrag.pretrain_toy_base(Accelerator(cpu=True), tmp_path, model, tokenizer, tag_ids, known, args, [])
+    model = pretrain_base(model, known, args.base_pretrain_steps, base, accelerator, [])
     assert sum(a == r["golden_answers"][0] for a, r in zip(answers(), known)) >= 22
     logged = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
     assert [m["base/step"] for m in logged] == [100, 150] and logged[0]["base/loss"] > logged[1]["base/loss"]
 
 
 # ---------------------------------------------------------------- end to end on the toy world
-def run(args, cwd):
+def with_presets(**presets):
+    """Python source that runs smartrag.py's main with preset-only fields set (field=(toy, paper)), as a fork that
+    edits PRESETS would."""
+    return (
+        f"import smartrag; from common import runs; smartrag.PRESETS.update({presets!r}); runs.run_main(smartrag.main)"
+    )
+
+
+def run(args, cwd, **presets):
     env = {
         **os.environ,
         "HF_HUB_OFFLINE": "1",
         "TOKENIZERS_PARALLELISM": "false",
         "PYTHONPATH": os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")])),
     }
-    return subprocess.run(
-        [sys.executable, str(ROOT / "smartrag.py"), *args], cwd=cwd, capture_output=True, text=True, env=env
-    )
+    command = [sys.executable, *(["-c", with_presets(**presets)] if presets else [str(ROOT / "smartrag.py")]), *args]
+    return subprocess.run(command, cwd=cwd, capture_output=True, text=True, env=env)
 
 
 @pytest.mark.parametrize("templates", ["compact", "paper"])
@@ -475,13 +514,10 @@ def test_toy_train_then_eval_the_checkpoint(tmp_path, templates):
         "1",
         "--kl_init",
         "0.05",
-        "--kl_adaptive",
-        str(templates == "paper"),
-        "--base_pretrain_steps",
-        str(3 * (templates == "compact")),
     ]
+    presets = dict(kl_adaptive=(templates == "paper",) * 2, base_pretrain_steps=(3 * (templates == "compact"),) * 2)
     tracked = ["--report_to", "tensorboard"] * (templates == "compact")
-    done = run(["--train", "--output_dir", str(out), *tiny, *tracked], ROOT)
+    done = run(["--train", "--output_dir", str(out), *tiny, *tracked], ROOT, **presets)
     assert done.returncode == 0, done.stderr[-3000:]
     results = check_contract(out, done.stdout)
     assert results["train_steps"] == {"sft": 20, "ppo": 2} and results["n_eval"] == 16 and results["warnings"] == []
@@ -499,9 +535,9 @@ def test_toy_train_then_eval_the_checkpoint(tmp_path, templates):
     betas = [m["charts/kl_coef"] for m in metrics if "iteration" in m]  # compact: fixed beta; paper: adaptive (impl)
     assert (betas == [0.05, 0.05]) if templates == "compact" else (betas[0] != 0.05 and betas[1] != betas[0])
     assert (out / "ppo" / "model.safetensors").is_file() and (out / "sft" / "model.safetensors").is_file()
-    refused = run(["--train", "--output_dir", str(out), *tiny], ROOT)  # resuming is asked for
+    refused = run(["--train", "--output_dir", str(out), *tiny], ROOT, **presets)  # resuming is asked for
     assert refused.returncode != 0 and "pass --resume" in refused.stderr and "Traceback" not in refused.stderr
-    again = run(["--train", "--output_dir", str(out), "--resume", *tiny], ROOT)  # SFT and PPO are not redone
+    again = run(["--train", "--output_dir", str(out), "--resume", *tiny], ROOT, **presets)  # SFT and PPO not redone
     assert again.returncode == 0 and "sft step" not in again.stdout and "iteration=" not in again.stdout
     assert "base pretraining" not in again.stdout
     evaluated = run(
@@ -818,7 +854,7 @@ def test_ask_without_a_model_is_refused():
 
 @pytest.mark.parametrize(
     "flag, value, bounds",
-    [("--n_train", "-5", ">= 1"), ("--top_k", "0", ">= 1"), ("--augment_p", "1.5", "in [0.0, 1.0]"),
+    [("--n_train", "-5", ">= 1"), ("--top_k", "0", ">= 1"), ("--sft_lr", "-1.0", ">= 0.0"),
      ("--threshold", "2.0", "in [0.0, 1.0]"), ("--ppo_batch_size", "0", ">= 1"), ("--gamma", "-0.1", "in [0.0, 1.0]")],
 )  # fmt: skip
 def test_a_number_outside_its_range_is_one_line_naming_the_flag(flag, value, bounds, capsys):
@@ -865,8 +901,8 @@ def test_a_checkpoint_of_another_method_is_refused_naming_both(tmp_path, capsys)
 
 def test_a_folder_of_ones_own_questions_evaluates_and_trains_with_the_toy_models(tmp_path):
     """A FlashRAG folder (no world.json, no metadata): --eval with the toy models of --world; without it, one line
-    naming --world; --train names the metadata the toy preset's rewriter and base pretraining read, and trains once
-    they are set aside."""
+    naming --world; --train names the metadata the toy preset's oracle rewriter reads, and trains with another
+    rewriter (the toy base pretraining finds no popular question there: a warning)."""
     mine = tmp_path / "mine"
     mine.mkdir()
     for split in ("train", "test"):
@@ -889,14 +925,16 @@ def test_a_folder_of_ones_own_questions_evaluates_and_trains_with_the_toy_models
     ]  # (and the type filter's warning)
     assert refused.returncode == 2 and len(lines) == 1 and "Traceback" not in refused.stderr, refused.stderr[-2000:]
     assert re.fullmatch(
-        f"error: {mine / 'train.jsonl'}: row 'toy-train-\\d' has no metadata 'sub_queries', 'popular', which the toy "
-        r"preset's --rewriter oracle \(else an LLM spec\) and --base_pretrain_steps \(else 0\) needs .*",
+        f"error: {mine / 'train.jsonl'}: row 'toy-train-\\d' has no metadata 'sub_queries', which the toy "
+        r"preset's --rewriter oracle \(else an LLM spec\) needs .*",
         lines[0],
     ), lines
     tiny = ["--sft_steps", "2", "--sft_batch_size", "4", "--ppo_iterations", "1", "--rollout_batch", "4"]
-    trained = run([*train, "--rewriter", "toy", "--base_pretrain_steps", "0", *tiny], ROOT)
+    trained = run([*train, "--rewriter", "toy", *tiny], ROOT)
     assert trained.returncode == 0, trained.stderr[-3000:]
-    assert check_contract(tmp_path / "run", trained.stdout)["train_steps"] == {"sft": 2, "ppo": 1}
+    results = check_contract(tmp_path / "run", trained.stdout)
+    assert results["train_steps"] == {"sft": 2, "ppo": 1}  # the toy base pretraining: no popular question, a warning
+    assert results["warnings"] == ["base pretraining: no training question is popular"]
 
 
 def test_a_malformed_data_file_is_one_line_naming_file_and_line(tmp_path):
@@ -939,8 +977,6 @@ def test_trains_on_a_freshly_generated_world(tmp_path):
             str(out),
             "--n_eval",
             "40",
-            "--base_pretrain_steps",
-            "100",
             "--sft_steps",
             "200",
             "--sft_batch_size",
@@ -953,6 +989,7 @@ def test_trains_on_a_freshly_generated_world(tmp_path):
             "16",
         ],
         ROOT,
+        base_pretrain_steps=(100, 0),
     )
     assert done.returncode == 0, done.stderr[-3000:]
     results = check_contract(out, done.stdout)
@@ -971,8 +1008,6 @@ LORA_FLAGS = [
     "32",
     "--n_eval",
     "4",
-    "--base_pretrain_steps",
-    "0",
     "--sft_steps",
     "4",
     "--sft_batch_size",
@@ -1019,6 +1054,7 @@ def test_a_lora_checkpoint_reloads_trainable_with_its_tag_tokens(tmp_path, tie):
 
 def test_an_interrupted_lora_run_resumes_with_the_losses_of_an_uninterrupted_one(tmp_path, monkeypatch, capsys):
     """Trained weights, optimizer, KL coefficient and random states come back; no frozen base weight is stored."""
+    monkeypatch.setitem(smartrag.PRESETS, "base_pretrain_steps", (0, 0))  # no toy base pretraining
     smartrag.main(["--train", "--output_dir", str(tmp_path / "whole"), *LORA_FLAGS])
     save = runs.save_checkpoint
 
@@ -1081,7 +1117,7 @@ def test_two_processes_train_untied_embeddings_and_save_each_ones_random_states(
         "no",
         "--dynamo_backend",
         "no",
-        str(ROOT / "smartrag.py"),
+        str(tmp_path / "smartrag_no_base.py"),
         "--train",
         "--run_name",
         "ddp",
@@ -1093,8 +1129,6 @@ def test_two_processes_train_untied_embeddings_and_save_each_ones_random_states(
         "16",
         "--n_eval",
         "4",
-        "--base_pretrain_steps",
-        "0",
         "--sft_steps",
         "2",
         "--sft_batch_size",
@@ -1108,6 +1142,7 @@ def test_two_processes_train_untied_embeddings_and_save_each_ones_random_states(
         "--eval_every",
         "1",
     ]
+    (tmp_path / "smartrag_no_base.py").write_text(with_presets(base_pretrain_steps=(0, 0)))  # no toy base pretraining
     done = subprocess.run(launch, check=False, cwd=tmp_path, capture_output=True, text=True, env=env)
     assert done.returncode == 0, done.stderr[-3000:]
     assert sorted(p.name for p in (tmp_path / "runs").iterdir()) == ["ddp"]  # one folder for both processes

@@ -4,8 +4,7 @@ question's metadata."""
 import random
 import re
 
-from common.toy.reader import ToyReader
-from common.toy.world import RELATIONS, UNKNOWN
+from common.toy.world import RELATIONS
 
 # ---------------------------------------------------------------- oracle teachers (the papers' teacher LLMs)
 
@@ -112,39 +111,6 @@ def oracle_tearag(row, path, rng=None, noise=0.0):
     if wrong:  # the other entity, the other yes/no, the start entity of a chain
         answer = {"yes": "no", "no": "yes", meta["entities"][0]: meta["entities"][1]}.get(answer, meta["entities"][0])
     return summary + f"Final answer: {answer}"
-
-
-def oracle_smartrag(prompt, world_dir):
-    """SmartRAG's policy as a trained one acts in the toy world, from its state alone (the paper rehearsal's oracle):
-    a one-hop question about a popular entity answered from memory; another searched with its entity and relation
-    word, then answered from the observation's statement about that exact entity ("unknown" without one). It writes
-    the paper's actions (Tab. 7, Tab. 3): "[Answer] <answer>" or "[Search] <query>"."""
-    reader = ToyReader(world_dir)
-    text = prompt.lower()
-    question = reader.find_question(text)
-    if not question or question[0] != "chain" or len(question[1]) != 1:
-        return f"[Answer] {UNKNOWN}"
-    (rel,), (entity,) = question[1:]
-    if entity in reader.world["popular"]:
-        return f"[Answer] {reader.world['memory'][(entity, rel)]}"
-    if not re.search(r"\bobservation\s*:", text):  # Tab. 7's second template: "Observation: ..."
-        return f"[Search] {entity} {RELATIONS[rel][5]}"
-    said = [t for h, r, t in reader.read_facts(text) if h == entity and r == rel]
-    return f"[Answer] {said[-1] if said else UNKNOWN}"
-
-
-def oracle_smartrag_base(prompt, world_dir, paper):
-    """The base LLM of SmartRAG's knowledge probe (App. A.2) in the toy world: the toy reader's direct answer (it knows
-    the popular facts). paper: as a reasoning chat model answers Tab. 7's direct template, a <think> block, then
-    "[Answer] <answer>", or "[Search] <query>" when it does not know."""
-    reader = ToyReader(world_dir)
-    answer = reader.reply(prompt)
-    if not paper:
-        return answer
-    if answer == UNKNOWN:
-        names = " ".join((reader.find_question(prompt.lower()) or (None, None, ["it"]))[2])
-        return f"<think>\nI do not remember this fact, so I should search for it.\n</think>\n\n[Search] {names}"
-    return f"<think>\nThe question asks for a fact I remember: the answer is {answer}.\n</think>\n\n[Answer] {answer}"
 
 
 def sparkle_oracle_text(request, tpl, ablation, seed, noise):
