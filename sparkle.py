@@ -13,22 +13,22 @@ credited with the mean reward of its leaves (Eq. 2), R = α·Recall(c_T) + (1−
     accelerate launch sparkle.py --train --preset paper --data_dir DATA --index DIR --llm http://HOST/v1 --llm_model M
 
 Departures from the paper, both presets (each marked `# simplification: ... (header N)` where it lives):
-1. --teacher llm: --teacher_model plays the proxy zero-shot with the agents' prompts (the paper's are unstated).
+1. An LLM teacher (--teacher_model) plays the proxy zero-shot with the agents' prompts (the paper's are unstated).
 2. The thoughts so far go to the LLM as an assistant message (impl: the assistant turn continued raw).
 3. PPO trains QF's and KI's sampled tokens, not the authors' canonical re-renders (RD's: the exact Yes/No, impl).
-4. The critic is a proxy backbone from --critic_init (impl: the base proxy) with a zero-initialised scalar head.
+4. The critic is a proxy backbone (critic_init; impl: the base proxy) with a zero-initialised scalar head.
 5. Advantages are whitened over the rollout, one PPO epoch, value clipping 0.2 (the authors' OpenRLHF settings).
 6. The ablations' prompts are ours (the paper describes them; App. D.2); w/o QF keeps the QF output format.
-7. The LLM's steps are capped at --llm_max_tokens; latency is batched wall time per question.
-8. The context keeps at most --max_context documents (impl: 5; the paper: no cap), the best new ones, oldest out.
+7. The LLM's steps are capped at llm_max_tokens (impl: 256); latency is batched wall time per question.
+8. The context keeps at most max_context documents (impl: 5; the paper: no cap), the best new ones, oldest out.
 9. A proxy prompt over --max_length minus --max_new_tokens tokens is cut in the middle (Tab. 5-6: 2048, no rule).
 
-Toy-world adaptations, the toy preset only (numbered on):
-10. The warm-up teacher is an oracle reading the thoughts and the question's metadata (--teacher_noise).
-11. The warm-up keeps the cheapest successful paths (--warmup_select) of one- and two-hop questions (--warmup_types).
-12. SFT examples are entity-renamed for the proxy (--augment_p; not-popular PPO trees with --rl_augment_p).
+Toy-world adaptations, the toy preset only (numbered on; preset-only fields, the machinery in common/toy/sparkle.py):
+10. The warm-up teacher is an oracle (teacher_model oracle) reading the question's metadata, wrong at teacher_noise.
+11. The warm-up keeps the cheapest successes (warmup_select) of one- and two-hop questions (warmup_types).
+12. SFT examples are entity-renamed for the proxy (augment_p; not-popular PPO trees with rl_augment_p, 0).
 13. toy-lm proxy, toy reader, compact templates, top-3 documents, 5 triples, L = 2, 128 trees, PPO minibatches of 32.
-14. PPO: forced RD answers' loss x --forced_weight 0.1, the code's credit shaping (impl), --critic_init sft.
+14. PPO: forced RD answers' loss x forced_weight 0.1, the code's credit shaping (code_shaping), critic_init sft.
 """
 
 import copy
@@ -141,11 +141,9 @@ class Args:
     value_clip: float = arg(0.2, "value clip around the old values (impl; header 5); 0: plain MSE", flag=False)
     max_grad_norm: float = arg(1.0, "gradient clipping (impl)", flag=False)
     critic_init: str | None = arg(None, "the critic's backbone: base (impl) or sft (header 14)", flag=False)
-    code_shaping: bool | None = arg(
-        None, "the authors' code's shaping of the Eq. 2 credits (impl; header 14)", flag=False
-    )
+    code_shaping: bool | None = arg(None, "Eq. 2 credits shaped as in the authors' code (impl; header 14)", flag=False)
     rd_subsample: bool = arg(
-        False, "the authors' code's RD subsampling: per tree, RD down to #QF + #KI (impl)", flag=False
+        False, "RD subsampled per tree down to #QF + #KI as in the authors' code (impl)", flag=False
     )
     forced_weight: float | None = arg(None, "policy-loss weight of Eq. 1's forced RD answers (header 14)", flag=False)
 

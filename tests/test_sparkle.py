@@ -960,7 +960,7 @@ def test_another_methods_checkpoint_is_refused_in_one_line(tmp_path):
 
 @pytest.mark.parametrize(
     "flag, value, accepted",
-    [("alpha", "1.5", "in [0, 1]"), ("n_train", "-5", ">= 1"), ("top_k", "0", ">= 1"), ("kl_coef", "-1",
+    [("alpha", "1.5", "in [0, 1]"), ("n_train", "-5", ">= 1"), ("top_k", "0", ">= 1"), ("kl_coef", "-0.5",
      ">= 0"), ("sft_lr", "-0.001", ">= 0"), ("tree_depth", "-1", ">= 0"), ("rollout_batch", "0", ">= 1")],
 )  # fmt: skip
 def test_a_number_out_of_its_range_is_one_line_exit_2(flag, value, accepted, capsys):
