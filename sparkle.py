@@ -551,8 +551,7 @@ def add_leaf(path, reply, why, alpha):
 
 
 def agent_outputs(run, requests, step, salt):
-    """One proxy call for an agent's pending states [§2.2]: each output a node below its path (the request's path
-    moved onto it); returns [(request, output text)]."""
+    """One proxy call for an agent's pending states [§2.2], each output a node below its path: [(request, text)]."""
     outputs = run.act(requests, run.seed + 1000 * step + salt) if requests else []
     for r, (text, prompt_ids, action_ids) in zip(requests, outputs):
         r.path.tree["proxy_calls"] += r.fixed is None
@@ -634,9 +633,8 @@ def formulate(run, paths, step):
 
 
 def integrate(run, paths, step):
-    """[Alg. 1 L10-12] D_t = Retriever(q_t), one call; K_t = G(D_t), ranked; c_{t+1} = KI(q, g_t, K_t): the selected
-    triple's source document joins c_t (footnote 3); w/o KI every hit joins, w/ Direct KI KI picks a document [App.
-    D.2]. Returns [(path, c_{t+1})], a path without a query (or candidates) keeping c_t."""
+    """[Alg. 1 L10-12] D_t = Retriever(q_t); K_t = G(D_t), ranked; c_{t+1} = KI(q, g_t, K_t) (w/o KI: every hit; w/
+    Direct KI: a document [App. D.2]). Returns [(path, c_{t+1})], c_t kept without a query or candidates."""
     args, tpl = run.args, run.tpl
     updates = [(p, p.docs) for p in paths if p.query is None]  # no query: no retrieval
     paths = [replace(p, retrievals=p.retrievals + 1) for p in paths if p.query]
@@ -676,8 +674,7 @@ def prune(run, updates, step):
 
 
 def reasoning_step(run, paths, step):
-    """One step t of Alg. 1 (L4-15) for every live path of every tree, each agent one batched call; returns the live
-    paths of step t + 1, each with its context and retrieval count in its trace."""
+    """One step t of Alg. 1 (L4-15) for the live paths of every tree, an agent's calls batched: the paths of t + 1."""
     deciding, going = think(run, paths, step)  # L4-6
     retrieving, not_retrieving = decide(run, deciding, step)  # L7-8 [Eq. 1]
     going += not_retrieving  # L13-14: c_{t+1} = c_t
