@@ -13,22 +13,22 @@ credited with the mean reward of its leaves (Eq. 2), R = α·Recall(c_T) + (1−
     accelerate launch sparkle.py --train --preset paper --data_dir DATA --index DIR --llm http://HOST/v1 --llm_model M
 
 Departures from the paper, both presets (each marked `# simplification: ... (header N)` where it lives):
-1. --teacher llm: --teacher_model plays the proxy zero-shot with the agents' prompts (the paper's are unstated).
+1. An LLM teacher (--teacher_model) plays the proxy zero-shot with the agents' prompts (the paper's are unstated).
 2. The thoughts so far go to the LLM as an assistant message (impl: the assistant turn continued raw).
 3. PPO trains QF's and KI's sampled tokens, not the authors' canonical re-renders (RD's: the exact Yes/No, impl).
-4. The critic is a proxy backbone from --critic_init (impl: the base proxy) with a zero-initialised scalar head.
+4. The critic is a proxy backbone (critic_init; impl: the base proxy) with a zero-initialised scalar head.
 5. Advantages are whitened over the rollout, one PPO epoch, value clipping 0.2 (the authors' OpenRLHF settings).
 6. The ablations' prompts are ours (the paper describes them; App. D.2); w/o QF keeps the QF output format.
-7. The LLM's steps are capped at --llm_max_tokens; latency is batched wall time per question.
-8. The context keeps at most --max_context documents (impl: 5; the paper: no cap), the best new ones, oldest out.
+7. The LLM's steps are capped at llm_max_tokens (impl: 256); latency is batched wall time per question.
+8. The context keeps at most max_context documents (impl: 5; the paper: no cap), the best new ones, oldest out.
 9. A proxy prompt over --max_length minus --max_new_tokens tokens is cut in the middle (Tab. 5-6: 2048, no rule).
 
-Toy-world adaptations, the toy preset only (numbered on):
-10. The warm-up teacher is an oracle reading the thoughts and the question's metadata (--teacher_noise).
-11. The warm-up keeps the cheapest successful paths (--warmup_select) of one- and two-hop questions (--warmup_types).
-12. SFT examples are entity-renamed for the proxy (--augment_p; not-popular PPO trees with --rl_augment_p).
+Toy-world adaptations, the toy preset only (numbered on; preset-only fields, the machinery in common/toy/sparkle.py):
+10. The warm-up teacher is an oracle (teacher_model oracle) reading the question's metadata, wrong at teacher_noise.
+11. The warm-up keeps the cheapest successes (warmup_select) of one- and two-hop questions (warmup_types).
+12. SFT examples are entity-renamed for the proxy (augment_p; not-popular PPO trees with rl_augment_p, 0).
 13. toy-lm proxy, toy reader, compact templates, top-3 documents, 5 triples, L = 2, 128 trees, PPO minibatches of 32.
-14. PPO: forced RD answers' loss x --forced_weight 0.1, the code's credit shaping (impl), --critic_init sft.
+14. PPO: forced RD answers' loss x forced_weight 0.1, the code's credit shaping (code_shaping), critic_init sft.
 """
 
 import copy
@@ -37,7 +37,7 @@ import random
 import re
 import time
 from collections import Counter, defaultdict
-from dataclasses import asdict, dataclass, replace
+from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 
 import torch
@@ -51,8 +51,7 @@ from common.metrics import answer_scores, doc_recall, f1_score, summarize
 from common.models import is_toy_lm, load_model_and_tokenizer, make_llm
 from common.retrieval import TfidfEncoder, load_corpus, open_retriever
 from common.runs import arg, cosine
-from common.toy import RenamingEnv, load_world, rename_entities, rename_rows
-from common.toy import sparkle_oracle_text as oracle_text
+from common.toy import sparkle as toy
 
 ABLATIONS = ["none", "no_rd", "no_qf", "direct_qf", "no_ki", "direct_ki"]
 TABLE = ("em", "f1", "acc", "reward", "recall", "retrievals", "steps", "llm_calls", "generated_tokens", "latency_s")
@@ -60,8 +59,9 @@ TABLE = ("em", "f1", "acc", "reward", "recall", "retrievals", "steps", "llm_call
 
 @dataclass
 class Args:
-    # experiment
-    preset: str = arg("toy", "toy (built-in toy world, tiny proxy, CPU) or paper", choices=["toy", "paper"])
+    preset: str = arg(
+        "toy", "toy (built-in toy world, tiny proxy, CPU) or paper", choices=["toy", "paper"], group="run"
+    )
     train: bool = arg(False, "teacher warm-up data, SFT, PPO, evaluation")
     eval: bool = arg(False, "evaluate --model (a checkpoint or the untrained start)")
     ask: str = arg("", "answer one question with --model and print the trajectory")
@@ -72,8 +72,8 @@ class Args:
     dry_run: bool = arg(False, "print the resolved configuration, check its paths and models, load nothing")
     report_to: str = arg("none", "tracker beside metrics.jsonl", choices=["none", "tensorboard", "wandb"])
     seed: int = arg(0, "seed of models, sampling and data order")
-    # data, retriever, models
-    data_dir: str | None = arg(None, "folder with train/test jsonl (FlashRAG QA)")
+    eval_every: int = arg(10, "checkpoint every this many PPO updates", low=1)
+    data_dir: str | None = arg(None, "folder with train/test jsonl (FlashRAG QA)", group="data and models")
     world: str | None = arg(None, runs.WORLD_HELP)
     corpus: str | None = arg(None, "FlashRAG corpus jsonl (default: data_dir/corpus.jsonl)")
     triples: str | None = arg(None, "KG corpus jsonl {doc_id, head, relation, tail} (default: data_dir/triples.jsonl)")
@@ -83,93 +83,102 @@ class Args:
     llm: str | None = arg(None, "frozen LLM: toy, hf:<name>, http(s)://.../v1 [§4.1: Qwen2.5-7B-Instruct]")
     llm_model: str = arg("", "served model name when --llm is an endpoint URL")
     reasoning_llm: bool = arg(False, "a reasoning LLM: Fig. 7's prompt, steps split at blank lines, \\boxed{} answers")
-    templates: str | None = arg(None, "the App. A figures, or compact", choices=["paper", "compact"])
     n_train: int | None = arg(None, "training questions (None: all) [§D.3: 7,500]", low=1)
     n_eval: int | None = arg(None, "test questions evaluated (None: all) [§4.1: 1,000]", low=1)
     question_types: str = arg("", "comma-separated metadata types to keep (empty: all)")
-    # agents, loop, tree rollout [§2.2, §3.1, Alg. 1]
-    top_k: int | None = arg(None, "documents per retrieval [§D.3: 10]", low=1)
+    top_k: int | None = arg(
+        None, "documents per retrieval [§D.3: 10]", low=1, group="agents and tree rollout [§2.2, §3.1]"
+    )
     n_triples: int | None = arg(None, "candidate triples for KI [§D.3: 20] (impl: 25)", low=1)
-    max_context: int = arg(5, "documents in the context: the best new ones, oldest out (impl: 5; header 8)", low=1)
-    max_steps: int = arg(12, "LLM reasoning steps in training (impl: 12)", low=1)
-    max_steps_eval: int = arg(20, "LLM reasoning steps at test (impl: 20)", low=1)
-    max_retrievals: int = arg(5, "retrievals per trajectory (impl: 5)", low=0)
-    max_rd_calls: int = arg(8, "RD calls per trajectory in training (impl: 8; at test: the step cap)", low=0)
-    tree_depth: int | None = arg(None, "L: steps with both RD branches [§D.3: 4]", low=0)
-    prune: str = arg("context", "prune retrieval branches that leave c_t unchanged [§3.1]", choices=["context", "no"])
+    tree_depth: int | None = arg(None, "L: steps with both RD branches [§3.1, §D.3: 4]", low=0)
     standard_rollout: bool = arg(False, "the w/ Standard Rollout ablation: RD sampled from the first step [Tab. 4]")
-    samples_per_question: int = arg(1, "trajectories (trees) per question and update (impl: 1)", low=1)
     ablation: str = arg("none", "w/o RD, QF; w/ Direct QF; w/o KI; w/ Direct KI [Tab. 4]", choices=ABLATIONS)
     alpha: float = arg(0.3, "R = alpha Recall(c_T) + (1 - alpha) F1(y) [§3.2, §D.3: 0.3] (impl: 0.7)", low=0, high=1)
     max_new_tokens: int | None = arg(None, "proxy tokens per action (impl: 160 in training)", low=1)
     max_length: int = arg(2048, "prompt + action tokens, a longer prompt cut [Tab. 5, 6: 2048] (header 9)", low=2)
-    llm_max_tokens: int = arg(256, "LLM tokens per step (impl: 256)", low=1)
-    gen_batch_size: int = arg(512, "prompts per proxy generate call (memory only)", low=1)
-    # warm-up [§D.3, Tab. 5]
-    teacher: str | None = arg(None, "the toy oracle, or --teacher_model in the proxy roles", choices=["oracle", "llm"])
-    teacher_model: str | None = arg(None, "the llm teacher, as --llm (empty: --llm) [§D.3: Qwen2.5-72B-Instruct]")
+    teacher_model: str | None = arg(
+        None,
+        "the warm-up teacher: oracle (the toy world's) or an LLM spec as --llm "
+        "(empty: --llm) [§D.3: Qwen2.5-72B-Instruct]",
+        group="warm-up SFT [§D.3, Tab. 5]",
+    )
     teacher_llm_model: str = arg("", "served model name when --teacher_model is an endpoint URL")
-    teacher_noise: float = arg(0.2, "the toy oracle teacher's probability of a wrong decision", low=0, high=1)
-    teacher_temperature: float = arg(0.6, "llm teacher sampling temperature", low=0)
-    warmup_keep: int = arg(4, "teacher trajectories per question, the successful ones kept [§D.3]", low=1)
-    warmup_select: str | None = arg(None, "all successes, or the cheapest ones", choices=["uniform", "cheapest"])
-    warmup_types: str | None = arg(None, "types of the warm-up data, comma-separated (empty: all; header 11)")
-    sft_epochs: float | None = arg(None, "SFT epochs [Tab. 5: 1] (when --sft_steps is 0)", low=0)
-    sft_steps: int | None = arg(None, "SFT steps; overrides epochs when > 0", low=0)
+    sft_steps: int | None = arg(None, "SFT steps (0: sft_epochs epochs of the warm-up data [Tab. 5: 1 epoch])", low=0)
     sft_lr: float | None = arg(None, "SFT learning rate [Tab. 5: 5e-6]", low=0)
     sft_batch_size: int | None = arg(None, "SFT batch size [Tab. 5: 64]", low=1)
-    micro_batch_size: int | None = arg(None, "sequences per forward pass (gradient accumulation)", low=1)
-    augment_p: float | None = arg(None, "toy: entity-renaming probability of an SFT example", low=0, high=1)
-    rl_augment_p: float = arg(0.0, "toy: renaming probability of a not-popular PPO tree (presets: 0)", low=0, high=1)
-    # PPO [§3, App. C, Tab. 6]
-    ppo_iterations: int | None = arg(None, "PPO updates [App. E.1: rewards converge after about 60]", low=0)
+    micro_batch_size: int | None = arg(None, "sequences per forward pass, SFT and PPO (gradient accumulation)", low=1)
+    ppo_iterations: int | None = arg(None, "PPO updates [App. E.1: rewards converge after about 60]", low=0,
+                                     group="PPO [§3, App. C, Tab. 6]")  # fmt: skip
     rollout_batch: int | None = arg(None, "questions (trees) per PPO update, over all processes (impl: 64)", low=1)
     ppo_batch_size: int | None = arg(None, "operation samples per minibatch, over all processes [Tab. 6: 1024]", low=1)
-    ppo_epochs: int = arg(1, "epochs over each rollout (impl: 1)", low=1)
     policy_lr: float | None = arg(None, "policy learning rate [Tab. 6: 5e-7]", low=0)
     value_lr: float | None = arg(None, "value model learning rate [Tab. 6: 5e-6]", low=0)
     kl_coef: float = arg(0.002, "KL coefficient beta, a per-token penalty in the reward [Tab. 6: 0.002]", low=0)
-    gamma: float = arg(1.0, "GAE gamma within an operation (impl: 1)", low=0, high=1)
-    lam: float = arg(0.95, "GAE lambda (impl: 0.95)", low=0, high=1)
-    clip: float = arg(0.2, "PPO clip epsilon (impl: 0.2)", low=0)
-    code_shaping: bool | None = arg(None, "the authors' code's credit shaping of Eq. 2 (impl; header 14)")
-    rd_subsample: bool = arg(False, "the authors' code's RD subsampling: per tree, RD samples down to #QF + #KI")
-    forced_weight: float | None = arg(None, "policy-loss weight of Eq. 1's forced RD answers (App. E.4: 1)", low=0)
-    vf_coef: float = arg(0.5, "value loss coefficient (impl: 0.5)", low=0)
-    value_clip: float = arg(0.2, "value clip around the old values (impl: 0.2); 0: plain MSE", low=0)
-    max_grad_norm: float = arg(1.0, "gradient clipping (impl: 1.0)", low=0)
-    critic_init: str | None = arg(None, "critic backbone: base (impl) or sft", choices=["base", "sft"])
-    eval_every: int = arg(10, "checkpoint every this many PPO updates", low=1)
+    # ---- set by the presets only (no flags): the authors' code's constants, the toy world's tuning (PRESETS)
+    max_context: int = arg(
+        5, "documents in the context, the best new ones, oldest out (impl: 5; header 8)", flag=False
+    )
+    max_steps: int = arg(12, "LLM reasoning steps in training (impl: 12)", flag=False)
+    max_steps_eval: int = arg(20, "LLM reasoning steps at test (impl: 20)", flag=False)
+    max_retrievals: int = arg(5, "retrievals per trajectory (impl: 5)", flag=False)
+    max_rd_calls: int = arg(8, "RD calls per trajectory in training (impl: 8; at test: the step cap)", flag=False)
+    llm_max_tokens: int = arg(256, "LLM tokens per step (impl: 256; header 7)", flag=False)
+    prune: str = arg("context", "context (prune retrieval branches that leave c_t unchanged [§3.1]) or no", flag=False)
+    samples_per_question: int = arg(1, "trees per question and update (impl: 1)", flag=False)
+    gen_batch_size: int = arg(512, "prompts per proxy generate call (memory only: 512)", flag=False)
+    templates: str | None = arg(None, "the App. A figures (paper), or compact ones (header 13)", flag=False)
+    teacher_temperature: float = arg(0.6, "LLM teacher sampling temperature (ours: 0.6)", flag=False)
+    teacher_noise: float = arg(
+        0.2, "the toy oracle teacher's probability of a wrong decision (0.2; header 10)", flag=False
+    )
+    warmup_keep: int = arg(4, "teacher trajectories per question, the successful ones kept (ours: 4)", flag=False)
+    warmup_select: str | None = arg(None, "uniform: every success [§D.3]; cheapest (header 11)", flag=False)
+    warmup_types: str | None = arg(None, "question types of the warm-up data, comma-separated (header 11)", flag=False)
+    sft_epochs: float = arg(1.0, "SFT epochs when sft_steps is 0 [Tab. 5: 1]", flag=False)
+    augment_p: float | None = arg(None, "entity-renaming probability of an SFT example (header 12)", flag=False)
+    rl_augment_p: float = arg(0.0, "renaming probability of a not-popular PPO tree (0: off; header 12)", flag=False)
+    ppo_epochs: int = arg(1, "epochs over each rollout (impl: 1)", flag=False)
+    gamma: float = arg(1.0, "GAE gamma within an operation (impl: 1)", flag=False)
+    lam: float = arg(0.95, "GAE lambda (impl: 0.95)", flag=False)
+    clip: float = arg(0.2, "PPO clip epsilon (impl: 0.2)", flag=False)
+    vf_coef: float = arg(0.5, "value loss coefficient (impl: 0.5)", flag=False)
+    value_clip: float = arg(0.2, "value clip around the old values, 0: plain MSE (impl: 0.2; header 5)", flag=False)
+    max_grad_norm: float = arg(1.0, "gradient clipping (impl: 1.0)", flag=False)
+    critic_init: str | None = arg(None, "the critic's backbone: base (impl) or sft (header 14)", flag=False)
+    code_shaping: bool | None = arg(None, "Eq. 2 credits shaped as in the authors' code (impl; header 14)", flag=False)
+    rd_subsample: bool = arg(
+        False, "RD subsampled per tree to #QF + #KI as in the authors' code (impl; off)", flag=False
+    )
+    forced_weight: float | None = arg(None, "policy-loss weight of Eq. 1's forced RD answers (header 14)", flag=False)
 
 
-PRESETS = {  # field: (toy, paper), for the fields left at None; any flag overrides them
+PRESETS = {  # field: (toy, paper), for the fields left at None; a flag overrides them
     "data_dir": ("data/toy", "data/sparkle"),
     "encoder": ("tfidf", "intfloat/e5-large-v2"),  # [§D.3]
     "model": ("toy-lm", "Qwen/Qwen2.5-3B-Instruct"),  # [§4.1]
     "llm": ("toy", "hf:Qwen/Qwen2.5-7B-Instruct"),  # [§4.1]
-    "templates": ("compact", "paper"),  # simplification: no instruction prose in the toy world (header 13)
     "top_k": (3, 10),  # [§D.3]
     "n_triples": (5, 20),  # [§D.3]
     "tree_depth": (2, 4),  # [§D.3]
     "max_new_tokens": (48, 160),  # impl
-    "teacher": ("oracle", "llm"),  # simplification: the toy oracle teacher (header 10)
-    "teacher_model": ("", "hf:Qwen/Qwen2.5-72B-Instruct"),  # [§D.3]
-    "warmup_select": ("cheapest", "uniform"),  # simplification: header 11
-    "warmup_types": ("one_hop,two_hop", ""),  # simplification: header 11
-    "sft_epochs": (0.0, 1.0),  # [Tab. 5]
-    "sft_steps": (1500, 0),
+    "teacher_model": ("oracle", "hf:Qwen/Qwen2.5-72B-Instruct"),  # [§D.3]; toy: the oracle teacher (header 10)
+    "sft_steps": (1500, 0),  # [Tab. 5] one epoch; toy: a fixed step count
     "sft_lr": (2e-3, 5e-6),  # [Tab. 5]
     "sft_batch_size": (32, 64),  # [Tab. 5]
     "micro_batch_size": (8, 4),  # impl
-    "augment_p": (1.0, 0.0),  # simplification: toy renaming (header 12)
     "ppo_iterations": (10, 120),  # impl: one episode of 7,500 questions, 64 per rollout
     "rollout_batch": (128, 64),  # impl: 64 (header 13)
     "ppo_batch_size": (32, 1024),  # [Tab. 6]
     "policy_lr": (1e-4, 5e-7),  # [Tab. 6]
     "value_lr": (1e-3, 5e-6),  # [Tab. 6]
-    "critic_init": ("sft", "base"),  # simplification: header 14
-    "forced_weight": (0.1, 1.0),  # simplification: header 14
-    "code_shaping": (True, False),  # simplification: header 14
+    # preset-only fields
+    "templates": ("compact", "paper"),  # toy: no instruction prose for the tiny proxy (header 13)
+    "warmup_select": ("cheapest", "uniform"),  # toy: the cheapest successes, a clearer signal (header 11)
+    "warmup_types": ("one_hop,two_hop", ""),  # toy: the types the oracle teacher solves cleanly (header 11)
+    "augment_p": (1.0, 0.0),  # toy: renamed SFT examples, copied from the context, not memorised (header 12)
+    "critic_init": ("sft", "base"),  # toy: a critic from the SFT proxy learns faster (header 14)
+    "code_shaping": (True, False),  # toy: the authors' code's credit shaping (header 14)
+    "forced_weight": (0.1, 1.0),  # toy: forced answers down-weighted (header 14)
 }
 
 
@@ -328,30 +337,7 @@ The head entity and tail entity can be the provided title or phrases in the text
 the same relation with a head entity, aggregate these tail entities using commas. Format your output in the form of \
 <head entity; relation; tail entity>."""
 
-TEMPLATES = {
-    "paper": PAPER_TEMPLATES,
-    "compact": dict(  # simplification: the toy preset's compact set (header 13)
-        llm="think step by step , one thought per <think> </think> , then the answer in <answer> </answer> . "
-        "context : {context} question : {question}",
-        llm_boxed="think step by step , then the answer in \\boxed{{ }} . context : {context} question : {question}",
-        llm_search="think step by step , one thought per <think> </think> , then the answer in <answer> </answer> "
-        ", a thought that needs a fact has <search> . context : {context} question : {question}",
-        rd="retrieval ? context : {context} question : {question} previous : {history} current : {current}",
-        rd_qf="retrieval and query ? context : {context} question : {question} previous : {history} current : "
-        "{current}",
-        qf="query . question : {question} thoughts : {thoughts}",
-        qf_direct="query only . question : {question} thoughts : {thoughts}",
-        ki="select a triple . triples : {candidates} question : {question} chain : {chain} query : {query}",
-        ki_direct="select a document . documents : {candidates} question : {question} query : {query}",
-        rd_yes="yes",
-        rd_no="no",
-        qf_output="step 1 : chain : {chain} step 2 : gap : {gap} step 3 : query : {query}",
-        document="{title} : {text}",
-        documents=" ",
-        candidate="{i} . {text}",
-        candidates=" ",
-    ),
-}
+TEMPLATES = {"paper": PAPER_TEMPLATES, "compact": toy.COMPACT_TEMPLATES}  # simplification: compact (header 13)
 AGENTS = ("rd", "qf", "ki")  # [§2.1] I = {Retrieval Decision, Query Formulation, Knowledge Integration}
 
 
@@ -372,12 +358,12 @@ def thought_text(thoughts):
     return text + "\n\n" if text else ""
 
 
-def llm_messages(tpl, args, question, path):
+def llm_messages(tpl, args, question, docs, thoughts):
     """[Fig. 6; Fig. 7] The user message, {context} re-rendered from c_t; the thoughts so far as the assistant's."""
     key = "llm_search" if args.ablation == "no_rd" else "llm_boxed" if args.reasoning_llm else "llm"
-    user = tpl[key].format(context=format_documents(tpl, path["docs"]), question=question)
+    user = tpl[key].format(context=format_documents(tpl, docs), question=question)
     # simplification: the thoughts so far as an assistant message, not a raw continuation (header 2)
-    thoughts = [{"role": "assistant", "content": path["thoughts"].strip()}] if path["thoughts"] else []
+    thoughts = [{"role": "assistant", "content": thoughts.strip()}] if thoughts else []
     return [{"role": "user", "content": user}] + thoughts
 
 
@@ -509,9 +495,49 @@ def add_documents(docs, new, cap):
     return (docs + [d for d in new[:cap] if d["id"] not in ids and not ids.add(d["id"])])[-cap:]
 
 
-def request(tree, parent, agent, step, prompt, path, prefix="", fixed=None, cands=None):
-    """A pending agent state s_i^t: the proxy (or teacher) writes one output (fixed: a forced output, Eq. 1)."""
-    return dict(locals())  # tree, parent, agent, step, prompt, path, prefix, fixed, cands
+@dataclass
+class Trajectory:
+    """One trajectory of a tree in progress [Alg. 1]: its place in the tree and the state s^t its agents read."""
+
+    tree: dict  # row, nodes (dicts, a parent before its children), llm_calls, proxy_calls
+    node: int = 0  # its last node: the parent of its next one
+    docs: list = field(default_factory=list)  # the context c_t
+    thoughts: str = ""  # r_<=t, each step followed by its separator
+    previous: str = ""  # r_<t
+    current: str = ""  # r_t
+    step: int = 0  # t: LLM steps taken
+    retrievals: int = 0
+    rd_calls: int = 0
+    trace: list = field(default_factory=list)  # per step: (context doc ids, retrievals so far) [Fig. 3]
+    branch: int = 0  # the node of its last Yes: marked pruned if the retrieval leaves c_t unchanged [§3.1]
+    chain: str = ""  # g_t [Alg. 1 L9]
+    query: str | None = None  # q_t
+
+
+@dataclass
+class Request:
+    """A pending agent state s_i^t [§2.2]: the proxy (or the teacher) writes one output, or Eq. 1 forces `fixed`."""
+
+    path: Trajectory | None
+    agent: str  # rd, qf or ki
+    prompt: tuple  # (system, user)
+    prefix: str = ""  # w/o QF: the forced Yes that the RD agent's chain and query continue
+    fixed: str | None = None  # Eq. 1's forced RD answer
+    cands: list | None = None  # KI's candidates [(hit, triple or document text)]
+
+
+@dataclass
+class Rollout:
+    """What the steps of one rollout share: the actor, the environment, the flags and templates, L, caps, seed."""
+
+    act: object  # act(requests, seed) -> [(text, prompt_ids, action_ids)]
+    env: object  # chat(messages, rows, ...) and search(queries, k, rows)
+    args: Args
+    tpl: dict
+    depth: int  # L: the steps whose RD answers are both expanded [§3.1]
+    max_steps: int
+    max_rd: int
+    seed: int
 
 
 def add_node(tree, parent, kind, depth, **fields):
@@ -520,125 +546,158 @@ def add_node(tree, parent, kind, depth, **fields):
     return len(tree["nodes"]) - 1
 
 
-def add_leaf(tree, parent, path, reply, why, alpha):
-    """A complete trajectory below `parent`: its answer y, final context c_T, per-step trace and reward R [§3.2]."""
-    trace, answer = path["trace"] + [([d["id"] for d in path["docs"]], path["retrievals"])], extract_answer(reply)
-    recall, f1 = context_recall(trace[-1][0], tree["row"]), f1_score(answer, tree["row"]["golden_answers"])
+def add_leaf(path, reply, why, alpha):
+    """A complete trajectory below its last node: its answer y, final context c_T, per-step trace, reward R [§3.2]."""
+    trace, answer = path.trace + [([d["id"] for d in path.docs], path.retrievals)], extract_answer(reply)
+    recall, f1 = context_recall(trace[-1][0], path.tree["row"]), f1_score(answer, path.tree["row"]["golden_answers"])
     fields = dict(answer=answer, why=why, docs=trace[-1][0], trace=trace, recall=recall, f1=f1)
-    add_node(tree, parent, "leaf", path["step"], **fields, reward=leaf_reward(recall, f1, alpha))
+    add_node(path.tree, path.node, "leaf", path.step, **fields, reward=leaf_reward(recall, f1, alpha))
 
 
-def rd_requests(tree, node, path, step, tpl, ablation, both):
-    """RD's state s_1^t = (q, c_t, r_<=t) [§2.2]; both: Eq. 1's two forced answers (w/o QF: Yes is a prefix)."""
+def agent_outputs(run, requests, step, salt):
+    """One proxy call for an agent's pending states [§2.2], each output a node below its path: [(request, text)]."""
+    outputs = run.act(requests, run.seed + 1000 * step + salt) if requests else []
+    for r, (text, prompt_ids, action_ids) in zip(requests, outputs):
+        r.path.tree["proxy_calls"] += r.fixed is None
+        node = add_node(r.path.tree, r.path.node, r.agent, step, text=text, prompt=r.prompt, prompt_ids=prompt_ids,
+                        action_ids=action_ids, fixed=r.fixed)  # fmt: skip
+        r.path = replace(r.path, node=node)
+    return [(r, text) for r, (text, _, _) in zip(requests, outputs)]
+
+
+def think(run, paths, step):
+    """[Alg. 1 L4-6] r_t = LLM(q, c_t) for every live path, one call, {context} re-rendered; an answer ends a path
+    in a leaf, as does the step cap (impl: one non-stepwise answer). Returns (paths RD judges, paths past a cap)."""
+    args, tpl = run.args, run.tpl
+    # a step ends at </think> [App. A.4]; a reasoning LLM's at a blank line (impl), the steps kept apart by one
+    end, sep = ("\n\n", "\n\n") if args.reasoning_llm else ("</think>", "\n")
+    messages = [llm_messages(tpl, args, p.tree["row"]["question"], p.docs, p.thoughts) for p in paths]
+    replies = run.env.chat(messages, [p.tree["row"] for p in paths], temperature=0.0, max_tokens=args.llm_max_tokens,
+                           stop=[end])  # fmt: skip  # simplification: capped steps (header 7)
+    deciding, capped, ended = [], [], []
+    for path, reply in zip(paths, replies):
+        path.tree["llm_calls"] += 1
+        cut = "<think>" in reply and "</think>" not in reply and not args.reasoning_llm  # its stop string dropped
+        reply = reply.strip() + " </think>" * cut
+        node = add_node(path.tree, path.node, "llm", step, text=reply)
+        path = replace(path, node=node, thoughts=path.thoughts + reply + sep, previous=path.thoughts, current=reply,
+                       step=path.step + 1)  # fmt: skip
+        if ("\\boxed{" if args.reasoning_llm else "<answer>") in reply:  # [Alg. 1 L5-6] the answer ends it
+            add_leaf(path, reply, "answer", args.alpha)
+        elif path.step >= run.max_steps:
+            ended.append(path)
+        else:  # impl caps on retrievals and RD calls: the path reasons on without a decision
+            past = path.retrievals >= args.max_retrievals or path.rd_calls >= run.max_rd
+            (capped if past else deciding).append(path)
+    # impl: no answer within the step cap: one non-stepwise generation with the final context
+    messages = [llm_messages(tpl, args, p.tree["row"]["question"], p.docs, "") for p in ended]
+    replies = run.env.chat(messages, [p.tree["row"] for p in ended], temperature=0.0, stop=[],
+                           max_tokens=args.llm_max_tokens * run.max_steps)  # fmt: skip
+    for path, reply in zip(ended, replies):
+        path.tree["llm_calls"] += 1
+        add_leaf(path, reply, "max_steps", args.alpha)
+    return deciding, capped
+
+
+def rd_requests(tpl, path, ablation, both):
+    """RD's state s_1^t = (q, c_t, r_<=t) [§2.2]; both: [Eq. 1] its two answers forced (w/o QF: Yes a prefix)."""
     key = "rd_qf" if ablation == "no_qf" else "rd"
-    user = tpl[key].format(context=format_documents(tpl, path["docs"]), question=tree["row"]["question"],
-                           history=thought_text(path["previous"]), current=thought_text(path["current"]))  # fmt: skip
-    req = request(tree, node, "rd", step, (tpl.get(key + "_system", ""), user), path)
-    yes = dict(prefix=tpl["rd_yes"]) if ablation == "no_qf" else dict(fixed=tpl["rd_yes"])
-    return [dict(req, **yes), dict(req, fixed=tpl["rd_no"])] if both else [req]
+    user = tpl[key].format(context=format_documents(tpl, path.docs), question=path.tree["row"]["question"],
+                           history=thought_text(path.previous), current=thought_text(path.current))  # fmt: skip
+    request = Request(path, "rd", (tpl.get(key + "_system", ""), user))
+    yes = replace(request, prefix=tpl["rd_yes"]) if ablation == "no_qf" else replace(request, fixed=tpl["rd_yes"])
+    return [yes, replace(request, fixed=tpl["rd_no"])] if both else [request]
+
+
+def decide(run, paths, step):
+    """[Alg. 1 L7-8] retrieval = RD(q, c_t, r_<=t); in the first L steps of a tree rollout [Eq. 1] both answers, each
+    a branch; w/o RD [App. D.2] the LLM's <search> decides. Returns (retrieving paths, the others: c_{t+1} = c_t)."""
+    if run.args.ablation == "no_rd":
+        yes = [replace(p, branch=p.node) for p in paths if "<search>" in p.current]
+        return yes, [p for p in paths if "<search>" not in p.current]
+    yes, no = [], []
+    requests = [r for p in paths for r in rd_requests(run.tpl, p, run.args.ablation, step < run.depth)]
+    for r, text in agent_outputs(run, requests, step, 0):
+        (yes if parse_rd(text) else no).append(replace(r.path, rd_calls=r.path.rd_calls + 1, branch=r.path.node))
+    return yes, no
+
+
+def formulate(run, paths, step):
+    """[Alg. 1 L9] g_t, q_t = QF(q, r_<=t) for every retrieving path (w/o QF [App. D.2]: the RD agent wrote them)."""
+    ablation, tpl = run.args.ablation, run.tpl
+    if ablation == "no_qf":
+        outputs = [(Request(p, "rd", ()), p.tree["nodes"][p.node]["text"]) for p in paths]
+    else:
+        key = "qf_direct" if ablation == "direct_qf" else "qf"
+        user = lambda p: tpl[key].format(question=p.tree["row"]["question"], thoughts=thought_text(p.thoughts))
+        requests = [Request(p, "qf", (tpl.get(key + "_system", ""), user(p))) for p in paths]
+        outputs = agent_outputs(run, requests, step, 1)
+    parsed = [(r.path, parse_qf(text, r.path.tree["row"]["question"], ablation == "direct_qf")) for r, text in outputs]
+    return [replace(path, chain=chain, query=query) for path, (chain, query) in parsed]
+
+
+def integrate(run, paths, step):
+    """[Alg. 1 L10-12] D_t = Retriever(q_t); K_t = G(D_t), ranked; c_{t+1} = KI(q, g_t, K_t) (w/o KI: every hit; w/
+    Direct KI: a document [App. D.2]). Returns [(path, c_{t+1})], c_t kept without a query or candidates."""
+    args, tpl = run.args, run.tpl
+    updates = [(p, p.docs) for p in paths if p.query is None]  # no query: no retrieval
+    paths = [replace(p, retrievals=p.retrievals + 1) for p in paths if p.query]
+    found = run.env.search([p.query for p in paths], args.top_k, [p.tree["row"] for p in paths])
+    if args.ablation == "no_ki":
+        return updates + [(p, add_documents(p.docs, hits, args.max_context)) for p, hits in zip(paths, found)]
+    direct, key = args.ablation == "direct_ki", "ki_direct" if args.ablation == "direct_ki" else "ki"
+    questions = [p.tree["row"]["question"] for p in paths]
+    if direct:  # w/ Direct KI: the documents
+        ranked = [[(h, h["text"]) for h in hits] for hits in found]
+    else:
+        ranked = rank_triples(run.env.retriever.encoder, questions, [p.query for p in paths], found, args.n_triples)
+    requests = []
+    for path, question, cands in zip(paths, questions, ranked):
+        user = tpl[key].format(candidates=format_candidates(tpl, cands), question=question, chain=path.chain,
+                               query=path.query)  # fmt: skip
+        if cands:
+            requests.append(Request(path, "ki", (tpl.get(key + "_system", ""), user), cands=cands))
+        else:
+            updates.append((path, path.docs))
+    for r, text in agent_outputs(run, requests, step, 2):
+        chosen = [r.cands[i][0]] if (i := parse_ki(text, r.cands, direct)) is not None else []  # footnote 3
+        updates.append((r.path, add_documents(r.path.docs, chosen, args.max_context)))
+    return updates
+
+
+def prune(run, updates, step):
+    """[§3.1, Fig. 11] c_{t+1} for every path; in the first L steps a retrieval branch that leaves c_t unchanged is
+    pruned: its Yes node marked, no leaf below it (its operations get no credit). Returns the paths that go on."""
+    kept, pruning = [], step < run.depth and run.args.prune == "context"
+    for path, docs in updates:
+        if pruning and [d["id"] for d in docs] == [d["id"] for d in path.docs]:
+            path.tree["nodes"][path.branch]["pruned"] = True
+        else:
+            kept.append(replace(path, docs=docs))
+    return kept
+
+
+def reasoning_step(run, paths, step):
+    """One step t of Alg. 1 (L4-15) for the live paths of every tree, an agent's calls batched: the paths of t + 1."""
+    deciding, going = think(run, paths, step)  # L4-6
+    retrieving, not_retrieving = decide(run, deciding, step)  # L7-8 [Eq. 1]
+    going += not_retrieving  # L13-14: c_{t+1} = c_t
+    going += prune(run, integrate(run, formulate(run, retrieving, step), step), step)  # L9-12 [§3.1]
+    return [replace(p, trace=p.trace + [([d["id"] for d in p.docs], p.retrievals)]) for p in going]  # L15
 
 
 def rollout(rows, act, env, args, mode, seed=0):
-    """Trajectories [Alg. 1]; mode: tree (Eq. 1 for the first L steps), standard (warm-up, Tab. 4), greedy, sample."""
-    testing, tpl, ablation = mode in ("greedy", "sample"), TEMPLATES[args.templates], args.ablation
-    depth = args.tree_depth if mode == "tree" and ablation != "no_rd" else 0  # [§3.1] the first L steps (w/o RD: 0)
-    max_steps, max_rd = (args.max_steps_eval,) * 2 if testing else (args.max_steps, args.max_rd_calls)  # impl
+    """Trajectories of Alg. 1 for rows, batched across their trees a step at a time; mode: tree (Eq. 1 for the first
+    L steps [§3.1]), standard (RD sampled throughout: the warm-up, w/ Standard Rollout [Tab. 4]), greedy or sample."""
+    testing = mode in ("greedy", "sample")
+    run = Rollout(act, env, args, TEMPLATES[args.templates], seed=seed,
+                  depth=args.tree_depth if mode == "tree" and args.ablation != "no_rd" else 0,  # w/o RD: no tree
+                  max_steps=args.max_steps_eval if testing else args.max_steps,  # impl
+                  max_rd=args.max_steps_eval if testing else args.max_rd_calls)  # fmt: skip
     trees = [dict(row=r, nodes=[dict(kind="root", parent=None, depth=0)], llm_calls=0, proxy_calls=0) for r in rows]
-    start = dict(docs=[], thoughts="", previous="", current="", step=0, retrievals=0, rd_calls=0, trace=[], branch=0)
-    live, step = [(t, 0, start) for t in trees], 0
-    # a step ends at </think> [App. A.4]; a reasoning LLM's at a blank line (impl), the steps kept apart by one
-    end, sep = ("\n\n", "\n\n") if args.reasoning_llm else ("</think>", "\n")
-
-    def ask(requests, salt):
-        """One proxy call for the pending states of an agent; each output becomes a node."""
-        outputs = act(requests, seed + 1000 * step + salt) if requests else []
-        for r, (text, prompt_ids, action_ids) in zip(requests, outputs):
-            r["tree"]["proxy_calls"] += r["fixed"] is None
-            node = add_node(r["tree"], r["parent"], r["agent"], step, text=text, prompt=r["prompt"],
-                            prompt_ids=prompt_ids, action_ids=action_ids, fixed=r["fixed"])  # fmt: skip
-            yield r["tree"], node, r["path"], r, text
-
-    def settle(tree, node, path, docs):
-        """c_{t+1}; a retrieval branch of the first L steps that leaves c_t unchanged is pruned [§3.1, Fig. 11]."""
-        if step < depth and args.prune == "context" and [d["id"] for d in docs] == [d["id"] for d in path["docs"]]:
-            tree["nodes"][path["branch"]]["pruned"] = True  # no leaf below it: its operations get no credit
-        else:
-            going.append((tree, node, dict(path, docs=docs)))
-
-    while live:
-        # [Alg. 1 L4] r_t = LLM(q, c_t): one thought per live path (stop at </think>), {context} re-rendered
-        messages = [llm_messages(tpl, args, t["row"]["question"], p) for t, _, p in live]
-        replies = env.chat(messages, [t["row"] for t, _, _ in live], temperature=0.0, max_tokens=args.llm_max_tokens,
-                           stop=[end])  # fmt: skip  # simplification: capped steps (header 7)
-        deciding, going, ended = [], [], []
-        for (tree, parent, path), reply in zip(live, replies):
-            tree["llm_calls"] += 1
-            cut = "<think>" in reply and "</think>" not in reply and not args.reasoning_llm  # its stop string dropped
-            reply = reply.strip() + " </think>" * cut
-            path = dict(path, thoughts=path["thoughts"] + reply + sep, previous=path["thoughts"], current=reply)
-            path["step"] += 1
-            node = add_node(tree, parent, "llm", step, text=reply)
-            if ("\\boxed{" if args.reasoning_llm else "<answer>") in reply:  # [Alg. 1 L5-6] the answer ends it
-                add_leaf(tree, node, path, reply, "answer", args.alpha)
-            elif path["step"] >= max_steps:
-                ended.append((tree, node, path))
-            else:  # impl caps on retrievals and RD calls: the path reasons on without a decision
-                capped = path["retrievals"] >= args.max_retrievals or path["rd_calls"] >= max_rd
-                (going if capped else deciding).append((tree, node, path))
-        # impl: no answer within the step cap: one non-stepwise generation with the final context
-        messages = [llm_messages(tpl, args, t["row"]["question"], dict(p, thoughts="")) for t, _, p in ended]
-        replies = env.chat(messages, [t["row"] for t, _, _ in ended], temperature=0.0, stop=[],
-                           max_tokens=args.llm_max_tokens * max_steps)  # fmt: skip
-        for (tree, node, path), reply in zip(ended, replies):
-            tree["llm_calls"] += 1
-            add_leaf(tree, node, path, reply, "max_steps", args.alpha)
-        # [Alg. 1 L7] the Retrieval Decision agent; [Eq. 1] both answers, forced, for the first L steps
-        if ablation == "no_rd":  # [App. D.2] the LLM itself asks for retrieval with <search>
-            yes = [(t, n, dict(p, branch=n)) for t, n, p in deciding if "<search>" in p["current"]]
-            going += [(t, n, p) for t, n, p in deciding if "<search>" not in p["current"]]
-        else:
-            yes = []
-            reqs = [r for t, n, p in deciding for r in rd_requests(t, n, p, step, tpl, ablation, step < depth)]
-            for tree, node, path, _, text in ask(reqs, 0):
-                path = dict(path, rd_calls=path["rd_calls"] + 1, branch=node)
-                (yes if parse_rd(text) else going).append((tree, node, path))
-        # [Alg. 1 L9] the Query Formulation agent: the KG reasoning chain g_t and the query q_t
-        if ablation == "no_qf":  # [App. D.2] the RD agent wrote them
-            searching = [(t, n, p, *parse_qf(t["nodes"][n]["text"], t["row"]["question"])) for t, n, p in yes]
-        else:
-            qf = "qf_direct" if ablation == "direct_qf" else "qf"
-            user = lambda t, p: tpl[qf].format(question=t["row"]["question"], thoughts=thought_text(p["thoughts"]))
-            reqs = [request(t, n, "qf", step, (tpl.get(qf + "_system", ""), user(t, p)), p) for t, n, p in yes]
-            searching = [(t, n, p, *parse_qf(text, t["row"]["question"], ablation == "direct_qf"))
-                         for t, n, p, _, text in ask(reqs, 1)]  # fmt: skip
-        for tree, node, path, _, _ in [s for s in searching if s[4] is None]:  # no query: no retrieval
-            settle(tree, node, path, path["docs"])
-        # [Alg. 1 L10-11] D_t = Retriever(q_t), K_t = G(D_t): one retrieval call
-        searching = [(t, n, dict(p, retrievals=p["retrievals"] + 1), c, q) for t, n, p, c, q in searching if q]
-        found = env.search([s[4] for s in searching], args.top_k, [s[0]["row"] for s in searching])
-        if ablation == "no_ki":  # [App. D.2] every retrieved document joins the context
-            for (tree, node, path, _, _), hits in zip(searching, found):
-                settle(tree, node, path, add_documents(path["docs"], hits, args.max_context))
-        else:  # [Alg. 1 L12] the Knowledge Integration agent selects one triple (w/ Direct KI: one document)
-            direct, ki, reqs = ablation == "direct_ki", "ki_direct" if ablation == "direct_ki" else "ki", []
-            questions, queries = [s[0]["row"]["question"] for s in searching], [s[4] for s in searching]
-            system = tpl.get(ki + "_system", "")
-            ranked = ([[(h, h["text"]) for h in hits] for hits in found] if direct else
-                      rank_triples(env.retriever.encoder, questions, queries, found, args.n_triples))  # fmt: skip
-            for (tree, node, path, chain, query), cands in zip(searching, ranked):
-                user = tpl[ki].format(candidates=format_candidates(tpl, cands), question=tree["row"]["question"],
-                                      chain=chain, query=query)  # fmt: skip
-                if cands:
-                    reqs.append(request(tree, node, "ki", step, (system, user), path, cands=cands))
-                else:
-                    settle(tree, node, path, path["docs"])
-            for tree, node, path, r, text in ask(reqs, 2):
-                i = parse_ki(text, r["cands"], direct)  # footnote 3: the selected triple's source document joins c_t
-                settle(tree, node, path, add_documents(path["docs"], [r["cands"][i][0]] if i is not None else [],
-                                                       args.max_context))  # fmt: skip
-        live = [(t, n, dict(p, trace=p["trace"] + [([d["id"] for d in p["docs"]], p["retrievals"])]))
-                for t, n, p in going]  # fmt: skip
-        step += 1
+    paths, step = [Trajectory(tree) for tree in trees], 0
+    while paths:
+        paths, step = reasoning_step(run, paths, step), step + 1
     return trees
 
 
@@ -654,12 +713,12 @@ def proxy_actor(model, tokenizer, args, greedy):
     """act(requests, seed) -> per request (text, prompt_ids, action_ids): one generate call (per gen_batch_size)."""
 
     def act(requests, seed):
-        prompts = encode_prompts(tokenizer, [r["prompt"] for r in requests], args.max_length - args.max_new_tokens)
+        prompts = encode_prompts(tokenizer, [r.prompt for r in requests], args.max_length - args.max_new_tokens)
         encode = lambda text: tokenizer(text, add_special_tokens=False)["input_ids"] if text else []
         # a forced RD answer [Eq. 1]: tokenised with its EOS, and trained like a sampled one
-        out = [(r["fixed"], p, encode(r["fixed"]) + [tokenizer.eos_token_id]) if r["fixed"] is not None else None
+        out = [(r.fixed, p, encode(r.fixed) + [tokenizer.eos_token_id]) if r.fixed is not None else None
                for r, p in zip(requests, prompts)]  # fmt: skip
-        owners = [(i, encode(r["prefix"])) for i, r in enumerate(requests) if r["fixed"] is None]  # w/o QF: a prefix
+        owners = [(i, encode(r.prefix)) for i, r in enumerate(requests) if r.fixed is None]  # w/o QF: a prefix
         batch = [prompts[i] + prefix for i, prefix in owners]
         model.eval()
         for s in range(0, len(batch), args.gen_batch_size):
@@ -678,10 +737,10 @@ def teacher_actor(args, llm, seed):
     tpl = TEMPLATES[args.templates]
 
     def act(requests, draw):  # draw: the seed of this call's sampling
-        if args.teacher == "oracle":  # simplification: the toy oracle, in the template set's formats (header 10)
-            return [(oracle_text(r, tpl, args.ablation, seed, args.teacher_noise), None, None) for r in requests]
-        system = lambda r: [{"role": "system", "content": r["prompt"][0]}] if r["prompt"][0] else []
-        messages = [system(r) + [{"role": "user", "content": r["prompt"][1]}] for r in requests]  # header 1
+        if args.teacher_model == "oracle":  # simplification: the toy oracle, in the template set's formats (header 10)
+            return [(toy.oracle_text(r, tpl, args.ablation, seed, args.teacher_noise), None, None) for r in requests]
+        system = lambda r: [{"role": "system", "content": r.prompt[0]}] if r.prompt[0] else []
+        messages = [system(r) + [{"role": "user", "content": r.prompt[1]}] for r in requests]  # header 1
         replies = llm.chat(messages, temperature=args.teacher_temperature, max_tokens=args.llm_max_tokens, seed=draw)
         return [(text.strip(), None, None) for text in replies]
 
@@ -694,8 +753,7 @@ def successful_paths(trees, select="uniform"):
     path = lambda nodes, i: [nodes[i]] + path(nodes, nodes[i]["parent"]) if i is not None else []  # leaf to root
     wins = [path(t["nodes"], i) for t in trees for i, n in enumerate(t["nodes"])
             if n["kind"] == "leaf" and n["why"] == "answer" and n["f1"] == 1]  # fmt: skip
-    cost = lambda p: (sum(n["kind"] in ("qf", "ki") for n in p), p[0]["depth"])  # simplification: header 11
-    kept = [n for p in wins if select == "uniform" or cost(p) == min(map(cost, wins)) for n in p]
+    kept = [n for p in (wins if select == "uniform" else toy.cheapest(wins)) for n in p]  # cheapest: header 11
     pairs = {(tuple(n["prompt"]), n["text"]): n["kind"] for n in kept if n["kind"] in AGENTS and n["fixed"] is None}
     return [dict(prompt=p, output=o, agent=a) for (p, o), a in pairs.items()]
 
@@ -719,9 +777,7 @@ def sft_batch(examples, tokenizer, args, world):
     """(ids, labels, attention) by length: prompt + output + EOS in --max_length, loss on the output; toy renaming."""
     seqs = []
     for ex, seed in examples:  # (example, the seed of its renaming)
-        texts, rng = [*ex["prompt"], ex["output"]], random.Random(seed)
-        if world is not None and rng.random() < args.augment_p:  # simplification: toy renaming (header 12)
-            texts = rename_entities(texts, world, rng, popular="keep")
+        texts = toy.renamed_texts([*ex["prompt"], ex["output"]], world, seed, args.augment_p)  # header 12
         prompt = encode_prompts(tokenizer, [texts[:2]], args.max_length - args.max_new_tokens)[0]
         target = tokenizer(texts[2], add_special_tokens=False)["input_ids"] + [tokenizer.eos_token_id]
         seqs.append(((prompt + target)[: args.max_length], ([-100] * len(prompt) + target)[: args.max_length]))
@@ -970,7 +1026,7 @@ def environment(args):
     """The frozen retriever (with the KG corpus) and LLM, seen through each renamed question's names (header 12)."""
     llm = make_llm(args.llm, world=args.world, **({"model": args.llm_model} if args.llm_model else {}))
     triples = {} if args.ablation in ("no_ki", "direct_ki") else load_triples(args.triples)
-    return RenamingEnv(KGRetriever(open_retriever(args.index, args.corpus, args.encoder), triples), llm)
+    return toy.RenamingEnv(KGRetriever(open_retriever(args.index, args.corpus, args.encoder), triples), llm)
 
 
 def load_proxy(args, device):
@@ -999,10 +1055,10 @@ def warm_up(accelerator, args, out, train_rows, test_rows, env, world, record):
         return policy, tokenizer, state["before_sft"], {"sft": state["steps"], "ppo": 0}
     policy, tokenizer = load_proxy(args, accelerator.device)
     before_sft = evaluate_stage(accelerator, out, "raw", policy, tokenizer, env, test_rows, args)
-    types = {t.strip() for t in args.warmup_types.split(",") if t.strip()}  # simplification: header 11
-    rows = [r for r in train_rows if not types or r["metadata"].get("type") in types | {None}]  # untyped rows: kept
+    rows = toy.warmup_rows(train_rows, args.warmup_types)  # simplification: header 11
     served = {"model": args.teacher_llm_model} if args.teacher_llm_model else {}  # [§D.3] the teacher apart from --llm
-    teacher = make_llm(args.teacher_model, **served) if args.teacher == "llm" and args.teacher_model else env.llm
+    own = args.teacher_model not in ("oracle", "")  # empty: the frozen --llm plays the proxy roles
+    teacher = make_llm(args.teacher_model, **served) if own else env.llm
     examples, solved = build_warmup(rows, teacher, env, args)
     accelerator.print(f"warm-up: {dict(Counter(e['agent'] for e in examples))}; {solved:.2f} of the questions solved")
     if not examples:  # the raw proxy goes on to PPO
@@ -1017,12 +1073,12 @@ def train(args):
     """Teacher warm-up data, SFT, PPO on binary tree rollouts, evaluation before and after; --resume continues."""
     start, (accelerator, out) = time.time(), runs.start(args, "sparkle")  # refuses a checkpoint without --resume
     train_rows = sample_rows(load_split(args.data_dir, "train", args.question_types), args.n_train, args.seed)
-    if args.teacher == "oracle":  # simplification: the toy teacher reads the questions' metadata (header 10)
-        require_metadata(train_rows, ("type", "entities", "relations"), args.data_dir, "--teacher oracle")
+    if args.teacher_model == "oracle":  # simplification: the toy teacher reads the questions' metadata (header 10)
+        require_metadata(train_rows, ("type", "entities", "relations"), args.data_dir, "--teacher_model oracle")
     test_rows, env = load_split(args.data_dir, "test", args.question_types)[: args.n_eval], environment(args)
     # what every checkpoint records beside its stage's state; warnings: the stages that trained on nothing
     record = dict(warnings=[], method="sparkle", data_dir=args.data_dir, world=args.world, args=asdict(args))
-    world = load_world(args.world) if args.world and (args.augment_p or args.rl_augment_p) else None  # header 12
+    world = toy.renaming_world(args.world, args.augment_p or args.rl_augment_p)  # simplification: header 12
     policy, tokenizer, before_sft, steps = warm_up(accelerator, args, out, train_rows, test_rows, env, world, record)
     before = evaluate_stage(accelerator, out, "sft", policy, tokenizer, env, test_rows, args, step=0)
     # ---- PPO: policy and critic with separate optimizers, reference = the SFT proxy, frozen [Tab. 6; impl]
@@ -1046,7 +1102,7 @@ def train(args):
         t0 = time.time()
         share = len(range(accelerator.process_index, args.rollout_batch, accelerator.num_processes))
         rows = rng.sample(train_rows, min(share, len(train_rows)))  # this process's share of the rollout
-        rows = rename_rows(rows, world, rng, args.rl_augment_p)  # simplification: renamed trees (header 12), if asked
+        rows = toy.rename_rows(rows, world, rng, args.rl_augment_p)  # simplification: renamed trees (header 12)
         rows = [r for r in rows for _ in range(args.samples_per_question)]
         actor = proxy_actor(accelerator.unwrap_model(policy), tokenizer, args, greedy=False)
         with accelerator.autocast():

@@ -404,7 +404,7 @@ def bench_sparkle(opts, accelerator, tokenizer, words, out):
         chain=chain,
         query="who directed velbo ?",
     )
-    requests = [dict(prompt=(tpl.get("ki_system", ""), user), fixed=None, prefix="") for _ in range(opts.nodes)]
+    requests = [sparkle.Request(None, "ki", (tpl.get("ki_system", ""), user)) for _ in range(opts.nodes)]
     prompt_ids = sparkle.encode_prompts(tokenizer, [(tpl.get("ki_system", ""), user)])[0]
     log = GenerateLog(sparkle)
     unwrapped = accelerator.unwrap_model(policy)

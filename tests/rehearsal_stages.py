@@ -325,7 +325,7 @@ def sparkle_setup(**overrides):
     import sparkle
 
     world = str(Path(__file__).resolve().parents[1] / "data" / "toy")
-    args = sparkle.Args(train=True, preset="paper", data_dir=world, llm="toy", encoder="tfidf", teacher="oracle")
+    args = sparkle.Args(train=True, preset="paper", data_dir=world, llm="toy", encoder="tfidf", teacher_model="oracle")
     args = sparkle.apply_preset(args)
     for key, value in overrides.items():
         setattr(args, key, value)

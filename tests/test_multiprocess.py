@@ -19,8 +19,8 @@ FLAGS = {  # method: (flags, the train_steps the run must report)
     "c3po": (PPO, {"sft": 8, "ppo": 2}),
     # the paper preset (top-10, 20 triples, L = 4, the paper's templates; the toy reader and oracle teacher): a warm-up
     # split over both processes, SFT batches of 3 (2 + 1), a rollout of 1 question (process 1 holds no tree)
-    "sparkle": (["--preset", "paper", "--llm", "toy", "--encoder", "tfidf", "--teacher", "oracle", "--n_train", "6",
-                 "--n_eval", "3", "--sft_batch_size", "3", "--sft_steps", "2", "--ppo_iterations", "2",
+    "sparkle": (["--preset", "paper", "--llm", "toy", "--encoder", "tfidf", "--teacher_model", "oracle", "--n_train",
+                 "6", "--n_eval", "3", "--sft_batch_size", "3", "--sft_steps", "2", "--ppo_iterations", "2",
                  "--rollout_batch", "1", "--ppo_batch_size", "8", "--max_new_tokens", "16"], {"sft": 2, "ppo": 2}),
     "tearag": (["--sft_steps", "4", "--n_dpo", "6", "--n_rollouts", "2", "--n_eval", "12", "--rounds", "1", "--eta",
                 "1", "--dpo_epochs", "1", "--rollout_batch", "6", "--max_new_tokens", "32"], {"sft": 4, "dpo": 0}),

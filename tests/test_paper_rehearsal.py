@@ -367,7 +367,7 @@ def test_c3po_dry_run_prints_every_paper_value_and_each_is_the_papers(capsys):
 # ------------------------------------------------------------------ sparkle
 def sparkle_oracle_eval(preset, ablation, monkeypatch, reasoning=False, n=100):
     """Algorithm 1 on the first n toy test questions with the noiseless toy oracle as the proxy (written in the
-    template set's formats by common.toy.sparkle_oracle_text: the paper set's are Fig. 4's answers and Tab. 8's QF
+    template set's formats by common.toy.sparkle.oracle_text: the paper set's are Fig. 4's answers and Tab. 8's QF
     output), through sparkle.evaluate: the preset's top-k, triples, context cap, step caps and templates; the toy
     reader as the LLM (a reasoning LLM: common.toy.ReasoningReader)."""
     import sparkle
@@ -375,9 +375,9 @@ def sparkle_oracle_eval(preset, ablation, monkeypatch, reasoning=False, n=100):
     from common.data import load_split
 
     argv = ["--eval", "--preset", preset, "--data_dir", str(ROOT / "data" / "toy"), "--llm", "toy", "--encoder",
-            "tfidf", "--model", "toy-lm", "--teacher", "oracle", "--teacher_noise", "0", "--ablation",
-            ablation]  # fmt: skip
+            "tfidf", "--model", "toy-lm", "--teacher_model", "oracle", "--ablation", ablation]  # fmt: skip
     args = sparkle.apply_preset(runs.parse_args(sparkle.Args, argv + ["--reasoning_llm"] * reasoning))
+    args.teacher_noise = 0.0  # the noiseless oracle (a preset-only field)
     env = sparkle.environment(args)
     if reasoning:  # the toy reader as a reasoning LLM (Fig. 7): paragraphs, the answer in \boxed{}
         from common.toy import ReasoningReader
@@ -431,7 +431,6 @@ SPARKLE_PAPER = {  # flag -> (value, where the paper or the authors' code has it
     "max_new_tokens": (160, "impl"),
     "max_length": (2048, "Tab. 5, Tab. 6"),
     "llm_max_tokens": (256, "impl"),
-    "teacher": ("llm", "§D.3: an LLM plays the proxy"),
     "teacher_model": ("hf:Qwen/Qwen2.5-72B-Instruct", "§D.3"),
     "teacher_temperature": (0.6, "ours: the paper states none"),
     "warmup_keep": (4, "ours: the paper states none"),

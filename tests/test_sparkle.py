@@ -246,11 +246,11 @@ def test_answer_extraction_and_thought_conversion():
 def test_templates_render_every_agent_in_both_sets():
     docs = [dict(id="1", title="zorvak", text="zorvak is a film directed by velbo .")]
     for name, tpl in sparkle.TEMPLATES.items():
-        path = dict(docs=docs, thoughts="<think> i need to know the director of zorvak . </think>\n")
-        messages = sparkle.llm_messages(tpl, args_for(), "who is the director of zorvak ?", path)
+        thoughts = "<think> i need to know the director of zorvak . </think>\n"
+        messages = sparkle.llm_messages(tpl, args_for(), "who is the director of zorvak ?", docs, thoughts)
         assert [m["role"] for m in messages] == ["user", "assistant"] and "<think>" in messages[0]["content"]
         assert "zorvak is a film directed by velbo ." in messages[0]["content"]
-        assert "<search>" in sparkle.llm_messages(tpl, args_for(ablation="no_rd"), "q", path)[0]["content"]
+        assert "<search>" in sparkle.llm_messages(tpl, args_for(ablation="no_rd"), "q", docs, thoughts)[0]["content"]
         fields_of = dict(rd="context question history current", qf="question thoughts", qf_direct="question thoughts",
                          ki="candidates question chain query", ki_direct="candidates question query",
                          rd_qf="context question history current")  # fmt: skip
@@ -479,17 +479,17 @@ def scripted(rd="no", log=None):
 
     def act(requests, seed):
         if log is not None:
-            log.append([r["agent"] for r in requests])
+            log.append([r.agent for r in requests])
         out = []
         for r in requests:
-            if r["fixed"] is not None:
-                text = r["fixed"]
-            elif r["agent"] == "rd":
+            if r.fixed is not None:
+                text = r.fixed
+            elif r.agent == "rd":
                 text = next(answers) if answers else rd
-            elif r["agent"] == "qf":
+            elif r.agent == "qf":
                 text = "step 1 : chain : <a ; relation ; [unknown]> step 2 : gap : b step 3 : query : a relation"
             else:
-                text = r["cands"][0][1]
+                text = r.cands[0][1]
             out.append((text, [1, 2], [3, 4]))
         return out
 
@@ -610,7 +610,7 @@ def test_prompts_and_sft_sequences_fit_the_papers_max_length():
     assert (
         ids.shape == (1, 104 + len(target)) and labels[0, 104:].tolist() == target and (labels[0, :104] == -100).all()
     )
-    request = dict(prompt=long, fixed=None, prefix="")
+    request = sparkle.Request(None, "rd", long)
     ((_, prompt_ids, action_ids),) = sparkle.proxy_actor(model, tokenizer, args, greedy=True)([request], 0)
     assert prompt_ids == sparkle.encode_prompts(tokenizer, [long], 104)[0] and len(prompt_ids + action_ids) <= 120
     assert sparkle.Args().max_length == 2048
@@ -649,12 +649,11 @@ def test_toy_reader_think_mode_fits_the_llm_prompt():
     reader, tpl = ToyReader(ROOT / "data/toy"), sparkle.TEMPLATES["compact"]
     row = next(r for r in map(json.loads, (ROOT / "data/toy/test.jsonl").read_text().splitlines())
                if r["metadata"]["type"] == "two_hop" and not any(r["metadata"]["popular_hops"]))  # fmt: skip
-    path = dict(docs=[], thoughts="")
-    step = reader.chat([sparkle.llm_messages(tpl, args_for(), row["question"], path)], stop=["</think>"])[0]
+    step = reader.chat([sparkle.llm_messages(tpl, args_for(), row["question"], [], "")], stop=["</think>"])[0]
     assert step.startswith("<think> i need to know") and step.endswith("</think>")
-    whole = reader.chat([sparkle.llm_messages(tpl, args_for(), row["question"], path)], stop=[])[0]
+    whole = reader.chat([sparkle.llm_messages(tpl, args_for(), row["question"], [], "")], stop=[])[0]
     assert whole.count("<think>") == 2 and whole.endswith("<answer> unknown </answer>")  # not stopped: to the end
-    search = reader.chat([sparkle.llm_messages(tpl, args_for(ablation="no_rd"), row["question"], path)])[0]
+    search = reader.chat([sparkle.llm_messages(tpl, args_for(ablation="no_rd"), row["question"], [], "")])[0]
     assert search.startswith("<think> <search> i need to know")
 
 
@@ -761,11 +760,11 @@ def test_the_llm_teacher_is_its_own_model_not_the_frozen_llm(toy, tmp_path, monk
     monkeypatch.setattr(sparkle, "build_warmup", lambda rows, llm, *_: seen.append(llm) or stop())
     monkeypatch.setattr(sparkle, "load_proxy", lambda *_: (None, None))
     monkeypatch.setattr(sparkle, "evaluate_stage", lambda *_, **__: {})
-    args = replace_args(args, teacher="llm", teacher_model="http://h/v1", teacher_llm_model="Qwen2.5-72B-Instruct")
+    args = replace_args(args, teacher_model="http://h/v1", teacher_llm_model="Qwen2.5-72B-Instruct")
     with pytest.raises(Stop):
         sparkle.warm_up(SimpleNamespace(device="cpu"), args, tmp_path, rows, rows[:2], env, None, {"warnings": []})
     assert made == [("http://h/v1", {"model": "Qwen2.5-72B-Instruct"})] and seen == ["the teacher"]
-    assert sparkle.PRESETS["teacher_model"] == ("", "hf:Qwen/Qwen2.5-72B-Instruct")  # [§D.3]
+    assert sparkle.PRESETS["teacher_model"] == ("oracle", "hf:Qwen/Qwen2.5-72B-Instruct")  # [§D.3]
     with pytest.raises(Stop):  # --teacher_model empty: the frozen LLM plays it
         sparkle.warm_up(SimpleNamespace(device="cpu"), replace_args(args, teacher_model=""), tmp_path, rows, rows[:2],
                         env, None, {"warnings": []})  # fmt: skip
@@ -815,6 +814,12 @@ def test_the_warm_up_data_comes_from_the_warmup_types_only(toy, types, tmp_path,
 
 
 # ---------------------------------------------------------------- CLI and end to end on the toy world
+def preset_fields(monkeypatch, **fields):
+    """Preset-only fields (no flags) set for the runs of sparkle.main, as a changed preset would set them."""
+    apply = sparkle.apply_preset
+    monkeypatch.setattr(sparkle, "apply_preset", lambda args: replace_args(apply(args), **fields))
+
+
 def run(args, capsys):
     """sparkle.main in this process; returns the captured stdout."""
     capsys.readouterr()
@@ -832,17 +837,18 @@ def outcome(result):
 
 
 @pytest.mark.parametrize(
-    "flags, shaped, subsampled",
-    [([], True, False), (["--code_shaping", "false"], False, False), (["--rd_subsample"], True, True)],
+    "fields, shaped, subsampled",
+    [({}, True, False), ({"code_shaping": False}, False, False), ({"rd_subsample": True}, True, True)],
 )
-def test_train_hands_the_code_flags_to_the_samples(tmp_path, capsys, monkeypatch, flags, shaped, subsampled):
-    # the toy preset shapes the Eq. 2 credits (header 14), a flag turns it off; RD subsampling is off unless asked
+def test_train_hands_the_code_fields_to_the_samples(tmp_path, capsys, monkeypatch, fields, shaped, subsampled):
+    # the toy preset shapes the Eq. 2 credits (header 14), a preset can turn it off; RD subsampling is off unless set
     seen, op_samples = [], sparkle.op_samples
     spy = lambda trees, canonical, shaping, rng: (
         seen.append((shaping, rng is not None)) or op_samples(trees, canonical, shaping, rng)
     )
     monkeypatch.setattr(sparkle, "op_samples", spy)
-    run(["--train", "--output_dir", str(tmp_path / "run"), *TINY, *flags], capsys)
+    preset_fields(monkeypatch, **fields)
+    run(["--train", "--output_dir", str(tmp_path / "run"), *TINY], capsys)
     assert seen == [(shaped, subsampled)] * 2  # one rollout per PPO update (TINY: 2)
 
 
@@ -925,7 +931,7 @@ def test_ones_own_questions_with_the_toy_models_of_world(tmp_path, capsys):
     err = capsys.readouterr().err.strip()
     assert stop.value.code == 2 and len(err.splitlines()) == 1
     assert err.startswith(f"error: {mine}: row 'toy-train-")  # the folder and the first row of the sample
-    assert "has no metadata 'type', 'entities', 'relations', which --teacher oracle needs" in err
+    assert "has no metadata 'type', 'entities', 'relations', which --teacher_model oracle needs" in err
 
 
 def test_a_stage_that_trains_on_nothing_warns_and_results_record_it(tmp_path, capsys, monkeypatch):
@@ -954,8 +960,8 @@ def test_another_methods_checkpoint_is_refused_in_one_line(tmp_path):
 
 @pytest.mark.parametrize(
     "flag, value, accepted",
-    [("alpha", "1.5", "in [0, 1]"), ("n_train", "-5", ">= 1"), ("top_k", "0", ">= 1"), ("teacher_noise", "1.5",
-     "in [0, 1]"), ("sft_lr", "-0.001", ">= 0"), ("tree_depth", "-1", ">= 0"), ("rollout_batch", "0", ">= 1")],
+    [("alpha", "1.5", "in [0, 1]"), ("n_train", "-5", ">= 1"), ("top_k", "0", ">= 1"), ("kl_coef", "-0.5",
+     ">= 0"), ("sft_lr", "-0.001", ">= 0"), ("tree_depth", "-1", ">= 0"), ("rollout_batch", "0", ">= 1")],
 )  # fmt: skip
 def test_a_number_out_of_its_range_is_one_line_exit_2(flag, value, accepted, capsys):
     with pytest.raises(SystemExit) as stop:
@@ -1023,9 +1029,10 @@ def test_extract_triples_with_any_llm(tmp_path, monkeypatch, capsys):
     assert rows == [dict(doc_id="7", head="x", relation="born in", tail="y")]  # templates and broken spans dropped
 
 
-def test_paper_templates_and_standard_rollout_run_a_few_steps(tmp_path, capsys):
-    stdout = run(["--train", "--output_dir", str(tmp_path / "p"), "--templates", "paper", "--standard_rollout",
-                  "--samples_per_question", "2", *TINY, "--n_eval", "2", "--max_new_tokens", "8"], capsys)  # fmt: skip
+def test_paper_templates_and_standard_rollout_run_a_few_steps(tmp_path, capsys, monkeypatch):
+    preset_fields(monkeypatch, templates="paper", samples_per_question=2)
+    stdout = run(["--train", "--output_dir", str(tmp_path / "p"), "--standard_rollout", *TINY, "--n_eval", "2",
+                  "--max_new_tokens", "8"], capsys)  # fmt: skip
     results = check_contract(tmp_path / "p", stdout)
     assert results["args"]["templates"] == "paper" and results["train_steps"]["ppo"] == 2
 

@@ -1,7 +1,6 @@
 """The oracle teachers: the papers' teacher LLMs on the toy world, each writing its method's output formats from a
 question's metadata."""
 
-import random
 import re
 
 from common.toy.world import RELATIONS
@@ -111,78 +110,6 @@ def oracle_tearag(row, path, rng=None, noise=0.0):
     if wrong:  # the other entity, the other yes/no, the start entity of a chain
         answer = {"yes": "no", "no": "yes", meta["entities"][0]: meta["entities"][1]}.get(answer, meta["entities"][0])
     return summary + f"Final answer: {answer}"
-
-
-def sparkle_oracle_text(request, tpl, ablation, seed, noise):
-    """SPARKLE's toy teacher as text: oracle_sparkle's decision for a pending agent state (request: agent, the path's
-    thoughts and current thought, candidates, prefix, the tree's row) in the template set's output formats (tpl:
-    rd_yes, rd_no, qf_output; the paper set's: Fig. 4's answers, Tab. 8's QF output); w/o QF the RD output carries
-    the chain and the query, w/ Direct QF the query alone, w/ Direct KI a candidate's number. A tree's draws are
-    seeded by `seed`, its question and row["sample"], whatever the other trees of its batch."""
-    path, cands, agent, row = request["path"], request["cands"] or [], request["agent"], request["tree"]["row"]
-    rng = request["tree"].setdefault("oracle_rng", random.Random(f"{seed} {row['question']} {row.get('sample')}"))
-    state = dict(thoughts=path["thoughts"], current=path["current"], candidates=[(h["title"], t) for h, t in cands])
-    decide = lambda agent: oracle_sparkle(row, agent, state, rng, noise)
-    qf = lambda chain, gap, query: tpl["qf_output"].format(
-        chain=", ".join(f"<{h}; {r}; {t}>" for h, r, t in chain), gap=gap, query=query or "None"
-    )
-    if agent == "rd" and ablation == "no_qf":
-        return tpl["rd_yes"] + " " + qf(*decide("qf")) if request["prefix"] or decide("rd") else tpl["rd_no"]
-    if agent == "rd":
-        return tpl["rd_yes"] if decide("rd") else tpl["rd_no"]
-    if agent == "qf":
-        chain, gap, query = decide("qf")
-        return str(query) if ablation == "direct_qf" else qf(chain, gap, query)
-    i = decide("ki")
-    return str(i + 1) if ablation == "direct_ki" else cands[i][1]
-
-
-def stated_tail(thoughts, head, rel):
-    """The tail the thoughts last state for (head, rel), the reader's way ("velbo was born in 1931 ."), or None."""
-    left = RELATIONS[rel][2].split("{t}")[0].format(h=head)
-    tails = re.findall(r"\b" + re.escape(left).replace(r"\ ", r"\s+") + r"([a-z0-9]+)\b", thoughts.lower())
-    tails = [t for t in tails if t.isdigit() == (RELATIONS[rel][1] == "year")]
-    return tails[-1] if tails else None
-
-
-def sparkle_chain(row, thoughts):
-    """The KG reasoning chain the thoughts state for a question, the reader's way: [(head, relation, tail or None)] up
-    to the first link not stated yet (a chain follows the stated tails; a comparison looks up both entities)."""
-    meta = row["metadata"]
-    comparison = meta["type"] in ("comparison", "yes_no")
-    chain = []
-    for i, rel in enumerate(meta["relations"]):
-        head = meta["entities"][i] if comparison else chain[-1][2] if chain else meta["entities"][0]
-        chain.append((head, rel, stated_tail(thoughts, head, rel)))
-        if chain[-1][2] is None:
-            break
-    return chain
-
-
-def oracle_sparkle(row, agent, state, rng, noise):
-    """SPARKLE's warm-up teacher in the toy world, as decisions the method renders in its own formats. state:
-    "thoughts" (all LLM thoughts so far), "current" (the latest one), "candidates" ([(title, text)] for KI: triples
-    "<h ; r ; t>" or documents). rd -> retrieve? (yes iff the current thought asks for a fact); qf -> (chain as
-    [(head, relation phrase, tail or "[unknown]")], knowledge gap, query or None when nothing is missing); ki -> the
-    index of the candidate that fills the gap (its triple, or its entity's document). With probability `noise` the
-    decision is wrong: rd flipped, the raw question as the query, a random candidate."""
-    wrong = rng.random() < noise
-    chain = sparkle_chain(row, state["thoughts"])
-    gap = next((link for link in chain if link[2] is None), None)
-    if agent == "rd":
-        return ("i need to know" in state["current"]) != wrong
-    if agent == "qf":
-        triples = [(h, RELATIONS[r][3], t or "[unknown]") for h, r, t in chain]
-        if gap is None:
-            return triples, "nothing", None
-        query = row["question"] if wrong else f"{gap[0]} {RELATIONS[gap[1]][5]}"
-        return triples, RELATIONS[gap[1]][4].format(h=gap[0]), query
-    candidates = state["candidates"]
-    want = [gap[0], *RELATIONS[gap[1]][3].split()] if gap else None
-    fits = lambda title, text: (re.findall(r"[a-z0-9]+", text.lower())[: len(want)] == want
-                                if text.lstrip().startswith("<") else title == gap[0])  # fmt: skip
-    right = [i for i, (title, text) in enumerate(candidates) if want and fits(title, text)]
-    return rng.randrange(len(candidates)) if wrong or not right else right[0]
 
 
 def oracle_sparcrag(row, note, width, rng, duplicate):
