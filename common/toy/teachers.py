@@ -217,19 +217,3 @@ def oracle_sparkle(row, agent, state, rng, noise):
                                 if text.lstrip().startswith("<") else title == gap[0])  # fmt: skip
     right = [i for i, (title, text) in enumerate(candidates) if want and fits(title, text)]
     return rng.randrange(len(candidates)) if wrong or not right else right[0]
-
-
-def oracle_sparcrag(row, note, width, rng, duplicate):
-    """SPARC-RAG's warm-up teacher in the toy world, as (strategy, query) items the method renders in its rewrite
-    format: by bm25 the sub-queries (metadata) of the facts not yet in the global `note` whose subject the question or
-    the note names, then by dense another granularity (a named subject alone, the question); with probability
-    `duplicate` the second item repeats the first by dense (a near-duplicate set). The first `width` items."""
-    meta, q0 = row["metadata"], row["question"]
-    seen, noted = set(re.findall(r"\w+", f"{q0} {note}".lower())), set(re.findall(r"\w+", note.lower()))
-    heads = meta["entities"][:2] if meta["type"] in ("comparison", "yes_no") else meta["entities"][:-1]
-    facts = zip(heads, meta["sub_answers"], meta["sub_queries"])
-    todo = [("bm25", q) for h, a, q in facts if h in seen and not {h, a} <= noted]
-    if todo and rng.random() < duplicate:
-        todo = [todo[0], ("dense", todo[0][1])]
-    fillers = [("dense", h) for h in heads if h in seen] + [("dense", q0)]
-    return list(dict.fromkeys(todo + fillers))[:width]
