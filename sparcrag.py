@@ -109,7 +109,7 @@ class Args:
     # set by PRESETS or fixed, not flags: constants the paper never varies, choices of ours, toy-world tuning
     lora_dropout: float = runs.arg(0.05, "LoRA dropout [App. A.4: 0.05]", flag=False)
     max_length: int = runs.arg(8192, "longest pair sequence kept [App. A.4: 8192]", flag=False)
-    question_types: str = runs.arg("", "comma-separated metadata types (: all)", flag=False)
+    question_types: str = runs.arg("", "comma-separated metadata types (empty: all)", flag=False)
     bootstrap_with_q0: bool = runs.arg(False, "round 1: a dense path on q0, off (reading §5.2, C.3)", flag=False)
     rewrite_pair_temperature: float = runs.arg(1.0, "rewrite samples' T, 1.0 (ours: §3.4 gives none)", flag=False)
     rpo_alpha: float = runs.arg(0.0, "+ alpha x the chosen's NLL (RPO; header item 5), 0.0", flag=False)
@@ -619,6 +619,7 @@ def merge_notes(ctx, live, winners, t, seed):
         prompt = ctx["tpl"]["merge"].format(question=run.row["question"], reasoning_list=format_notes(notes))
         requests.append(req(run, prompt))
     merged = iter(call_role(ctx, "merge", t, requests, seed))
+    # simplification: one branch, its note is m^(t) (header item 6)
     return [next(merged) if len(run.branches) > 1 else w.note for run, w in zip(live, winners)]
 
 
@@ -915,10 +916,8 @@ def train(args):
     (retrievers, llm), results, warnings = frozen_parts(args), {}, []
     world = toy.renaming_world(args)  # simplification: toy renaming (header item 10)
     # simplification: the toy's untuned start, a warm-up on a teacher (header item 9); the paper's: the model as it is
-    parts, method = (retrievers, llm), sys.modules[__name__]
-    policy, tokenizer, n_sft = toy.warm_up(
-        method, accelerator, args, out, train_rows, test_rows, parts, world, results
-    )
+    this, parts = sys.modules[__name__], (retrievers, llm)  # this file's rollout and evaluation; its frozen parts
+    policy, tokenizer, n_sft = toy.warm_up(this, accelerator, args, out, train_rows, test_rows, parts, world, results)
     policy.name_or_path = str((out / "sft").resolve()) if args.sft_steps else args.model  # the LoRA base
     ctx = make_ctx(policy, tokenizer, retrievers, llm, args)
     with accelerator.autocast():  # the untuned system: fixed depth [§4.5]; and with its own stop decisions (ours)
