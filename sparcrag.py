@@ -22,40 +22,40 @@ Departures from the paper, in both presets (each marked `# simplification: ... (
 2. DPO against the adapter-disabled model (TRL 0.23.1's DPO with LoRA, App. A.4); §3.4's printed loss has no reference.
 3. Paper preset: BM25 and E5 over wiki-18 (the paper: Elasticsearch BM25, BGE-large-en-v1.5, IRCoT and DPR corpora).
 4. Cost: all roles' tokens in the trained model's tokenizer; latency batched; App. B.2's overlap on the branches' sets.
-5. --rpo_alpha (0 in both presets): DPO + alpha x the chosen's per-token NLL (RPO, Pang et al. 2024; TRL's name).
+5. rpo_alpha (0 in both presets): DPO + alpha x the chosen's per-token NLL (RPO, Pang et al. 2024; TRL's name).
 6. W = 1 calls no Select or Merge (Alg. 1 calls both every round): the one branch's note is m^(t), its answer a_k*.
 7. One seed per batched generate call: a sample depends on its batch-mates (per-question seeds: a call each).
 
-Toy-world adaptations, the toy preset only (numbered on):
-8. The trained roles are a tiny toy-lm; the Context Manager and Answer Generator the toy reader (--llm toy).
-9. Untuned start: warm-up SFT on an oracle teacher that over-accepts and writes near-duplicates (§5.2, Fig. 7).
-10. Warm-up SFT examples and DPO pairs are entity-renamed (a tiny model learns to copy names only then).
-11. Greedy rewrites (paper: T 0.5), top-3 (6), depth 4 untuned and tuned (6, cap 8), compact single-token tags.
-12. EM labels correctness (evaluator pairs, incorrect acceptance): FlashRAG's acc finds "no" in "unknown".
-13. Wrong-stop weight lambda = 8 (paper: 2; Fig. 6): at DPO lr 5e-5 a smaller one leaves "unknown" stops (docs/log.md).
-14. One LoRA adapter per trained role, on its pairs (paper: one); the rewriter's 1 epoch, the evaluator's 5 (paper: 3).
+Toy-world adaptations, the toy preset only (numbered on; in parentheses the PRESETS fields that realise each):
+8. The trained roles are a tiny toy-lm; the Context Manager and Answer Generator the toy reader (model, llm).
+9. Untuned start: SFT on an oracle teacher that over-accepts, writes near-duplicates (§5.2, Fig. 7) (sft_*, teacher_*).
+10. Warm-up SFT examples and DPO pairs entity-renamed: a tiny model learns to copy names only then (augment_p).
+11. Greedy, top-3, depths 4 (paper: T 0.5, 6, 6/8); compact single-token tags (templates, format_tokens, evaluator_*).
+12. EM labels correctness (evaluator pairs, incorrect acceptance): FlashRAG's acc finds "no" in "unknown" (correct_by).
+13. Wrong-stop weight lambda = 8 (paper: 2; Fig. 6): at DPO lr 5e-5 a smaller one leaves "unknown" stops (lam).
+14. A LoRA adapter per trained role (paper: one), the rewriter's 1 epoch, the evaluator's 5 (role_adapters, *_epochs).
 """
 
 import random
 import re
+import sys
 import time
 from collections import Counter, defaultdict
-from dataclasses import asdict, dataclass, replace
+from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 import torch
 import torch.nn.functional as F
 from accelerate import PartialState
 from accelerate.utils import gather_object
-from tokenizers import AddedToken
 
 from common import runs
-from common.data import load_split, require_metadata, sample_rows, write_jsonl
+from common.data import load_split, sample_rows, write_jsonl
 from common.llm import add_lora, chat_prompts, generate, right_pad, unknown_words
 from common.metrics import answer_scores, exact_match, f1_score, normalize_answer, sub_exact_match
 from common.models import load_model_and_tokenizer, make_llm
 from common.retrieval import open_retriever
-from common.toy import oracle_sparcrag, rename_entities, world_or_none  # toy renaming, teacher (header items 9-10)
+from common.toy import sparcrag as toy  # the toy world's teacher, warm-up, renaming, adapters (header items 9-14)
 
 SYSTEMS = ("sparcrag", "vanilla", "parallel", "sequential")  # SPARC-RAG and the naive baselines [App. A.5]
 
@@ -81,10 +81,8 @@ class Args:
     model: str | None = runs.arg(None, "the backbone [§4.2: Qwen2.5-7B-Instruct]")
     llm: str | None = runs.arg(None, "untrained roles: policy [§4.2], toy, hf:<name> or a URL")
     llm_model: str = runs.arg("", "served model name when --llm is an endpoint URL")
-    templates: str | None = runs.arg(None, "paper (App. D verbatim) or compact", choices=["paper", "compact"])
     n_train: int | None = runs.arg(None, "training questions (None: all)", low=1)
     n_eval: int | None = runs.arg(None, "test questions evaluated (None: all) [§4.1: 500]", low=1)
-    question_types: str | None = runs.arg(None, "comma-separated metadata types")
     width: int = runs.arg(2, "W, branches per round [§4.5: 2]", low=1, group="Algorithm 1 [§3.3, §4.5, App. A]")
     depth: int | None = runs.arg(None, "D_max, rounds at most [§4.5: 8]", low=1)
     untuned_depth: int | None = runs.arg(None, "fixed depth of the untuned system [§4.5: 6]", low=1)
@@ -92,41 +90,42 @@ class Args:
     top_k: int | None = runs.arg(None, "passages per retrieval [App. A.3: 6]", low=1)
     temperature: float | None = runs.arg(None, "generation modules [App. A.4: 0.5]", low=0.0)
     max_new_tokens: int | None = runs.arg(None, "tokens per agent call [App. A.4: 600]", low=1)
-    evaluator_max_tokens: int | None = runs.arg(None, "tokens per evaluator call [A.4: 600]", low=1)
     dense_only: bool = runs.arg(False, "every query dense (the Tab. 6 ablation)")
-    format_tokens: bool | None = runs.arg(None, "the output formats' tags as single tokens")
-    bootstrap_with_q0: bool = runs.arg(False, "round 1: a dense path on q0 (reading §5.2)")
     gen_batch_size: int = runs.arg(512, "prompts per generate call (memory only)", low=1)
     n_samples: int = runs.arg(4, "samples per state [§3.4; ours: 4]", low=1, group="preference pairs [§3.4]")
-    rewrite_pair_temperature: float = runs.arg(1.0, "rewrite samples (ours: §3.4 gives none)", low=0.0)
     lam: float | None = runs.arg(None, "weight of continue over a wrong stop [§5.2: 2]", low=1.0)
-    correct_by: str | None = runs.arg(None, "answer correctness: acc, em or f1 (>= 0.5)", choices=["acc", "em", "f1"])
     synthesize_missing: bool = runs.arg(False, "missing side -> canonical decision (ours)")
     beta: float = runs.arg(0.1, "DPO beta [App. A.4: 0.1]", low=1e-9, group="DPO with LoRA [App. A.4]")
     reference_free: bool = runs.arg(False, "the paper's equation as printed: no reference")
     lora_r: int = runs.arg(16, "LoRA rank [App. A.4: 16]", low=1)
     lora_alpha: int = runs.arg(32, "LoRA alpha [App. A.4: 32]", low=1)
-    lora_dropout: float = runs.arg(0.05, "LoRA dropout [App. A.4: 0.05]", low=0.0, high=1.0)
     dpo_lr: float = runs.arg(5e-5, "DPO learning rate [App. A.4: 5e-5 (LoRA)]", low=1e-9)
-    dpo_epochs: int | None = runs.arg(None, "DPO epochs (per role: the rewriter's) [A.4: 3]", low=1)
-    rpo_alpha: float = runs.arg(0.0, "+ alpha x the chosen's NLL (RPO; the paper: 0)", low=0.0)
-    role_adapters: bool | None = runs.arg(None, "one LoRA adapter per trained role (ours)")
-    evaluator_epochs: int | None = runs.arg(None, "--role_adapters: the evaluator's epochs", low=1)
+    dpo_epochs: int | None = runs.arg(None, "DPO epochs (per-role adapters: the rewriter's) [A.4: 3]", low=1)
     dpo_batch_size: int = runs.arg(16, "pairs per update [App. A.4: effective 16]", low=1)
     micro_batch_size: int | None = runs.arg(None, "pairs per forward (accumulation)", low=1)
-    max_length: int = runs.arg(8192, "longest pair sequence kept [App. A.4: 8192]", low=1)
-    warmup: str | None = runs.arg(None, "none (the paper) or teacher", choices=["none", "teacher"], group="warm-up")
-    warmup_widths: str = runs.arg("1,2,4", "widths of the teacher's runs (W in the prompt), comma-separated")
-    teacher_accept_correct: float = runs.arg(0.9, "teacher: P(STOP | correct answer)", low=0.0, high=1.0)
-    teacher_accept_wrong: float = runs.arg(0.6, "teacher: P(STOP | wrong answer)", low=0.0, high=1.0)
-    teacher_duplicate: float = runs.arg(0.5, "teacher: P(near-duplicate rewrite set)", low=0.0, high=1.0)
-    sft_steps: int | None = runs.arg(None, "warm-up SFT steps", low=0)
-    sft_lr: float = runs.arg(2e-3, "warm-up SFT learning rate", low=1e-9)
-    sft_batch_size: int = runs.arg(32, "warm-up SFT batch size", low=1)
-    augment_p: float | None = runs.arg(None, "toy: renaming probability of an SFT example", low=0.0, high=1.0)
-    dpo_augment_p: float | None = runs.arg(None, "toy: renaming probability of a DPO pair", low=0.0, high=1.0)
+    sft_steps: int | None = runs.arg(None, "toy teacher SFT steps (0: none, the paper)", low=0, group="warm-up")
     system: str = runs.arg("sparcrag", "--eval: it or a naive one [App. A.5]", choices=SYSTEMS, group="baselines")
     naive_n: int = runs.arg(3, "answers (parallel) or attempts (sequential) [App. A.5: D=3]", low=1)
+    # set by PRESETS or fixed, not flags: constants the paper never varies, choices of ours, toy-world tuning
+    lora_dropout: float = runs.arg(0.05, "LoRA dropout [App. A.4: 0.05]", flag=False)
+    max_length: int = runs.arg(8192, "longest pair sequence kept [App. A.4: 8192]", flag=False)
+    question_types: str = runs.arg("", "comma-separated metadata types (empty: all)", flag=False)
+    bootstrap_with_q0: bool = runs.arg(False, "round 1: a dense path on q0, off (reading §5.2, C.3)", flag=False)
+    rewrite_pair_temperature: float = runs.arg(1.0, "rewrite samples' T, 1.0 (ours: §3.4 gives none)", flag=False)
+    rpo_alpha: float = runs.arg(0.0, "+ alpha x the chosen's NLL (RPO; header item 5), 0.0", flag=False)
+    templates: str | None = runs.arg(None, "paper (App. D verbatim) or compact (header item 11)", flag=False)
+    format_tokens: bool | None = runs.arg(None, "the formats' tags as single tokens (header item 11)", flag=False)
+    evaluator_max_tokens: int | None = runs.arg(None, "tokens per evaluator call (None: --max_new_tokens)", flag=False)
+    correct_by: str | None = runs.arg(None, "answer correctness: acc, em or f1 >= 0.5 (header item 12)", flag=False)
+    role_adapters: bool | None = runs.arg(None, "one LoRA adapter per trained role (header item 14)", flag=False)
+    evaluator_epochs: int | None = runs.arg(None, "role_adapters: the evaluator adapter's epochs", flag=False)
+    sft_batch_size: int = runs.arg(32, "warm-up SFT batch size, 32 (header item 9)", flag=False)
+    sft_lr: float = runs.arg(2e-3, "warm-up SFT learning rate, 2e-3 (header item 9)", flag=False)
+    warmup_widths: str = runs.arg("1,2,4", "widths of the teacher's runs, 1,2,4 (header item 9)", flag=False)
+    teacher_accept_correct: float = runs.arg(0.9, "teacher: P(STOP | correct answer), 0.9 (header item 9)", flag=False)
+    teacher_accept_wrong: float = runs.arg(0.6, "teacher: P(STOP | wrong answer), 0.6 (header item 9)", flag=False)
+    teacher_duplicate: float = runs.arg(0.5, "teacher: P(near-duplicate rewrite set), 0.5 (item 9)", flag=False)
+    augment_p: float | None = runs.arg(None, "renaming P of an SFT example, a DPO pair (header 10)", flag=False)
 
 
 PRESETS = {  # field: (toy, paper), for the fields left at None; any flag overrides them
@@ -134,28 +133,24 @@ PRESETS = {  # field: (toy, paper), for the fields left at None; any flag overri
     "encoder": ("tfidf", "intfloat/e5-base-v2"),  # simplification: E5 over wiki-18 (header item 3)
     "model": ("toy-lm", "Qwen/Qwen2.5-7B-Instruct"),  # [§4.2]; simplification: a tiny toy-lm (header item 8)
     "llm": ("toy", "policy"),  # [§4.2]; simplification: the toy reader (header item 8)
-    "templates": ("compact", "paper"),  # simplification: header item 11
     "n_train": (400, None),
     "depth": (4, 8),  # [§4.5]; simplification: header item 11
     "untuned_depth": (4, 6),  # [§4.5]
     "top_k": (3, 6),  # [App. A.3]
     "temperature": (0.0, 0.5),  # [App. A.4]
     "max_new_tokens": (64, 600),  # [App. A.4]
-    "evaluator_max_tokens": (8, 600),  # [App. A.4]
-    "format_tokens": (True, False),  # simplification: single-token tags (header item 11)
-    "correct_by": ("em", "acc"),  # simplification: header item 12
     "lam": (8.0, 2.0),  # [§5.2, Fig. 6]; simplification: header item 13
-    "role_adapters": (True, False),  # simplification: per-role adapters in the toy (header item 14)
     "dpo_epochs": (1, 3),  # [App. A.4: 3]; simplification: the toy rewriter's adapter, 1 epoch (header item 14)
-    "evaluator_epochs": (5, 3),  # [App. A.4: 3] with --role_adapters (header item 14)
     "micro_batch_size": (16, 1),
-    "warmup": ("teacher", "none"),  # simplification: the toy's warm-up (header item 9)
-    "sft_steps": (800, 0),
+    "sft_steps": (800, 0),  # simplification: the toy's warm-up (header item 9); the paper tunes the model as it is
+    "templates": ("compact", "paper"),  # simplification: the toy's compact set (header item 11)
+    "format_tokens": (True, False),  # simplification: single-token tags for a model trained from scratch (item 11)
+    "evaluator_max_tokens": (8, None),  # [App. A.4: 600, as every call]; the toy's decision tag fits 8 (item 11)
+    "correct_by": ("em", "acc"),  # simplification: header item 12
+    "role_adapters": (True, False),  # simplification: per-role adapters in the toy (header item 14)
+    "evaluator_epochs": (5, 3),  # [App. A.4: 3]; with role_adapters (header item 14)
     "augment_p": (1.0, 0.0),  # simplification: toy renaming (header item 10)
-    "dpo_augment_p": (1.0, 0.0),
 }
-
-WIDTHS = re.compile(r" *[1-9][0-9]*( *, *[1-9][0-9]*)* *")  # --warmup_widths
 
 
 def apply_preset(args):
@@ -171,8 +166,6 @@ def apply_preset(args):
         "--train, --eval and --ask are separate modes: choose one": args.train + args.eval + bool(args.ask) > 1,
         "--resume continues a training run: use it with --train": args.resume and not args.train,
         f"--system {args.system} is evaluated (--eval), not trained": args.system != "sparcrag" and args.train,
-        f"--warmup_widths {args.warmup_widths!r}: widths >= 1": not WIDTHS.fullmatch(args.warmup_widths),
-        "--warmup teacher needs --sft_steps >= 1 (or --warmup none)": args.warmup == "teacher" and args.sft_steps < 1,
         "--llm toy reads a toy world: pass --world DIR": args.llm == "toy" and not args.world,
         f"--data_dir {args.data_dir}: no such folder": reads and not Path(args.data_dir).is_dir(),
         f"--model {args.model}: not found": not args.dry_run and runs.where_is(args.model) is None,
@@ -294,30 +287,11 @@ Confidence:"""
 
 ROLES = ("update", "answer", "rewrite", "select", "merge", "evaluate", "confidence")  # the templates' keys
 PAPER_PROMPTS = (ANSWER_SELECTION_PROMPT, CONTEXT_MERGING_PROMPT, EVALUATOR_PROMPT, CONFIDENCE_PROMPT)
-TEMPLATES = {
+TEMPLATES = {  # simplification: the toy preset's compact set (header item 11)
     "paper": dict(zip(ROLES, (CONTEXT_MANAGER_PROMPT, ANSWER_GENERATOR_PROMPT, REWRITE_PROMPT) + PAPER_PROMPTS)),
-    # simplification: the toy preset's compact set, the fields, tags and output formats without prose (header item 11)
-    "compact": {
-        "update": "keep what answers the query , end with [END] . original query : {query} old note : {note} "
-        "new information : {new_context} updated note :",
-        "answer": "answer the question based on the notes , end with [END] . notes : {note} question : {query} "
-        "answer :",
-        "rewrite": "write {N} queries , each with a strategy bm25 or dense , end with [END] . original query : "
-        "{query} current query : {current_query} context : {context} output :",
-        "select": "question : {question} answers : {answer_blocks} select the best answer in <answer> </answer> , "
-        "end with [END] . final answer :",
-        "merge": "combine the notes into a single note for {question} , end with [END] . notes : {reasoning_list} "
-        "your response :",
-        "evaluate": "decide stop or continue , end with [END] . original query : {query} current query : "
-        "{current_query} note : {note} answer : {answer} decision :",
-        "confidence": "give a confidence from 0 to 1 , end with [END] . documents : {note} question : {query} "
-        "answer : {answer} confidence :",
-    },
+    "compact": toy.COMPACT_TEMPLATES,
 }
 STOP, CONTINUE = "STOP", "CONTINUE"
-SFT_SHARES = {"rewrite": 0.75, "evaluate": 0.25}
-FORMAT_TOKENS = ["<queries>", "</queries>", "</item>", "<strategy>", "</strategy>", "<query>", "</query>", "[END]"]
-FORMAT_TOKENS += ["<decision>", "</decision>", "<think>", "</think>"] + [f'<item rank="{i}">' for i in range(1, 9)]
 TRAINED = ("rewrite", "evaluate")  # [§3.4] the roles the preference pairs tune
 TEXTS = ("prompt", "chosen", "rejected")  # a preference pair's texts
 TABLE = "em f1 acc avg recall rounds llm_calls tokens generated_tokens incorrect_acceptance".split()  # [§4.1, Fig. 7]
@@ -330,7 +304,7 @@ def format_passages(hits):
 
 def format_answer_blocks(branches):
     """{answer_blocks}: the answer, evaluation and note of each branch, 1-based (ours; [Alg. 1] L12 passes e_k)."""
-    block = "Answer {0}: {1[answer]}\nEvaluation {0}: {1[decision]}\nReasoning {0}: {1[note]}"
+    block = "Answer {0}: {1.answer}\nEvaluation {0}: {1.decision}\nReasoning {0}: {1.note}"
     return "\n\n".join(block.format(k, b) for k, b in enumerate(branches, 1))
 
 
@@ -410,18 +384,15 @@ def parse_confidence(text):
 
 PARSE = {  # what the rollout reads from each agent's output; `info` is what the request carried
     "rewrite": lambda text, info: parse_rewrites(text, info["width"], info["fallback"]),
-    "update": lambda text, info: strip_end(text),
-    "answer": lambda text, info: clean_answer(text),
-    "evaluate": lambda text, info: parse_decision(text),
     "select": lambda text, info: select_branch(text, info["answers"], info["decisions"]),
-    "merge": lambda text, info: strip_end(text),
-    "naive": lambda text, info: clean_answer(text),
-    "parallel": lambda text, info: clean_answer(text),
+    "evaluate": lambda text, info: parse_decision(text),
     "confidence": lambda text, info: parse_confidence(text),
 }
+PARSE |= {role: lambda text, info: strip_end(text) for role in ("update", "merge")}  # the notes
+PARSE |= {role: lambda text, info: clean_answer(text) for role in ("answer", "naive", "parallel")}
 
 
-# --------------------------------------------------------------------------- 3. metrics [§4.1]
+# --------------------------------------------------------------------------- 3. rewards and pair rules [§3.4, §4.1]
 def is_correct(answer, golds, by):
     """An answer's correctness label (ours: the paper names none): acc (a gold in the answer), em, or f1 >= 0.5."""
     if by == "f1":
@@ -441,15 +412,30 @@ def jaccard_avg(sets):
     return sum(len(a & b) / max(len(a | b), 1) for a, b in pairs) / len(pairs) if pairs else None
 
 
+def rewrite_pair(recalls):
+    """(chosen, rejected): the first highest- over the first lowest-recall sample if higher [§3.4], else None."""
+    hi = max(range(len(recalls)), key=lambda i: (recalls[i], -i))
+    lo = min(range(len(recalls)), key=lambda i: (recalls[i], i))
+    return (hi, lo) if recalls[hi] > recalls[lo] else None
+
+
+def evaluator_pair(decisions, correct, lam, synthesize=False):
+    """(chosen, rejected, weight): the first decision matching the answer's correctness (STOP if correct)
+    over the first other one, weight lam for CONTINUE over a wrong STOP [§3.4]; missing: None (synthesize: -1)."""
+    good = STOP if correct else CONTINUE
+    chosen = next((i for i, d in enumerate(decisions) if d == good), -1 if synthesize else None)
+    rejected = next((i for i, d in enumerate(decisions) if d != good), None)
+    return None if chosen is None or rejected is None else (chosen, rejected, lam if good == CONTINUE else 1.0)
+
+
 # --------------------------------------------------------------------------- 4. agents, retrievers, the trace
 def policy_role(model, tokenizer, args, temperature, max_tokens=None, adapter="default"):
     """A role played by the backbone: one generate call (per gen_batch_size) for all requests; T 0 is greedy.
-    A model with per-role adapters (--role_adapters) serves the role with its own, the others with "default"."""
+    `adapter`: the role's own where the model has one per role (role_adapters, header item 14)."""
 
     def chat(requests, seed=0):
         prompts = chat_prompts(tokenizer, [[{"role": "user", "content": r["prompt"]}] for r in requests])
-        if len(names := getattr(model, "peft_config", {})) > 1:  # simplification: header item 14
-            model.set_adapter(adapter if adapter in names else "default")
+        toy.use_role_adapter(model, adapter)
         model.eval()
         sampling = {"do_sample": temperature > 0, "temperature": temperature or 1.0, "stop": ["[END]"]}
         texts, n, size = [], max_tokens or args.max_new_tokens, args.gen_batch_size
@@ -504,6 +490,38 @@ def retrieve(retrievers, items, top_k, dense_only=False):
     return hits
 
 
+@dataclass
+class Run:
+    """One question's state in Algorithm 1: the global note m^(t) (m^(0) = "" [L1]), the current query q_t (q0, then
+    the last winner's sub-query: ours), the last winner's answer and STOP, this round's branches, and what evaluation
+    reads: the cost, the trace of every agent call, the retrieved ids per round, a snapshot per round."""
+
+    row: dict
+    note: str = ""
+    query: str = ""
+    answer: str = ""
+    rounds: int = 0
+    stopped: bool = False
+    branches: list = field(default_factory=list)
+    trace: list = field(default_factory=list)
+    cost: Counter = field(default_factory=Counter)
+    retrieved: list = field(default_factory=list)
+    snapshots: list = field(default_factory=list)
+
+
+@dataclass
+class Branch:
+    """Branch k of a round [L5-10]: its strategy and sub-query q_k, its private note m'_k, answer a_k, decision e_k."""
+
+    run: Run
+    k: int
+    strategy: str
+    query: str
+    note: str = ""
+    answer: str = ""
+    decision: str = ""
+
+
 def req(run, prompt, k=None, **info):
     """A request to an agent: its question's run, the branch k, the prompt, and what the parser and trace keep."""
     return {"run": run, "k": k, "prompt": prompt, "info": info}
@@ -518,152 +536,144 @@ def call_role(ctx, role, t, requests, seed=0):
     n_in, n_out = ctx["count"]([r["prompt"] for r in requests], texts)
     parsed = [PARSE[role](text, r["info"]) for r, text in zip(requests, texts)]
     for r, text, p, a, b in zip(requests, texts, parsed, n_in, n_out):
-        r["run"]["cost"].update(llm_calls=1, tokens=a + b, generated_tokens=b)
+        r["run"].cost.update(llm_calls=1, tokens=a + b, generated_tokens=b)
         entry = {"t": t, "role": role, "k": r["k"], "prompt": r["prompt"], "output": text, "parsed": p}
-        r["run"]["trace"].append(entry | r["info"])
+        r["run"].trace.append(entry | r["info"])
     return parsed
-
-
-def new_run(row):
-    """One question's state: the global note m, the current query q_t, the answer, cost, trace, retrieved ids."""
-    run = {"row": row, "note": "", "query": row["question"], "answer": "", "rounds": 0, "stopped": False}
-    return run | {"trace": [], "cost": Counter(), "retrieved": [], "snapshots": []}
 
 
 # --------------------------------------------------------------------------- 5. Algorithm 1, batched [§3.3]
 def sparc_rag(rows, ctx, width, depth, early_exit=True, seed=0):
-    """Algorithm 1 for questions advancing together, one call per role per round for all live branches. One run per
+    """Algorithm 1 for questions advancing together, one call per role per round for all live branches. One Run per
     row: answer, rounds, cost, the trace of every agent call, a snapshot per round (depth t of a fixed-depth run)."""
-    played = [new_run(r) for r in rows]  # m^(0) = "" [Alg. 1 L1]
+    played = [Run(row, query=row["question"]) for row in rows]  # m^(0) = "" [Alg. 1 L1]
     live = list(played)
     quiet = not PartialState().is_local_main_process or len(rows) < 50
     for t in runs.progress(range(1, depth + 1), "rounds", disable=quiet, leave=False):  # [L2]
-        branches = distribute(ctx, live, width, t, seed + 10 * t)  # Phase 1 [L3-4]
-        explore(ctx, branches, t, seed + 10 * t)  # Phase 2 [L5-10]
-        aggregate(ctx, live, branches, t, seed + 10 * t)  # Phase 3 [L11-13]
-        live = [run for run in live if not (early_exit and run["stopped"])]  # exit on e_k* = STOP [L14-15]
+        step_seed = seed + 10 * t
+        distribute(ctx, live, width, t, step_seed)  # Phase 1 [L3-4]
+        explore(ctx, [b for run in live for b in run.branches], t, step_seed)  # Phase 2 [L5-10]
+        winners = select_best(ctx, live, t, step_seed)  # Phase 3 [L11-12]
+        notes = merge_notes(ctx, live, winners, t, step_seed)  # [L13]
+        for run, winner, note in zip(live, winners, notes):
+            advance(run, winner, note, t)
+        live = [run for run in live if not (early_exit and run.stopped)]  # exit on e_k* = STOP [L14-15]
         if not live:
             break
     return played  # a run still live at D_max returns its last winner's answer [§3.3]
 
 
 def distribute(ctx, live, width, t, seed):
-    """Phase 1: the Query Rewriter writes W (strategy, sub-query) items per question in one call [L4, §3.2]; each
-    item opens a branch. q_t is the question in round 1, then the last winner's sub-query (ours)."""
+    """Phase 1 [Alg. 1 L3-4]: the Query Rewriter writes W (strategy, sub-query) items per question in one call
+    [§3.2]; each item opens a branch (run.branches). q_t: the question in round 1, then the last winner's sub-query."""
     if ctx["args"].bootstrap_with_q0 and t == 1:  # a reading of §5.2, App. C.3: round 1 on q0
-        items = [[("dense", run["row"]["question"])] for run in live]
+        items = [[("dense", run.row["question"])] for run in live]
     else:
-        fill = lambda run: {"N": width, "query": run["row"]["question"], "current_query": run["query"]}
-        prompts = [ctx["tpl"]["rewrite"].format(context=run["note"], **fill(run)) for run in live]
-        requests = [req(run, p, width=width, fallback=run["query"]) for run, p in zip(live, prompts)]
+        fill = lambda run: {"N": width, "query": run.row["question"], "current_query": run.query}
+        prompts = [ctx["tpl"]["rewrite"].format(context=run.note, **fill(run)) for run in live]
+        requests = [req(run, p, width=width, fallback=run.query) for run, p in zip(live, prompts)]
         items = call_role(ctx, "rewrite", t, requests, seed)
-    opened = [(run, k, s, q) for run, its in zip(live, items) for k, (s, q) in enumerate(its)]
-    return [{"run": run, "k": k, "strategy": s, "query": q} for run, k, s, q in opened]
+    for run, its in zip(live, items):
+        run.branches = [Branch(run, k, strategy, query) for k, (strategy, query) in enumerate(its)]
 
 
 def explore(ctx, branches, t, seed):
-    """Phase 2: every branch retrieves [L7], folds its passages into its own copy of the global note m^(t-1) [L8],
-    answers q0 from that note [L9] and judges the answer [L10]; branches never see each other."""
+    """Phase 2 [Alg. 1 L5-10]: every branch retrieves [L7], folds its passages into its own copy of the global note
+    m^(t-1) [L8], answers q0 from that note [L9] and judges the answer [L10]; branches never see each other."""
     args, tpl = ctx["args"], ctx["tpl"]
-    found = retrieve(ctx["retrievers"], [(b["strategy"], b["query"]) for b in branches], args.top_k, args.dense_only)
+    found = retrieve(ctx["retrievers"], [(b.strategy, b.query) for b in branches], args.top_k, args.dense_only)
     for b, hits in zip(branches, found):  # r_k <- Retrieve(q_k, C)
-        b["run"]["cost"]["retrievals"] += 1
-        b["run"]["retrieved"].append((t, [h["id"] for h in hits]))
-        b["q0"], b["passages"] = b["run"]["row"]["question"], format_passages(hits)
-    ask = lambda role, b, **fields: req(b["run"], tpl[role].format(query=b["q0"], **fields), b["k"], **fields)
-    requests = [ask("update", b, note=b["run"]["note"], new_context=b["passages"]) for b in branches]
+        b.run.cost["retrievals"] += 1
+        b.run.retrieved.append((t, [h["id"] for h in hits]))
+    ask = lambda role, b, **fields: req(b.run, tpl[role].format(query=b.run.row["question"], **fields), b.k, **fields)
+    requests = [ask("update", b, note=b.run.note, new_context=format_passages(r)) for b, r in zip(branches, found)]
     for b, m in zip(branches, call_role(ctx, "update", t, requests, seed)):  # m'_k <- MemUpdate(m^(t-1), r_k)
-        b["note"] = m
-    for b, a in zip(branches, call_role(ctx, "answer", t, [ask("answer", b, note=b["note"]) for b in branches], seed)):
-        b["answer"] = a  # a_k <- AnsGenerate(q0, m'_k)
-    requests = [ask("evaluate", b, current_query=b["query"], note=b["note"], answer=b["answer"]) for b in branches]
+        b.note = m
+    for b, a in zip(branches, call_role(ctx, "answer", t, [ask("answer", b, note=b.note) for b in branches], seed)):
+        b.answer = a  # a_k <- AnsGenerate(q0, m'_k)
+    requests = [ask("evaluate", b, current_query=b.query, note=b.note, answer=b.answer) for b in branches]
     for b, e in zip(branches, call_role(ctx, "evaluate", t, requests, seed)):  # e_k <- EvaluateAns(a_k, m'_k)
-        b["decision"] = e
+        b.decision = e
 
 
-def aggregate(ctx, live, branches, t, seed):
-    """Phase 3: the Context Manager selects the best branch k* [L12] and merges the branch notes, the winner's first,
-    into the new global note m^(t) [L13]: the only write to the shared context. One branch: its note, no calls."""
-    of = {id(run): [b for b in branches if b["run"] is run] for run in live}
-    many = [run for run in live if len(of[id(run)]) > 1]  # simplification: one branch, no call (header item 6)
+def select_best(ctx, live, t, seed):
+    """Phase 3 [Alg. 1 L12]: k* <- SelectBest({a_k, e_k, m'_k}), the Context Manager's Answer Selection call per
+    question; the winning branch of each. One branch: it wins, no call."""
+    many = [run for run in live if len(run.branches) > 1]  # simplification: one branch, no call (header item 6)
     requests = []
     for run in many:
-        bs, q0 = of[id(run)], run["row"]["question"]
-        prompt = ctx["tpl"]["select"].format(question=q0, answer_blocks=format_answer_blocks(bs))
-        requests.append(req(run, prompt, answers=[b["answer"] for b in bs], decisions=[b["decision"] for b in bs]))
-    picks = dict(zip(map(id, many), call_role(ctx, "select", t, requests, seed)))  # k* <- SelectBest
-    winner = {id(run): of[id(run)][picks.get(id(run), 0)] for run in live}
+        blocks = format_answer_blocks(run.branches)
+        prompt = ctx["tpl"]["select"].format(question=run.row["question"], answer_blocks=blocks)
+        answers, decisions = [b.answer for b in run.branches], [b.decision for b in run.branches]
+        requests.append(req(run, prompt, answers=answers, decisions=decisions))
+    picks = iter(call_role(ctx, "select", t, requests, seed))
+    return [run.branches[next(picks) if len(run.branches) > 1 else 0] for run in live]
+
+
+def merge_notes(ctx, live, winners, t, seed):
+    """[Alg. 1 L13]: m^(t) <- ContextMerge(m'_k*, {m'_k}_k!=k*), the branch notes merged, the winner's first, in one
+    call per question: the only write to the shared context. One branch: its note, no call (header item 6)."""
     requests = []
-    for run in many:  # ContextMerge(m'_k*, {m'_k}_k!=k*)
-        notes = [winner[id(run)]["note"]] + [b["note"] for b in of[id(run)] if b is not winner[id(run)]]
-        prompt = ctx["tpl"]["merge"].format(question=run["row"]["question"], reasoning_list=format_notes(notes))
+    for run, winner in [(run, w) for run, w in zip(live, winners) if len(run.branches) > 1]:
+        notes = [winner.note] + [b.note for b in run.branches if b is not winner]
+        prompt = ctx["tpl"]["merge"].format(question=run.row["question"], reasoning_list=format_notes(notes))
         requests.append(req(run, prompt))
-    merged = dict(zip(map(id, many), call_role(ctx, "merge", t, requests, seed)))
-    for run in live:  # copy on write: m^(t) replaces m^(t-1); q_t+1 is the winner's sub-query (ours)
-        w = winner[id(run)]
-        run.update(note=merged.get(id(run), w["note"]), query=w["query"], answer=w["answer"], rounds=t)
-        run["stopped"] = w["decision"] == STOP
-        run["snapshots"].append({**run["cost"], "answer": w["answer"], "n_retrieved": len(run["retrieved"])})
+    merged = iter(call_role(ctx, "merge", t, requests, seed))
+    # simplification: one branch, its note is m^(t) (header item 6)
+    return [next(merged) if len(run.branches) > 1 else w.note for run, w in zip(live, winners)]
+
+
+def advance(run, winner, note, t):
+    """[Alg. 1 L13-15]: copy on write, m^(t) replaces m^(t-1); the winner's answer a_k* and e_k* (STOP ends the run's
+    loop); q_t+1 is the winner's sub-query (ours); a snapshot of the cost after round t."""
+    run.note, run.query, run.answer, run.rounds = note, winner.query, winner.answer, t
+    run.stopped = winner.decision == STOP
+    run.snapshots.append({**run.cost, "answer": winner.answer, "n_retrieved": len(run.retrieved)})
 
 
 # --------------------------------------------------------------------------- 6. the naive baselines [App. A.5]
 def naive(rows, ctx, system, n, seed=0):
     """The naive baselines [App. A.5]: Vanilla RAG, Parallel (n answers at T 0.7, majority vote), Sequential (retried
     below confidence 0.7); the answer prompt the Answer Generator's, passages as notes (ours)."""
-    tpl, runs = ctx["tpl"], [new_run(r) | {"rounds": 1} for r in rows]
+    tpl, played = ctx["tpl"], [Run(row, rounds=1) for row in rows]
     found = retrieve(ctx["retrievers"], [("dense", r["question"]) for r in rows], ctx["args"].top_k)
-    for run, hits in zip(runs, found):
-        run["cost"]["retrievals"] += 1
-        run["retrieved"].append((1, [h["id"] for h in hits]))
-        run["passages"] = format_passages(hits)
-        run["prompt"] = tpl["answer"].format(note=run["passages"], query=run["row"]["question"])
+    passages = [format_passages(hits) for hits in found]
+    prompts = [tpl["answer"].format(note=p, query=row["question"]) for p, row in zip(passages, rows)]
+    for run, hits in zip(played, found):
+        run.cost["retrievals"] += 1
+        run.retrieved.append((1, [h["id"] for h in hits]))
     if system != "sequential":
         copies, role = (n, "parallel") if system == "parallel" else (1, "naive")
-        answers = call_role(ctx, role, 1, [req(run, run["prompt"]) for run in runs for _ in range(copies)], seed)
-        for i, run in enumerate(runs):
+        requests = [req(run, p) for run, p in zip(played, prompts) for _ in range(copies)]
+        answers = call_role(ctx, role, 1, requests, seed)
+        for i, run in enumerate(played):
             votes = Counter(normalize_answer(a) for a in answers[i * copies : (i + 1) * copies])
-            run["answer"] = next(a for a in answers[i * copies :] if normalize_answer(a) == votes.most_common(1)[0][0])
-        return runs
-    live = list(runs)
+            run.answer = next(a for a in answers[i * copies :] if normalize_answer(a) == votes.most_common(1)[0][0])
+        return played
+    live, best = list(range(len(rows))), [(-1.0, 0, "")] * len(rows)
     for attempt in range(1, n + 1):
-        answers = call_role(ctx, "naive", attempt, [req(run, run["prompt"]) for run in live], seed + attempt)
-        fill = lambda run, a: tpl["confidence"].format(note=run["passages"], query=run["row"]["question"], answer=a)
-        requests = [req(run, fill(run, a)) for run, a in zip(live, answers)]
+        answers = call_role(ctx, "naive", attempt, [req(played[i], prompts[i]) for i in live], seed + attempt)
+        fill = lambda i, a: tpl["confidence"].format(note=passages[i], query=rows[i]["question"], answer=a)
+        requests = [req(played[i], fill(i, a)) for i, a in zip(live, answers)]
         scores = call_role(ctx, "confidence", attempt, requests, seed + attempt)
-        for run, a, c in zip(live, answers, scores):  # the first of the most confident answers
-            run["best"] = max(run.get("best", (-1.0, 0, "")), (c, -attempt, a))
-            run["rounds"], run["answer"] = attempt, run["best"][2]
-        live = [run for run, c in zip(live, scores) if c < 0.7]
-    return runs
+        for i, a, c in zip(live, answers, scores):  # the first of the most confident answers
+            best[i] = max(best[i], (c, -attempt, a))
+            played[i].rounds, played[i].answer = attempt, best[i][2]
+        live = [i for i, c in zip(live, scores) if c < 0.7]
+    return played
 
 
 # --------------------------------------------------------------------------- 7. preference pairs [§3.4]
-def rewrite_pair(recalls):
-    """(chosen, rejected): the first highest- over the first lowest-recall sample if higher [§3.4], else None."""
-    hi = max(range(len(recalls)), key=lambda i: (recalls[i], -i))
-    lo = min(range(len(recalls)), key=lambda i: (recalls[i], i))
-    return (hi, lo) if recalls[hi] > recalls[lo] else None
-
-
-def evaluator_pair(decisions, correct, lam, synthesize=False):
-    """(chosen, rejected, weight): the first decision matching the answer's correctness (STOP if correct)
-    over the first other one, weight lam for CONTINUE over a wrong STOP [§3.4]; missing: None (synthesize: -1)."""
-    good = STOP if correct else CONTINUE
-    chosen = next((i for i, d in enumerate(decisions) if d == good), -1 if synthesize else None)
-    rejected = next((i for i, d in enumerate(decisions) if d != good), None)
-    return None if chosen is None or rejected is None else (chosen, rejected, lam if good == CONTINUE else 1.0)
-
-
-def states_of(runs, role):
+def states_of(played, role):
     """(trace entry, run) of every call of a role in the runs, once per prompt."""
-    return list({e["prompt"]: (e, run) for run in runs for e in run["trace"] if e["role"] == role}.values())
+    return list({e["prompt"]: (e, run) for run in played for e in run.trace if e["role"] == role}.values())
 
 
-def build_pairs(runs, ctx, sample, args):
+def build_pairs(played, ctx, sample, args):
     """Pairs from the traces of the base model's runs [§3.4]: per logged Rewriter input, n sampled rewrite sets by
     the combined recall of their W retrievals; per logged Evaluator input, n decisions by the answer's correctness."""
-    rewrites = [(e, r) for e, r in states_of(runs, "rewrite") if r["row"]["metadata"].get("supporting_doc_ids")]
-    evaluations = states_of(runs, "evaluate")
+    rewrites = [(e, r) for e, r in states_of(played, "rewrite") if r.row["metadata"].get("supporting_doc_ids")]
+    evaluations = states_of(played, "evaluate")
     temperatures = [args.rewrite_pair_temperature] * len(rewrites) + [1.0] * len(evaluations)  # ours
     texts = sample([e["prompt"] for e, _ in rewrites + evaluations], args.n_samples, temperatures)
     groups = [[parse_rewrites(t, e["width"]) for t in ts] for (e, _), ts in zip(rewrites, texts)]  # unparsed: []
@@ -672,11 +682,11 @@ def build_pairs(runs, ctx, sample, args):
     pairs, pick = [], lambda ts, i, j: {"chosen": ts[i], "rejected": ts[j]}
     for (entry, run), group, ts in zip(rewrites, groups, texts):
         union = [[h["id"] for _ in items for h in next(found)] for items in group]  # R(y): the items' union
-        recalls = [paragraph_recall(ids, run["row"]["metadata"]["supporting_doc_ids"]) for ids in union]
+        recalls = [paragraph_recall(ids, run.row["metadata"]["supporting_doc_ids"]) for ids in union]
         if got := rewrite_pair(recalls):
             pairs.append({"role": "rewrite", "prompt": entry["prompt"], "weight": 1.0} | pick(ts, *got))
     for (entry, run), ts in zip(evaluations, texts[len(rewrites) :]):
-        correct = is_correct(entry["answer"], run["row"]["golden_answers"], args.correct_by)
+        correct = is_correct(entry["answer"], run.row["golden_answers"], args.correct_by)
         if got := evaluator_pair([parse_decision(t) for t in ts], correct, args.lam, args.synthesize_missing):
             canonical = ts + [f"<decision>{STOP if correct else CONTINUE}</decision> [END]"]  # index -1
             pairs.append({"role": "evaluate", "prompt": entry["prompt"], "weight": got[2]} | pick(canonical, *got[:2]))
@@ -737,94 +747,25 @@ def encode(tokenizer, prompt, response):
     return prompt_ids + target, [0] * len(prompt_ids) + [1] * len(target)
 
 
-def batch_tensors(seqs, pad_id, device):
-    """(ids, loss_mask, attention) of (ids, mask) sequences, right-padded, each (B, T)."""
-    ids, masks = zip(*seqs)
-    tensors = right_pad(ids, pad_id), right_pad(masks, 0), right_pad([[1] * len(i) for i in ids], 0)
+def batch_tensors(tokenizer, texts, device):
+    """(ids, loss_mask, attention) of (prompt, response) texts as `encode` assembles them, right-padded, (B, T)."""
+    ids, masks = zip(*[encode(tokenizer, *x) for x in texts])
+    tensors = right_pad(ids, tokenizer.pad_token_id), right_pad(masks, 0), right_pad([[1] * len(i) for i in ids], 0)
     return tuple(x.to(device) for x in tensors)
 
 
-# --------------------------------------------------------------------------- 9. the toy warm-up (header item 9)
-TEACHER_READS = ("type", "entities", "sub_queries", "sub_answers")  # the toy teacher's metadata (common.toy)
-
-
-def teacher_role(role, args, seed):
-    """The warm-up teacher as a trained role's backbone in its templates' format (the paper's: <think> before rewrites,
-    a reason before a decision): the toy oracle's rewrites, or STOP at header item 9's rates on EM (the toy truth)."""
-    rng, paper = random.Random(seed), args.templates == "paper"
-
-    def rewrite(r):
-        items = oracle_sparcrag(r["run"]["row"], r["run"]["note"], r["info"]["width"], rng, args.teacher_duplicate)
-        strategies = " , ".join(f"{k} {s}" for k, (s, _) in enumerate(items, 1))
-        think = f"<think> i need to know : {' ; '.join(q for _, q in items)} . strategy : {strategies} . </think>\n"
-        return think * paper + format_rewrites(items)
-
-    def decide(r):
-        right = exact_match(r["info"]["answer"], r["run"]["row"]["golden_answers"])
-        stop = rng.random() < (args.teacher_accept_correct if right else args.teacher_accept_wrong)
-        why = ("the note states the answer . " if stop else "i need more information . ") * paper
-        return f"{why}<decision>{STOP if stop else CONTINUE}</decision> [END]"
-
-    return lambda requests, seed=0: [(rewrite if role == "rewrite" else decide)(r) for r in requests]
-
-
-def warmup_examples(rows, policy, tokenizer, llm, retrievers, args):
-    """(prompt, output) pairs of the trained roles from the teacher's fixed-depth runs, at each warm-up width."""
-    widths = [int(w) for w in args.warmup_widths.split(",")]
-    teacher = {role: teacher_role(role, args, args.seed + i) for i, role in enumerate(TRAINED)}
-    ctx, examples = make_ctx(policy, tokenizer, retrievers, llm, args, teacher), []
-    for i, width in enumerate(widths):
-        for run in sparc_rag(rows[i :: len(widths)], ctx, width, args.untuned_depth, early_exit=False):
-            examples += [{k: e[k] for k in ("role", "prompt", "output")} for e in run["trace"] if e["role"] in TRAINED]
-    return examples
-
-
-def renamed(texts, world, rng, p):
-    """The texts entity-renamed as one with probability p in the toy world (header item 10), else as they are."""
-    return rename_entities(texts, world, rng, popular="keep") if world and rng.random() < p else texts
-
-
-def sft(accelerator, model, tokenizer, examples, args, world, out):
-    """Cross-entropy on the output, [END] and EOS (runs.sft_step); AdamW, warm-up, linear decay; toy renaming."""
-    rng, warm, every = random.Random(args.seed), max(1, args.sft_steps // 20), max(1, args.sft_steps // 10)
-    optimizer = torch.optim.AdamW(model.parameters(), lr=args.sft_lr, betas=(0.9, 0.98), weight_decay=0.0)
-    schedule = lambda s: min((s + 1) / warm, 1 - 0.9 * s / args.sft_steps)  # warm-up, then linear decay to 0.1
-    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, schedule)
-    model, optimizer = accelerator.prepare(model, optimizer)
-    model.train()
-    pools = [[e for e in examples if e["role"] == role] for role in TRAINED]  # each batch: both roles, in shares
-    shares = [round(args.sft_batch_size * SFT_SHARES[role]) for role in TRAINED]
-    for step in range(args.sft_steps):
-        batch = [e for pool, n in zip(pools, shares) for e in rng.sample(pool, min(n, len(pool)))]
-        # renamed whole on every process: the same draws
-        texts = [renamed([e["prompt"], e["output"]], world, rng, args.augment_p) for e in batch]
-        own, weight = runs.own_share(texts, accelerator)  # the batch split over the processes
-        seqs = [encode(tokenizer, *x) for x in own]
-        ids, mask, attention = batch_tensors(seqs, tokenizer.pad_token_id, accelerator.device)
-        labels = ids.masked_fill(mask == 0, -100)  # (B, T): the loss on the output, [END] and EOS only
-        loss = runs.sft_step(accelerator, model, optimizer, scheduler, ids, labels, attention, len(ids), weight=weight)
-        if step % every == 0 or step + 1 == args.sft_steps:  # sft/loss: the first, every tenth, the last
-            runs.log_update(accelerator, out, {"sft/loss": loss, "sft/step": step + 1}, step + 1)
-    return accelerator.unwrap_model(model)
-
-
-# ------------------------------------------------------------------------- 10. weighted DPO with LoRA [§3.4, App. A.4]
 def pair_tensors(micro, tokenizer, device):
     """(ids, loss_mask, attention) of the chosen then the rejected sequences, and the weights (B,)."""
-    seqs = [encode(tokenizer, p["prompt"], p[y]) for y in ("chosen", "rejected") for p in micro]
-    tensors = batch_tensors(seqs, tokenizer.pad_token_id, device)
+    tensors = batch_tensors(tokenizer, [(p["prompt"], p[y]) for y in ("chosen", "rejected") for p in micro], device)
     return *tensors, torch.tensor([p["weight"] for p in micro], device=device)
 
 
+# ------------------------------------------------------------------------- 9. weighted DPO with LoRA [§3.4, App. A.4]
 def tune(accelerator, model, tokenizer, pairs, args, world, out):
     """The tuned model and its DPO steps: one adapter on the combined pairs [§4.5], or one per trained role."""
-    if not args.role_adapters:
-        return dpo_train(accelerator, model, tokenizer, pairs, args, world, out)
-    done = 0  # simplification: per-role adapters, the rewriter's "default" (header item 14)
-    for role, epochs in zip(TRAINED, (args.dpo_epochs, args.evaluator_epochs)):
-        mine, name = [p for p in pairs if p["role"] == role], {"rewrite": "default"}.get(role, role)
-        model, done = dpo_train(accelerator, model, tokenizer, mine, args, world, out, name, done, epochs)
-    return model, done
+    if args.role_adapters:  # simplification: per-role adapters, the rewriter's "default" (header item 14)
+        return toy.tune_per_role(dpo_train, accelerator, model, tokenizer, pairs, args, world, out)
+    return dpo_train(accelerator, model, tokenizer, pairs, args, world, out)
 
 
 def dpo_train(accelerator, model, tokenizer, pairs, args, world, out, adapter="default", logged=0, epochs=None):
@@ -837,9 +778,8 @@ def dpo_train(accelerator, model, tokenizer, pairs, args, world, out, adapter="d
     lora = {"r": args.lora_r, "lora_alpha": args.lora_alpha, "lora_dropout": args.lora_dropout}
     if adapter == "default":
         model = add_lora(model, lora | {"target_modules": ["q_proj", "k_proj", "v_proj", "o_proj"]})
-    else:  # a second adapter, the same configuration, trained alone
-        model.add_adapter(adapter, replace(model.peft_config["default"]))
-        model.set_adapter(adapter)
+    else:  # a second adapter (role_adapters, header item 14), the same configuration, trained alone
+        toy.add_role_adapter(model, adapter)
     for p in model.parameters():  # never Adam on bf16 weights: the adapters train in fp32
         p.data = p.data.float() if p.requires_grad else p.data
     epochs = epochs or args.dpo_epochs
@@ -851,7 +791,7 @@ def dpo_train(accelerator, model, tokenizer, pairs, args, world, out, adapter="d
     reference = accelerator.unwrap_model(model).disable_adapter  # pi_ref: the adapter(s) disabled
     for step in range(steps):  # batches in order through the shuffled epochs, renamed whole on every process
         batch = order[step * args.dpo_batch_size : (step + 1) * args.dpo_batch_size]
-        batch = [p | dict(zip(TEXTS, renamed([p[k] for k in TEXTS], world, rng, args.dpo_augment_p))) for p in batch]
+        batch = [p | dict(zip(TEXTS, toy.renamed([p[k] for k in TEXTS], world, rng, args.augment_p))) for p in batch]
         mine, weight = runs.own_share(batch, accelerator)
         model.train()
         optimizer.zero_grad()
@@ -874,17 +814,17 @@ def dpo_train(accelerator, model, tokenizer, pairs, args, world, out, adapter="d
     return accelerator.unwrap_model(model), logged + steps
 
 
-# --------------------------------------------------------------------------- 11. evaluation [§4.1, §5]
+# --------------------------------------------------------------------------- 10. evaluation [§4.1, §5]
 def run_record(run, args, upto=None):
     """A question's scores and cost at its end, or after round `upto` of a fixed-depth run."""
-    snap = run["snapshots"][upto - 1] if upto else {**run["cost"], "answer": run["answer"]}
-    rounds, answer, golds = upto or run["rounds"], snap["answer"], run["row"]["golden_answers"]
-    retrieved = [(t, set(map(str, ids))) for t, ids in run["retrieved"] if t <= rounds]
-    judged = [(e["answer"], e["parsed"]) for e in run["trace"] if e["role"] == "evaluate" and e["t"] <= rounds]
+    snap = run.snapshots[upto - 1] if upto else {**run.cost, "answer": run.answer}
+    rounds, answer, golds = upto or run.rounds, snap["answer"], run.row["golden_answers"]
+    retrieved = [(t, set(map(str, ids))) for t, ids in run.retrieved if t <= rounds]
+    judged = [(e["answer"], e["parsed"]) for e in run.trace if e["role"] == "evaluate" and e["t"] <= rounds]
     wrong = [d for a, d in judged if not is_correct(a, golds, args.correct_by)]
     # simplification: the B.2 overlap of each round's own retrievals, not a dense re-retrieval (header item 4)
     overlaps = [o for r in range(1, rounds + 1) if (o := jaccard_avg([s for t, s in retrieved if t == r])) is not None]
-    gold = run["row"]["metadata"].get("supporting_doc_ids")
+    gold = run.row["metadata"].get("supporting_doc_ids")
     record = answer_scores(answer, golds)
     record["recall"] = paragraph_recall(set().union(*[s for _, s in retrieved]), gold)
     record |= {k: snap.get(k, 0) for k in ("tokens", "generated_tokens", "llm_calls", "retrievals")}
@@ -925,8 +865,8 @@ def evaluate(ctx, rows, width, depth, early_exit, predictions=None, system="spar
 def prediction_of(run, record):
     """One line of predictions_<stage>.jsonl: golds, prediction, the rounds in short, scores and cost."""
     show = lambda e: " | ".join(" ".join(i) for i in e["parsed"]) if e["role"] == "rewrite" else str(e["parsed"])
-    steps = [f"t{e['t']} {e['role']}: {show(e)}" for e in run["trace"] if e["role"] in ("rewrite", "evaluate")]
-    row, short = run["row"], {"prediction": run["answer"], "trajectory": " ; ".join(steps)}
+    steps = [f"t{e['t']} {e['role']}: {show(e)}" for e in run.trace if e["role"] in ("rewrite", "evaluate")]
+    row, short = run.row, {"prediction": run.answer, "trajectory": " ; ".join(steps)}
     return {"id": row.get("id"), "question": row["question"], "golden_answers": row["golden_answers"]} | short | record
 
 
@@ -935,7 +875,7 @@ def brief(result):
     return " ".join(f"{k}={result[k]:.3f}" for k in (*TABLE, "overlap") if result.get(k) is not None)
 
 
-# --------------------------------------------------------------------------- 12. train / eval / ask
+# --------------------------------------------------------------------------- 11. train / eval / ask
 def frozen_parts(args):
     """The BM25 and dense retrievers [App. A.3], and the frozen LLM of the untrained roles (None: the backbone)."""
     dense = open_retriever(args.dense_index, args.corpus, args.encoder)
@@ -946,16 +886,13 @@ def frozen_parts(args):
 
 
 def load_policy(args, device, model_name=None):
-    """The backbone and tokenizer; format_tokens: the formats' tags as single tokens (a toy-lm has no `item`)."""
+    """The backbone and tokenizer (a checkpoint's per-role adapters with it: role_adapters, header item 14)."""
     # fp32 master weights; without a warm-up only LoRA trains, so a GPU run keeps the frozen base in bf16
-    dtype = torch.bfloat16 if device.type == "cuda" and args.warmup == "none" else torch.float32
+    dtype = torch.bfloat16 if device.type == "cuda" and args.sft_steps == 0 else torch.float32
     model, tokenizer = load_model_and_tokenizer(model_name or args.model, dtype=dtype, world=args.world)
-    new = [t for t in FORMAT_TOKENS if t not in tokenizer.get_vocab()] if args.format_tokens else []
-    if new:  # simplification: single-token tags for a model trained from scratch (header item 11)
-        tokenizer.add_tokens([AddedToken(w, single_word=w.isalpha(), normalized=False) for w in new])
-        model.resize_token_embeddings(len(tokenizer), mean_resizing=False)
-    if (second := Path(model_name or args.model) / "evaluate").is_dir():  # --role_adapters (header item 14)
-        model.load_adapter(str(second), adapter_name="evaluate", is_trainable=True)
+    if args.format_tokens:  # simplification: single-token tags for a model trained from scratch (header item 11)
+        toy.add_format_tokens(model, tokenizer)
+    toy.load_role_adapters(model, model_name or args.model)
     return model.to(device), tokenizer
 
 
@@ -971,39 +908,17 @@ def saved_state(args, **state):
     return {"method": "sparcrag", "data_dir": args.data_dir, "world": args.world, "args": asdict(args)} | state
 
 
-def warm_up(accelerator, args, out, rows, test_rows, llm, retrievers, world, results):
-    """The toy's untuned start (header item 9): raw evaluation, teacher runs, SFT, sft/ (resumed: loaded)."""
-    state = runs.load_state(out / "sft") if args.warmup == "teacher" else None
-    policy, tokenizer = load_policy(args, accelerator.device, str(out / "sft") if state else None)
-    if args.warmup == "none" or state:  # simplification: the toy's warm-up follows (header item 9)
-        results["before_sft"] = state and state["before_sft"]
-        return policy, tokenizer, state["steps"] if state else 0
-    require_metadata(rows, TEACHER_READS, Path(args.data_dir) / "train.jsonl", "the toy teacher (--warmup teacher)")
-    with accelerator.autocast():
-        ctx = make_ctx(policy, tokenizer, retrievers, llm, args)
-        saved = out / "predictions_raw.jsonl"
-        results["before_sft"] = evaluate(ctx, test_rows, args.width, args.untuned_depth, False, saved)
-        accelerator.print(f"raw start (fixed depth {args.untuned_depth}) | {brief(results['before_sft'])}")
-        examples = warmup_examples(rows, policy, tokenizer, llm, retrievers, args)
-    accelerator.print(f"warm-up: {len(examples)} teacher examples from {len(rows)} questions")
-    policy = sft(accelerator, policy, tokenizer, examples, args, world, out)
-    if accelerator.is_main_process:
-        state = saved_state(args, before_sft=results["before_sft"], steps=args.sft_steps)
-        runs.save_checkpoint(out / "sft", policy, tokenizer, state)
-    accelerator.wait_for_everyone()
-    return policy, tokenizer, args.sft_steps
-
-
 def train(args):
     """Warm-up, the untuned system's evaluations, pairs from its runs, weighted DPO, the tuned evaluation."""
     start, (accelerator, out) = time.time(), runs.start(args, "sparcrag", stages=("sft", "dpo"))
     train_rows = sample_rows(load_split(args.data_dir, "train", args.question_types), args.n_train, args.seed)
     test_rows = load_split(args.data_dir, "test", args.question_types)[: args.n_eval]
     (retrievers, llm), results, warnings = frozen_parts(args), {}, []
-    # simplification: toy renaming (header item 10)
-    world = world_or_none(args.world) if args.world and (args.augment_p or args.dpo_augment_p) else None
-    policy, tokenizer, n_sft = warm_up(accelerator, args, out, train_rows, test_rows, llm, retrievers, world, results)
-    policy.name_or_path = str((out / "sft").resolve()) if args.warmup == "teacher" else args.model  # the LoRA base
+    world = toy.renaming_world(args)  # simplification: toy renaming (header item 10)
+    # simplification: the toy's untuned start, a warm-up on a teacher (header item 9); the paper's: the model as it is
+    this, parts = sys.modules[__name__], (retrievers, llm)  # this file's rollout and evaluation; its frozen parts
+    policy, tokenizer, n_sft = toy.warm_up(this, accelerator, args, out, train_rows, test_rows, parts, world, results)
+    policy.name_or_path = str((out / "sft").resolve()) if args.sft_steps else args.model  # the LoRA base
     ctx = make_ctx(policy, tokenizer, retrievers, llm, args)
     with accelerator.autocast():  # the untuned system: fixed depth [§4.5]; and with its own stop decisions (ours)
         fixed = out / "predictions_untuned.jsonl"
@@ -1061,10 +976,10 @@ def ask(args):
     ctx = make_ctx(policy, tokenizer, *frozen_parts(args), args)
     row = {"id": "ask", "question": args.ask, "golden_answers": [""], "metadata": {}}
     run = sparc_rag([row], ctx, args.width, args.depth, args.early_exit, args.seed)[0]
-    for e in run["trace"]:
+    for e in run.trace:
         who = e["role"] + ("" if e["k"] is None else str(e["k"] + 1))
         print(f"round {e['t']} {who}: {' '.join(str(e['parsed']).split())}")
-    print(f"answer: {run['answer']} (rounds: {run['rounds']})")
+    print(f"answer: {run.answer} (rounds: {run.rounds})")
 
 
 def main(argv=None):

@@ -217,10 +217,10 @@ def evaluate_method(method, args, seed, model, rows, accelerator):
 
 def no_retrieval(sp, ctx, rows, seed):
     """The frozen LLM alone, with SPARC-RAG's answer prompt and an empty note."""
-    runs_ = [sp.new_run(r) for r in rows]
-    requests = [sp.req(run, ctx["tpl"]["answer"].format(note="", query=run["row"]["question"])) for run in runs_]
+    runs_ = [sp.Run(r) for r in rows]
+    requests = [sp.req(run, ctx["tpl"]["answer"].format(note="", query=run.row["question"])) for run in runs_]
     for run, answer in zip(runs_, sp.call_role(ctx, "naive", 1, requests, seed)):
-        run["answer"] = answer
+        run.answer = answer
     return runs_
 
 
@@ -228,33 +228,34 @@ def iterative(sp, ctx, llm, rows, rounds, seed):
     """Iterative RAG with a fixed number of retrievals (IRCoT-style, ours): round 1 retrieves with the question, each
     later round with the LLM's last <think> step (one step per call, read with every document found so far); the
     LLM then answers from all the documents with SPARC-RAG's answer prompt."""
-    a, runs_ = ctx["args"], [sp.new_run(r) | {"docs": {}, "thoughts": []} for r in rows]
-    queries = [r["question"] for r in rows]
+    a, runs_ = ctx["args"], [sp.Run(r) for r in rows]
+    docs, thoughts, queries = [{} for _ in rows], [[] for _ in rows], [r["question"] for r in rows]
     for t in range(1, rounds + 1):
-        for run, hits in zip(runs_, sp.retrieve(ctx["retrievers"], [("dense", q) for q in queries], a.top_k)):
-            run["cost"]["retrievals"] += 1
-            run["retrieved"].append((t, [h["id"] for h in hits]))
-            run["docs"].update({h["id"]: h for h in hits})
-            run["rounds"] = t
+        found = sp.retrieve(ctx["retrievers"], [("dense", q) for q in queries], a.top_k)
+        for run, seen, hits in zip(runs_, docs, found):
+            run.cost["retrievals"] += 1
+            run.retrieved.append((t, [h["id"] for h in hits]))
+            seen.update({h["id"]: h for h in hits})
+            run.rounds = t
         if t == rounds:
             break
-        fill = lambda run: {"query": run["row"]["question"], "thoughts": " ".join(run["thoughts"])}
-        prompts = [THINK.format(documents=sp.format_passages(run["docs"].values()), **fill(run)) for run in runs_]
+        fill = lambda i: {"query": rows[i]["question"], "thoughts": " ".join(thoughts[i])}
+        prompts = [THINK.format(documents=sp.format_passages(docs[i].values()), **fill(i)) for i in range(len(rows))]
         messages = [[{"role": "user", "content": p}] for p in prompts]
         steps = llm.chat(messages, temperature=0.0, max_tokens=a.max_new_tokens, stop=["</think>"], seed=seed + t)
         steps = [s if "<think>" not in s or "</think>" in s else s + " </think>" for s in steps]  # a stop cut it
         for run, n_in, n_out in zip(runs_, *ctx["count"](prompts, steps)):
-            run["cost"].update(llm_calls=1, tokens=n_in + n_out, generated_tokens=n_out)
-        for i, (run, step) in enumerate(zip(runs_, steps)):
-            run["thoughts"].append(step.strip())
+            run.cost.update(llm_calls=1, tokens=n_in + n_out, generated_tokens=n_out)
+        for i, step in enumerate(steps):
+            thoughts[i].append(step.strip())
             query = " ".join(re.sub(r"<[^>]*>", " ", step).split())
-            queries[i] = query if query and "<answer>" not in step else run["row"]["question"]
+            queries[i] = query if query and "<answer>" not in step else rows[i]["question"]
     requests = [
-        sp.req(run, ctx["tpl"]["answer"].format(note=sp.format_passages(run["docs"].values()), query=q))
-        for run, q in ((run, run["row"]["question"]) for run in runs_)
+        sp.req(run, ctx["tpl"]["answer"].format(note=sp.format_passages(seen.values()), query=run.row["question"]))
+        for run, seen in zip(runs_, docs)
     ]
     for run, answer in zip(runs_, sp.call_role(ctx, "naive", rounds, requests, seed)):
-        run["answer"] = answer
+        run.answer = answer
     return runs_
 
 

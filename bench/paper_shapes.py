@@ -548,7 +548,7 @@ def bench_sparcrag(opts, accelerator, tokenizer, words, out):
             done = sparcrag.sparc_rag(rows, ctx, args.width, 1, early_exit=False, seed=step)
         sync()
         out["steps"].append(dict(generate_round_s=round(time.perf_counter() - t0, 2)) | log.take(opts.hbm_tb_s))
-        entries += [e for run in done for e in run["trace"] if e["role"] in sparcrag.TRAINED]
+        entries += [e for run in done for e in run.trace if e["role"] in sparcrag.TRAINED]
     rng = random.Random(0)
     same_role = lambda e: [x for x in entries if x["role"] == e["role"] and x is not e] or [e]
     pairs = []

@@ -3,7 +3,7 @@
     python bench/sparcrag_dpo_sweep.py --sft runs/toy/sft --cache /tmp/pairs_s0.pt --seed 0             # preset
     python bench/sparcrag_dpo_sweep.py --sft runs/toy/sft --cache /tmp/pairs_s0.pt --seed 0 --dpo_lr 1e-4 --lam 4
     python bench/sparcrag_dpo_sweep.py --sft runs/toy/sft --cache /tmp/pairs_s0.pt --seed 0 --pairs evaluate
-    python bench/sparcrag_dpo_sweep.py --sft runs/toy/sft --cache /tmp/pairs_s0.pt --seed 0 --role_adapters true
+    python bench/sparcrag_dpo_sweep.py --sft runs/toy/sft --cache /tmp/pairs_s0.pt --seed 0 --beta 0.2
     python bench/sparcrag_dpo_sweep.py --sft runs/toy/sft --cache /tmp/pairs_s0.pt --seed 0 --rewrite_repeat 2
 
 The untuned system's runs on the --n_train training questions and their preference pairs are built once and cached

@@ -537,12 +537,13 @@ def sparcrag_dpo_stage(accelerator):
 
 @stage("sparcrag:sft")
 def sparcrag_sft(accelerator):
-    """The toy warm-up's SFT (sparcrag.sft) with SGD at lr 1: a batch of 3 examples (shares of 2 and 1), then one of 1
-    (the second process a stand-in at weight 0)."""
+    """The toy warm-up's SFT (common.toy.sparcrag.sft) with SGD at lr 1: a batch of 3 examples (shares of 2 and 1),
+    then one of 1 (the second process a stand-in at weight 0)."""
     import tempfile
     from dataclasses import replace
 
     import sparcrag
+    from common.toy import sparcrag as toy
 
     model, tokenizer = tiny_lm()
     role = lambda prompt: "rewrite" if prompt.startswith("write") else "evaluate"
@@ -554,8 +555,9 @@ def sparcrag_sft(accelerator):
     try:
         args = sparcrag_args(preset="toy", sft_steps=1, sft_batch_size=4)  # the toy's warm-up, its shares 3 and 1
         with tempfile.TemporaryDirectory() as out:  # its metrics.jsonl (sft/loss)
-            model = sparcrag.sft(accelerator, model, tokenizer, examples, args, None, out)
-            model = sparcrag.sft(accelerator, model, tokenizer, examples, replace(args, sft_batch_size=1), None, out)
+            model = toy.sft(accelerator, model, tokenizer, examples, args, None, out, sparcrag.batch_tensors)
+            small = replace(args, sft_batch_size=1)
+            model = toy.sft(accelerator, model, tokenizer, examples, small, None, out, sparcrag.batch_tensors)
     finally:
         torch.optim.AdamW, sparcrag.runs.sft_step = adamw, sft_step
     return {"loss": torch.tensor(losses, dtype=torch.float64), "grad": before - trained(model)}

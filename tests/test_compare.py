@@ -12,7 +12,7 @@ import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
 TINY_LM = "toy-lm:layers=1,hidden=32,heads=2,kv_heads=2,intermediate=64"
-SPARCRAG_TINY = "sparcrag=--n_train 12 --n_eval 6 --sft_steps 6 --sft_batch_size 8 --dpo_epochs 1 --untuned_depth 2 "
+SPARCRAG_TINY = "sparcrag=--n_train 12 --n_eval 6 --sft_steps 6 --dpo_epochs 1 --untuned_depth 2 "
 SPARCRAG_TINY += "--depth 2 --max_new_tokens 96"
 ENV = os.environ | {"HF_HUB_OFFLINE": "1", "OMP_NUM_THREADS": "1"}
 

@@ -24,13 +24,13 @@ FLAGS = {  # method: (flags, the train_steps the run must report)
                  "--rollout_batch", "1", "--ppo_batch_size", "8", "--max_new_tokens", "16"], {"sft": 2, "ppo": 2}),
     "tearag": (["--sft_steps", "4", "--n_dpo", "6", "--n_rollouts", "2", "--n_eval", "12", "--rounds", "1", "--eta",
                 "1", "--dpo_epochs", "1", "--rollout_batch", "6", "--max_new_tokens", "32"], {"sft": 4, "dpo": 0}),
-    "sparcrag": (["--n_train", "12", "--n_eval", "6", "--sft_steps", "6", "--sft_batch_size", "8", "--dpo_epochs", "1",
+    "sparcrag": (["--n_train", "12", "--n_eval", "6", "--sft_steps", "6", "--dpo_epochs", "1",
                   "--untuned_depth", "2", "--depth", "2", "--max_new_tokens", "96", "--seed", "0"],
                  {"sft": 6, "dpo": 1}),  # two adapters: the evaluator's 1 step (6 warm-up steps: no rewrite pair)
     # the paper preset (no warm-up, one adapter, micro-batch 1), the toy reader as the frozen roles; DPO batches of 1
     # pair: every step leaves the second process a stand-in (weight 0) that must still run DDP's backward
     "sparcrag:paper": (["--preset", "paper", "--llm", "toy", "--encoder", "tfidf", "--synthesize_missing", "--n_train",
-                        "4", "--n_eval", "4", "--max_new_tokens", "16", "--evaluator_max_tokens", "8", "--depth", "2",
+                        "4", "--n_eval", "4", "--max_new_tokens", "16", "--depth", "2",
                         "--untuned_depth", "2", "--dpo_epochs", "1", "--dpo_batch_size", "1", "--seed", "0"],
                        {"sft": 0, "dpo": None}),
 }  # fmt: skip

@@ -30,8 +30,8 @@ FLAGS = {  # the preset's paper values except where a tiny random model or the t
     "tearag": ["--reranker", "lexical", "--n_dpo", "4", "--sft_batch_size", "4", "--sft_steps", "2", "--rollout_batch",
                "4", "--max_new_tokens", "16", "--dpo_epochs", "1,1,1"],
     # --llm toy: a random backbone as Context Manager answers nothing, so no decision could be told right from wrong
-    "sparcrag": ["--llm", "toy", "--synthesize_missing", "--n_train", "4", "--max_new_tokens", "16",
-                 "--evaluator_max_tokens", "8", "--depth", "2", "--untuned_depth", "2"],
+    "sparcrag": ["--llm", "toy", "--synthesize_missing", "--n_train", "4", "--max_new_tokens", "16", "--depth", "2",
+                 "--untuned_depth", "2"],
 }  # fmt: skip
 FINAL = {"smartrag": "ppo", "c3po": "ppo", "sparkle": "ppo", "tearag": "dpo", "sparcrag": "dpo"}
 LORA = {"smartrag", "tearag", "sparcrag"}  # the papers that train adapters (App. A.3, §5.1.3, App. A.4)

@@ -637,12 +637,14 @@ def sparcrag_oracle(preset, rows):
     Manager and Answer Generator (--llm toy: no random model plays a role), under a preset's values and templates:
     (args, ctx, tokenizer, the runs of the tuned system: adaptive depth, capped at --depth)."""
     import sparcrag
+    from common.toy import sparcrag as toy
 
     args = rehearsal_stages.sparcrag_args(preset=preset, **SPARCRAG_ORACLE)
     retrievers, llm = sparcrag.frozen_parts(args)
     policy, tokenizer = sparcrag.load_policy(args, torch.device("cpu"))  # its tokenizer counts the tokens
-    teacher = {role: sparcrag.teacher_role(role, args, args.seed + i) for i, role in enumerate(sparcrag.TRAINED)}
-    ctx = sparcrag.make_ctx(policy, tokenizer, retrievers, llm, args, teacher)
+    ctx = sparcrag.make_ctx(
+        policy, tokenizer, retrievers, llm, args, toy.teacher_roles(args, sparcrag.format_rewrites)
+    )
     return args, ctx, tokenizer, sparcrag.sparc_rag(rows, ctx, args.width, args.depth, True, args.seed)
 
 
@@ -661,7 +663,7 @@ def test_sparcrag_oracle_scores_the_same_under_the_paper_preset_and_its_pairs_tr
         fixed = sparcrag.sparc_rag(rows, ctx, args.width, args.untuned_depth, False, args.seed)
         scores[preset] = [sparcrag.summarize([sparcrag.run_record(r, args) for r in runs], rows)["f1"]
                           for runs in (played, fixed)]  # fmt: skip
-        written = {e["prompt"]: e["output"] for run in played for e in run["trace"]}
+        written = {e["prompt"]: e["output"] for run in played for e in run.trace}
         sample = lambda prompts, n, temperatures: [[written[p], cut] for p in prompts]  # the oracle's, a cut one
         pairs = sparcrag.build_pairs(played, ctx, sample, replace(args, n_samples=2))
         assert {p["role"] for p in pairs} == {"rewrite", "evaluate"} and all(p["rejected"] == cut for p in pairs)
@@ -716,7 +718,7 @@ def test_sparcrag_paper_preset_prints_every_value_pinned_to_the_paper(capsys):
         "top_k": 6,  # [App. A.3: k = 6]
         "temperature": 0.5,  # [App. A.4: generation modules]
         "max_new_tokens": 600,  # [App. A.4: maximum generation length 600]
-        "evaluator_max_tokens": 600,  # [App. A.4] (the evaluator: temperature 0, make_ctx)
+        "evaluator_max_tokens": None,  # [App. A.4: 600]: --max_new_tokens, as every call (evaluator: T 0, make_ctx)
         "seed": 42,  # [App. A.4: global random seed 42]
         "dense_only": False,  # [§4.3: hybrid retrieval; Tab. 6 the dense-only ablation]
         "bootstrap_with_q0": False,  # [Alg. 1: the Rewriter from round 1]
@@ -732,8 +734,7 @@ def test_sparcrag_paper_preset_prints_every_value_pinned_to_the_paper(capsys):
         "micro_batch_size": 1,  # [App. A.4: batch size 1, gradient accumulation]
         "max_length": 8192,  # [App. A.4: maximum sequence length 8192]
         "role_adapters": False,  # [§4.5: the base LLM fine-tuned on the combined data]
-        "warmup": "none",  # [§3.4: pairs from the base model's own runs]
-        "sft_steps": 0,
+        "sft_steps": 0,  # no warm-up [§3.4: pairs from the base model's own runs]
         "n_train": None,  # [§4.1: the training splits]
         "n_eval": None,  # [§4.1: the test splits (500-question subsamples)]
         "system": "sparcrag",
@@ -745,8 +746,7 @@ def test_sparcrag_paper_preset_prints_every_value_pinned_to_the_paper(capsys):
         "rewrite_pair_temperature": 1.0,  # ours
         "rpo_alpha": 0.0,  # DPO alone [§3.4]
         "augment_p": 0.0,  # no toy renaming (header item 10)
-        "dpo_augment_p": 0.0,
-        "evaluator_epochs": 3,  # [App. A.4: 3] (used with --role_adapters only)
+        "evaluator_epochs": 3,  # [App. A.4: 3] (used with role_adapters only)
     }
     assert {k: config[k] for k in paper} == paper
     ignored = """preset train eval ask output_dir run_name resume dry_run report_to data_dir world corpus bm25_index

@@ -15,6 +15,7 @@ import torch
 from conftest import check_contract
 
 import sparcrag
+from common.toy import sparcrag as toy
 from sparcrag import CONTINUE, STOP
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -186,7 +187,7 @@ def test_one_round_of_branches_select_merge_and_stop():
     calls = []
     ctx = scripted_ctx(calls)
     (run,) = sparcrag.sparc_rag([ROW], ctx, width=2, depth=3, early_exit=True)
-    assert run["answer"] == "Stockholm" and run["rounds"] == 1  # the winner said STOP: no second Rewriter call
+    assert run.answer == "Stockholm" and run.rounds == 1  # the winner said STOP: no second Rewriter call
     assert Counter(role for role, _ in calls) == {
         "rewrite": 1,
         "update": 2,
@@ -195,7 +196,7 @@ def test_one_round_of_branches_select_merge_and_stop():
         "select": 1,
         "merge": 1,
     }  # 1 + 3W + 2 = 9 calls
-    assert run["cost"]["llm_calls"] == 9 and run["cost"]["retrievals"] == 2
+    assert run.cost["llm_calls"] == 9 and run.cost["retrievals"] == 2
     updates = [p for role, p in calls if role == "update"]
     assert all("Old note: \nNew information:" in p for p in updates)  # both branches read the same empty m^(0)
     assert DOCS["d1"] in updates[0] and DOCS["d2"] not in updates[0]  # isolation: a branch sees only its passages
@@ -212,20 +213,20 @@ def test_one_round_of_branches_select_merge_and_stop():
     assert "Answer 1: EQT\nEvaluation 1: CONTINUE\nReasoning 1: Anticimex is owned by EQT." in select
     merge = next(p for role, p in calls if role == "merge")
     assert "Note 1: EQT AB is headquartered in Stockholm.\nNote 2: Anticimex is owned by EQT." in merge  # winner first
-    assert run["note"] == "Anticimex is owned by EQT. EQT AB is headquartered in Stockholm."  # the merge output
-    traced = [(e["role"], e["parsed"]) for e in run["trace"]]
+    assert run.note == "Anticimex is owned by EQT. EQT AB is headquartered in Stockholm."  # the merge output
+    traced = [(e["role"], e["parsed"]) for e in run.trace]
     assert ("select", 1) in traced and ("evaluate", STOP) in traced and len(traced) == 9  # every call traced
 
 
 def test_fixed_depth_runs_every_round_and_the_next_rewrite_reads_the_merged_note():
     calls = []
     (run,) = sparcrag.sparc_rag([ROW], scripted_ctx(calls), width=2, depth=3, early_exit=False)
-    assert run["rounds"] == 3 and run["answer"] == "Stockholm"  # the winner's STOP is ignored
+    assert run.rounds == 3 and run.answer == "Stockholm"  # the winner's STOP is ignored
     rewrites = [p for role, p in calls if role == "rewrite"]
     assert len(rewrites) == 3 and "- Context: \n" in rewrites[0]
     assert "- Context: Anticimex is owned by EQT. EQT AB is headquartered in Stockholm.\n" in rewrites[1]
     assert "- Current Query: EQT headquarters location\n" in rewrites[1]  # q_t+1: the winner's sub-query
-    assert [s["llm_calls"] for s in run["snapshots"]] == [9, 18, 27]
+    assert [s["llm_calls"] for s in run.snapshots] == [9, 18, 27]
     updates = [p for role, p in calls if role == "update"]
     assert "Old note: Anticimex is owned by EQT. EQT AB" in updates[2]  # round 2 branches read m^(1)
 
@@ -243,11 +244,11 @@ def test_never_stop_runs_to_the_cap_with_growing_tokens():
     calls = []
     ctx = scripted_ctx(scripted_roles(calls, evaluate=lambda p: "<decision>CONTINUE</decision>"))
     (run,) = sparcrag.sparc_rag([ROW], ctx, width=2, depth=4, early_exit=True)
-    tokens = [s["tokens"] for s in run["snapshots"]]
-    assert run["rounds"] == 4 and run["answer"] == "Stockholm"  # the last round's winner answer
+    tokens = [s["tokens"] for s in run.snapshots]
+    assert run.rounds == 4 and run.answer == "Stockholm"  # the last round's winner answer
     assert all(a < b for a, b in itertools.pairwise(tokens))
     # tokens per question: the sum over the traced calls of whitespace tokens in and out
-    assert run["cost"]["tokens"] == sum(len(e["prompt"].split()) + len(e["output"].split()) for e in run["trace"])
+    assert run.cost["tokens"] == sum(len(e["prompt"].split()) + len(e["output"].split()) for e in run.trace)
 
 
 def test_the_stop_of_a_losing_branch_does_not_end_the_loop():
@@ -256,7 +257,7 @@ def test_the_stop_of_a_losing_branch_does_not_end_the_loop():
         "<decision>STOP</decision>" if "Candidate answer: EQT" in p else "<decision>CONTINUE</decision>"
     )
     (run,) = sparcrag.sparc_rag([ROW], scripted_ctx(scripted_roles(calls, evaluate)), 2, 3, early_exit=True)
-    assert run["rounds"] == 3  # branch 1 (EQT) said STOP, but the selector chose branch 2 (CONTINUE)
+    assert run.rounds == 3  # branch 1 (EQT) said STOP, but the selector chose branch 2 (CONTINUE)
 
 
 def test_every_departure_the_code_marks_is_an_item_of_the_header():
@@ -271,7 +272,12 @@ def test_every_departure_the_code_marks_is_an_item_of_the_header():
     cited = {n for n in re.findall(r"header items? (\d+)", Path(sparcrag.__file__).read_text())}
     assert cited and cited <= set(items) and list(items) == [str(i) for i in range(1, len(items) + 1)]
     marked = lambda fn, n: re.search(rf"simplification: .*header item {n}\)", inspect.getsource(fn))
-    assert marked(sparcrag.aggregate, 6) and "W = 1" in items["6"] and "Select" in items["6"]
+    assert (
+        marked(sparcrag.select_best, 6)
+        and marked(sparcrag.merge_notes, 6)
+        and "W = 1" in items["6"]
+        and "Select" in items["6"]
+    )
     assert marked(sparcrag.policy_role, 7) and "seed" in items["7"]
     assert marked(sparcrag.dpo_loss, 2) and "TRL 0.23.1" in items["2"] and "App. A.4" in items["2"]
     departures, toy = sparcrag.__doc__.split("Departures from the paper")[1].split("Toy-world adaptations")
@@ -284,9 +290,9 @@ def test_calls_per_round_are_1_plus_3w_plus_2_when_w_exceeds_1(width, per_round)
     items = [("bm25", "Anticimex a"), ("dense", "EQT b"), ("dense", "Rentokil c")]
     roles = scripted_roles(calls, rewrite=lambda p: sparcrag.format_rewrites(items))
     (run,) = sparcrag.sparc_rag([ROW], scripted_ctx(roles), width=width, depth=2, early_exit=False)
-    assert run["cost"]["llm_calls"] == 2 * per_round and run["cost"]["retrievals"] == 2 * width
+    assert run.cost["llm_calls"] == 2 * per_round and run.cost["retrievals"] == 2 * width
     if width == 1:  # one branch: its note is the new global note, no Select or Merge call
-        assert "select" not in Counter(r for r, _ in calls) and run["note"] == "Anticimex is owned by EQT."
+        assert "select" not in Counter(r for r, _ in calls) and run.note == "Anticimex is owned by EQT."
 
 
 def test_dense_only_and_the_round_one_bootstrap_variant():
@@ -320,7 +326,7 @@ def test_questions_of_a_batch_share_one_call_per_role_per_round():
     counted = {name: counted(name, chat) for name, chat in scripted_roles([]).items()}
     runs = sparcrag.sparc_rag([ROW, dict(ROW, id="r")], scripted_ctx(counted), width=2, depth=2, early_exit=False)
     assert seen == {"rewrite": 2, "update": 2, "answer": 2, "evaluate": 2, "select": 2, "merge": 2}
-    assert [r["rounds"] for r in runs] == [2, 2]
+    assert [r.rounds for r in runs] == [2, 2]
 
 
 # ---------------------------------------------------------------- preference pairs (§3.4)
@@ -354,8 +360,8 @@ def test_evaluator_pairs_and_the_lambda_weight(decisions, correct, synthesize, p
 
 def test_build_pairs_reads_the_traces_of_a_hand_made_run():
     gold = ["d1", "d2"]
-    run = {"row": {"question": Q0, "golden_answers": ["Stockholm"], "metadata": {"supporting_doc_ids": gold}}}
-    run["trace"] = [
+    run = sparcrag.Run({"question": Q0, "golden_answers": ["Stockholm"], "metadata": {"supporting_doc_ids": gold}})
+    run.trace = [
         {"t": 1, "role": "rewrite", "prompt": "RW", "width": 2, "fallback": Q0},
         {"t": 1, "role": "rewrite", "prompt": "RW", "width": 2, "fallback": Q0},  # the same state twice: once
         {"t": 1, "role": "evaluate", "prompt": "EV-wrong", "answer": "EQT"},
@@ -681,10 +687,10 @@ def naive_ctx(answers, confidences=None):
 def test_naive_parallel_majority_vote_and_vanilla():
     ctx, calls = naive_ctx(["EQT", "stockholm", "Stockholm.", "x", "y", "x"])
     runs = sparcrag.naive([ROW, dict(ROW, id="r")], ctx, "parallel", 3)
-    assert [r["answer"] for r in runs] == ["stockholm", "x"] and calls == ["parallel"] * 6
+    assert [r.answer for r in runs] == ["stockholm", "x"] and calls == ["parallel"] * 6
     assert ctx["retrievers"]["dense"].queries == [Q0, Q0]  # one dense retrieval on q0 per question
     ctx, calls = naive_ctx(["a", "b"])
-    assert [r["answer"] for r in sparcrag.naive([ROW, ROW], ctx, "vanilla", 3)] == ["a", "b"]
+    assert [r.answer for r in sparcrag.naive([ROW, ROW], ctx, "vanilla", 3)] == ["a", "b"]
 
 
 def test_the_naive_baselines_sample_at_the_papers_temperatures():
@@ -709,7 +715,7 @@ def test_the_naive_baselines_sample_at_the_papers_temperatures():
 def test_naive_sequential_retries_below_0_7_and_keeps_the_most_confident():
     ctx, calls = naive_ctx(["a1", "b1", "a2", "a3"], ["0.2", "0.9", "0.6", "0.3"])
     runs = sparcrag.naive([ROW, dict(ROW, id="r")], ctx, "sequential", 3)
-    assert [(r["answer"], r["rounds"]) for r in runs] == [("a2", 3), ("b1", 1)]
+    assert [(r.answer, r.rounds) for r in runs] == [("a2", 3), ("b1", 1)]
     assert calls == ["naive", "naive", "confidence", "confidence", "naive", "confidence", "naive", "confidence"]
 
 
@@ -720,9 +726,9 @@ def test_the_teacher_asks_the_open_facts_and_can_repeat_one():
         "sub_answers": ["velbo", "tuvia"],
         "sub_queries": ["zorvak directed", "velbo born"],
     }
-    run = sparcrag.new_run({"question": "what is the birthplace of the director of zorvak ?", "metadata": meta})
+    run = sparcrag.Run({"question": "what is the birthplace of the director of zorvak ?", "metadata": meta})
     request = {"run": run, "info": {"width": 2}}
-    write = lambda args: sparcrag.teacher_role("rewrite", args, seed=0)([request])[0]
+    write = lambda args: toy.teacher_role("rewrite", args, 0, sparcrag.format_rewrites)([request])[0]
     parse = lambda args: sparcrag.parse_rewrites(write(args), request["info"]["width"])
     clean, noisy = sparcrag.Args(teacher_duplicate=0.0, templates="compact"), sparcrag.Args(teacher_duplicate=1.0)
     assert parse(clean) == [("bm25", "zorvak directed"), ("dense", "zorvak")]  # the fact, the subject alone
@@ -732,10 +738,10 @@ def test_the_teacher_asks_the_open_facts_and_can_repeat_one():
         "<think> i need to know : zorvak directed ; zorvak . strategy : 1 bm25 , 2 dense . </think>\n" + write(clean)
     )
     assert parse(noisy) == [("bm25", "zorvak directed"), ("dense", "zorvak directed")]  # a near-duplicate
-    run["note"] = "zorvak is a film directed by velbo ."
+    run.note = "zorvak is a film directed by velbo ."
     assert parse(clean) == [("bm25", "velbo born"), ("dense", "zorvak")]  # the bridge is named now
     request["info"]["width"] = 4
-    assert parse(clean)[2:] == [("dense", "velbo"), ("dense", run["row"]["question"])]
+    assert parse(clean)[2:] == [("dense", "velbo"), ("dense", run.row["question"])]
     request["info"]["width"] = 2
     meta |= {
         "type": "comparison",
@@ -743,20 +749,20 @@ def test_the_teacher_asks_the_open_facts_and_can_repeat_one():
         "sub_answers": ["1931", "1940"],
         "sub_queries": ["a born", "b born"],
     }
-    run.update(note="", row={"question": "who was born first , a or b ?", "metadata": meta})
+    run.note, run.row = "", {"question": "who was born first , a or b ?", "metadata": meta}
     assert parse(clean) == [("bm25", "a born"), ("bm25", "b born")]  # complementary
 
 
 def test_the_teacher_over_accepts_wrong_answers_at_its_rates():
     args = sparcrag.Args(teacher_accept_correct=0.9, teacher_accept_wrong=0.6, correct_by="em")
-    decide = sparcrag.teacher_role("evaluate", args, seed=0)
-    run = {"row": {"golden_answers": ["tuvia"]}}
+    decide = toy.teacher_role("evaluate", args, 0, sparcrag.format_rewrites)
+    run = sparcrag.Run({"question": "", "golden_answers": ["tuvia"]})
     wrong = decide([{"run": run, "info": {"answer": "unknown"}}] * 2000)
     right = decide([{"run": run, "info": {"answer": "tuvia"}}] * 2000)
     rate = lambda replies: sum(sparcrag.parse_decision(r) == STOP for r in replies) / len(replies)
     assert rate(wrong) == pytest.approx(0.6, abs=0.04) and rate(right) == pytest.approx(0.9, abs=0.03)
     assert set(right) == {"<decision>STOP</decision> [END]", "<decision>CONTINUE</decision> [END]"}
-    paper = sparcrag.teacher_role("evaluate", replace(args, templates="paper", teacher_accept_correct=1.0), seed=0)
+    paper = toy.teacher_role("evaluate", replace(args, templates="paper", teacher_accept_correct=1.0), 0, None)
     assert paper([{"run": run, "info": {"answer": "tuvia"}}]) == [
         "the note states the answer . <decision>STOP</decision> [END]"  # a reason, then the decision
     ]
@@ -780,8 +786,6 @@ TINY = [
     "6",
     "--sft_steps",
     "6",
-    "--sft_batch_size",
-    "8",
     "--dpo_epochs",
     "1",
     "--untuned_depth",
@@ -891,11 +895,11 @@ def test_own_questions_train_without_a_warm_up_and_the_teacher_names_the_metadat
     mine = own_questions(tmp_path / "mine", 4, ("train", "test"))
     flags = ["--data_dir", str(mine), "--world", "data/toy", "--corpus", str(ROOT / "data/toy/corpus.jsonl")]
     flags += ["--model", TINY_LM, "--n_eval", "2", "--depth", "1", "--untuned_depth", "1", "--max_new_tokens", "24"]
-    reads = "'type', 'entities', 'sub_queries', 'sub_answers', which the toy teacher \\(--warmup teacher\\) needs"
+    reads = "'type', 'entities', 'sub_queries', 'sub_answers', which the toy teacher \\(--sft_steps >= 1\\) needs"
     with pytest.raises(DataError, match=f"train.jsonl: row .* has no metadata {reads}"):
         sparcrag.main(["--train", "--output_dir", str(tmp_path / "teacher"), *flags])
     out = tmp_path / "run"
-    stdout = run(["--train", "--warmup", "none", "--output_dir", str(out), *flags], capsys)
+    stdout = run(["--train", "--sft_steps", "0", "--output_dir", str(out), *flags], capsys)
     results = check_contract(out, stdout)  # no gold paragraphs: no rewrite pair, and a warning that says so
     assert results["train_steps"]["sft"] == 0 and "dpo: 0 rewrite preference pairs" in results["warnings"]
 
@@ -904,12 +908,13 @@ def test_own_questions_train_without_a_warm_up_and_the_teacher_names_the_metadat
     "flags, message",
     [
         (["--train", "--preset", "nope"], "argument --preset: invalid choice: 'nope' (choose from 'toy', 'paper')"),
-        (["--train", "--correct_by", "x"], "argument --correct_by/--correct-by: invalid choice: 'x'"),
+        (["--train", "--correct_by", "em"], "unknown flags"),  # a preset-only field (PRESETS) is no flag
         (["--eval", "--system", "x"], "argument --system: invalid choice: 'x' (choose from 'sparcrag', 'vanilla'"),
         (["--eval", "--width", "0"], "--width 0: must be >= 1"),
         (["--train", "--lam", "0.5"], "--lam 0.5: must be >= 1.0"),
         (["--train", "--n_train", "-5"], "--n_train -5: must be >= 1"),
-        (["--train", "--teacher_accept_wrong", "1.5"], "--teacher_accept_wrong 1.5: must be in [0.0, 1.0]"),
+        (["--train", "--teacher_accept_wrong", "0.5"], "unknown flags"),  # toy tuning: a field, not a flag
+        (["--train", "--sft_steps", "-1"], "--sft_steps -1: must be >= 0"),
         (["--train", "--dpo_lr", "0"], "--dpo_lr 0.0: must be >= 1e-09"),
         (["--train", "--depth", "two"], "argument --depth: invalid int value: 'two'"),
     ],
@@ -926,8 +931,6 @@ def test_every_problem_of_a_flag_combination_in_one_line(tmp_path, monkeypatch):
         flags = [
             "--system",
             "vanilla",
-            "--warmup_widths",
-            "1,0",
             "--sft_steps",
             "0",
             "--n_train",
@@ -936,10 +939,7 @@ def test_every_problem_of_a_flag_combination_in_one_line(tmp_path, monkeypatch):
             "1",
         ]
         sparcrag.main(["--train", *flags])
-    assert str(exit_info.value) == (
-        "--system vanilla is evaluated (--eval), not trained; --warmup_widths '1,0': widths >= 1; --warmup teacher "
-        "needs --sft_steps >= 1 (or --warmup none)"
-    )
+    assert str(exit_info.value) == "--system vanilla is evaluated (--eval), not trained"
     with pytest.raises(SystemExit, match="^choose one mode: --train, --eval or --ask"):  # refused as the flags parse
         sparcrag.main(["--train", "--eval", *flags])
     args = sparcrag.Args(train=True, eval=True, n_train=1, n_eval=1)  # Args built in code: apply_preset's own check
@@ -993,9 +993,10 @@ def test_a_malformed_data_file_is_one_line_and_exit_code_2(tmp_path, capsys):
     )
 
 
-def test_paper_templates_run_a_few_steps(tmp_path, capsys):
+def test_paper_templates_run_a_few_steps(tmp_path, capsys, monkeypatch):
     # TINY's 12 training questions: with 4, a GPU's sampling once left no preference pair (a one-line SystemExit)
-    flags = [*TINY, "--templates", "paper", "--n_eval", "2", "--max_new_tokens", "40"]
+    monkeypatch.setitem(sparcrag.PRESETS, "templates", ("paper", "paper"))  # a preset-only field: the toy's value
+    flags = [*TINY, "--n_eval", "2", "--max_new_tokens", "40"]
     stdout = run(["--train", "--output_dir", str(tmp_path / "paper"), *flags], capsys)
     assert check_contract(tmp_path / "paper", stdout)["args"]["templates"] == "paper"
 

@@ -110,19 +110,3 @@ def oracle_tearag(row, path, rng=None, noise=0.0):
     if wrong:  # the other entity, the other yes/no, the start entity of a chain
         answer = {"yes": "no", "no": "yes", meta["entities"][0]: meta["entities"][1]}.get(answer, meta["entities"][0])
     return summary + f"Final answer: {answer}"
-
-
-def oracle_sparcrag(row, note, width, rng, duplicate):
-    """SPARC-RAG's warm-up teacher in the toy world, as (strategy, query) items the method renders in its rewrite
-    format: by bm25 the sub-queries (metadata) of the facts not yet in the global `note` whose subject the question or
-    the note names, then by dense another granularity (a named subject alone, the question); with probability
-    `duplicate` the second item repeats the first by dense (a near-duplicate set). The first `width` items."""
-    meta, q0 = row["metadata"], row["question"]
-    seen, noted = set(re.findall(r"\w+", f"{q0} {note}".lower())), set(re.findall(r"\w+", note.lower()))
-    heads = meta["entities"][:2] if meta["type"] in ("comparison", "yes_no") else meta["entities"][:-1]
-    facts = zip(heads, meta["sub_answers"], meta["sub_queries"])
-    todo = [("bm25", q) for h, a, q in facts if h in seen and not {h, a} <= noted]
-    if todo and rng.random() < duplicate:
-        todo = [todo[0], ("dense", todo[0][1])]
-    fillers = [("dense", h) for h in heads if h in seen] + [("dense", q0)]
-    return list(dict.fromkeys(todo + fillers))[:width]
