@@ -738,9 +738,7 @@ def test_tree_size_bound_with_one_roadmap():
             "dm": "Thought: t{k}\nAction: [Retrieval] sub",
         }
         return [
-            [(r.fixed, [3], [4])]
-            if r.fixed
-            else [(texts[r.agent].format(k=k), [3], [4]) for k in range(r.n)]
+            [(r.fixed, [3], [4])] if r.fixed else [(texts[r.agent].format(k=k), [3], [4]) for k in range(r.n)]
             for r in requests
         ]
 
@@ -1475,7 +1473,7 @@ def test_a_number_out_of_its_range_is_one_line_and_exit_2(flag, value, message, 
      ("max_documents", 6, 10), ("ppo_epochs", 2, 1), ("lam", 0.95, 0.95), ("max_grad_norm", 1.0, 1.0)],
 )  # fmt: skip
 def test_toy_tuning_and_impl_constants_are_preset_values_not_flags(name, toy, paper, capsys):
-    """A preset-only field is no flag (one line, exit 2), is set by each preset, and --help lists it after the flags."""
+    """A preset-only field is no flag (one line, exit 2), each preset sets it, --help lists it after the flags."""
     with pytest.raises(SystemExit) as exit_:
         c3po.main(["--train", f"--{name}", "1"])
     assert exit_.value.code == 2 and f"unknown flags ['--{name}', '1']" in capsys.readouterr().err
