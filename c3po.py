@@ -989,60 +989,7 @@ def ppo_update(accelerator, policy, value, ref, optimizers, schedulers, samples,
     return out | {"losses/explained_variance": explained}
 
 
-# --------------------------------------------------------------------------- 8. evaluation [§6.1, §6.5]
-def tree_record(tree):
-    """Outcome of a one-path (inference) tree: accuracy, EM, F1, strategy, calls, tokens, depth."""
-    nodes, leaf = tree["nodes"], next(n for n in tree["nodes"] if n["kind"] == "leaf")
-    tokens = sum(len(n["action_ids"] or []) for n in nodes if n["kind"] in AGENTS)
-    strategy = next((n.get("strategy", "invalid") for n in nodes if n["kind"] == "router"), "invalid")
-    record = dict(accuracy=leaf["reward"], **answer_scores(leaf["answer"], tree["row"]["golden_answers"]))
-    record |= {k: tree[k] for k in ("retrievals", "llm_calls", "proxy_calls")} | dict(invalid=leaf["why"] != "answer")
-    return record | dict(depth=leaf["depth"], strategy=strategy, generated_tokens=tokens)
-
-
-def node_text(node):
-    """A node's text on one line: a leaf's answer, an agent's output or a roadmap."""
-    return " ".join(str(node.get("answer") if node["kind"] == "leaf" else node["text"]).split())
-
-
-def prediction_of(tree, record, decoding):
-    """One evaluated question: golds, prediction, the path in short (node kind: text), its outcome and cost."""
-    path = " | ".join(f"{n['kind']}: {node_text(n)[:200]}" for n in tree["nodes"][1:])
-    row, leaf = tree["row"], next(n for n in tree["nodes"] if n["kind"] == "leaf")
-    return dict(id=row.get("id"), question=row["question"], decoding=decoding, golden_answers=row["golden_answers"],
-                prediction=leaf["answer"], trajectory=path, **record)  # fmt: skip
-
-
-def evaluate(model, tokenizer, env, rows, args, greedy=True, seed=0, batch=256, predictions=None):
-    """Alg. 1 on the rows (greedy or T = 1), batched; a list `predictions` gets each question's path and scores."""
-    start, records, (mode, decoding) = time.time(), [], ("greedy", "greedy") if greedy else ("sample", "sampled")
-    quiet = not PartialState().is_local_main_process
-    for s in runs.progress(range(0, len(rows), batch), "eval", disable=quiet, leave=False):
-        trees = rollout(rows[s : s + batch], proxy_actor(model, tokenizer, args, greedy), env, args, mode, seed + s)
-        records += [tree_record(t) for t in trees]
-        if predictions is not None:
-            predictions += [prediction_of(t, r, decoding) for t, r in zip(trees, records[-len(trees) :])]
-    latency = (time.time() - start) / max(len(rows), 1)  # simplification: batched wall time per question (header 10)
-    return summarize(records, rows, {"strategy": "strategies"}) | {"latency_s": latency}
-
-
-def evaluate_stage(accelerator, out, stage, model, tokenizer, env, rows, args, step=None):
-    """Greedy and sampled evaluations at a stage (raw, sft, ppo, eval), with predictions_<stage>.jsonl and logs."""
-    kept = []
-    with accelerator.autocast():
-        greedy = evaluate(model, tokenizer, env, rows, args, greedy=True, predictions=kept)
-        sampled = evaluate(model, tokenizer, env, rows, args, greedy=False, seed=args.seed + 10_000, predictions=kept)
-    if accelerator.is_main_process:
-        write_jsonl(out / f"predictions_{stage}.jsonl", kept)
-    strategies = " ".join(f"{k}={v:.2f}" for k, v in greedy["strategies"].items())
-    accelerator.print(f"{stage} | greedy acc={greedy['accuracy']:.3f} retrievals={greedy['retrievals']:.2f} "
-                      f"[{strategies}] | sampled acc={sampled['accuracy']:.3f}")  # fmt: skip
-    if step is not None:
-        runs.log_eval(accelerator, out, stage, greedy | {"sampled": sampled}, step)
-    return greedy | {"sampled": sampled}
-
-
-# --------------------------------------------------------------------------- 9. train / eval / ask
+# --------------------------------------------------------------------------- 8. train [§5.2]
 # the end-of-run table: the judge's accuracy [Tab. 1], the answer's scores, the cost per question [Fig. 3]
 TABLE_ROWS = ("accuracy", "em", "f1", "acc", "retrievals", "llm_calls", "proxy_calls", "generated_tokens", "latency_s")
 
@@ -1142,6 +1089,59 @@ def train(args):
     accelerator.end_training()
     results = runs.result_record("c3po", args, before_sft, before, after, steps, time.time() - start)
     runs.write_results(out, results | {"warnings": warnings}, accelerator.is_main_process, TABLE_ROWS)
+
+
+# --------------------------------------------------------------------------- 9. evaluate, --eval, --ask [§6.1, §6.5]
+def tree_record(tree):
+    """Outcome of a one-path (inference) tree: accuracy, EM, F1, strategy, calls, tokens, depth."""
+    nodes, leaf = tree["nodes"], next(n for n in tree["nodes"] if n["kind"] == "leaf")
+    tokens = sum(len(n["action_ids"] or []) for n in nodes if n["kind"] in AGENTS)
+    strategy = next((n.get("strategy", "invalid") for n in nodes if n["kind"] == "router"), "invalid")
+    record = dict(accuracy=leaf["reward"], **answer_scores(leaf["answer"], tree["row"]["golden_answers"]))
+    record |= {k: tree[k] for k in ("retrievals", "llm_calls", "proxy_calls")} | dict(invalid=leaf["why"] != "answer")
+    return record | dict(depth=leaf["depth"], strategy=strategy, generated_tokens=tokens)
+
+
+def node_text(node):
+    """A node's text on one line: a leaf's answer, an agent's output or a roadmap."""
+    return " ".join(str(node.get("answer") if node["kind"] == "leaf" else node["text"]).split())
+
+
+def prediction_of(tree, record, decoding):
+    """One evaluated question: golds, prediction, the path in short (node kind: text), its outcome and cost."""
+    path = " | ".join(f"{n['kind']}: {node_text(n)[:200]}" for n in tree["nodes"][1:])
+    row, leaf = tree["row"], next(n for n in tree["nodes"] if n["kind"] == "leaf")
+    return dict(id=row.get("id"), question=row["question"], decoding=decoding, golden_answers=row["golden_answers"],
+                prediction=leaf["answer"], trajectory=path, **record)  # fmt: skip
+
+
+def evaluate(model, tokenizer, env, rows, args, greedy=True, seed=0, batch=256, predictions=None):
+    """Alg. 1 on the rows (greedy or T = 1), batched; a list `predictions` gets each question's path and scores."""
+    start, records, (mode, decoding) = time.time(), [], ("greedy", "greedy") if greedy else ("sample", "sampled")
+    quiet = not PartialState().is_local_main_process
+    for s in runs.progress(range(0, len(rows), batch), "eval", disable=quiet, leave=False):
+        trees = rollout(rows[s : s + batch], proxy_actor(model, tokenizer, args, greedy), env, args, mode, seed + s)
+        records += [tree_record(t) for t in trees]
+        if predictions is not None:
+            predictions += [prediction_of(t, r, decoding) for t, r in zip(trees, records[-len(trees) :])]
+    latency = (time.time() - start) / max(len(rows), 1)  # simplification: batched wall time per question (header 10)
+    return summarize(records, rows, {"strategy": "strategies"}) | {"latency_s": latency}
+
+
+def evaluate_stage(accelerator, out, stage, model, tokenizer, env, rows, args, step=None):
+    """Greedy and sampled evaluations at a stage (raw, sft, ppo, eval), with predictions_<stage>.jsonl and logs."""
+    kept = []
+    with accelerator.autocast():
+        greedy = evaluate(model, tokenizer, env, rows, args, greedy=True, predictions=kept)
+        sampled = evaluate(model, tokenizer, env, rows, args, greedy=False, seed=args.seed + 10_000, predictions=kept)
+    if accelerator.is_main_process:
+        write_jsonl(out / f"predictions_{stage}.jsonl", kept)
+    strategies = " ".join(f"{k}={v:.2f}" for k, v in greedy["strategies"].items())
+    accelerator.print(f"{stage} | greedy acc={greedy['accuracy']:.3f} retrievals={greedy['retrievals']:.2f} "
+                      f"[{strategies}] | sampled acc={sampled['accuracy']:.3f}")  # fmt: skip
+    if step is not None:
+        runs.log_eval(accelerator, out, stage, greedy | {"sampled": sampled}, step)
+    return greedy | {"sampled": sampled}
 
 
 def run_eval(args):
