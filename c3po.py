@@ -78,9 +78,8 @@ class Args:
     world: str | None = arg(None, runs.WORLD_HELP)
     n_train: int | None = arg(None, "training questions (None: all) [Tab. 8: 6000 per dataset]", low=1)
     n_eval: int | None = arg(None, "test questions evaluated (None: all) [§6.1: 1000]", low=1)
-    index: str = arg("", "saved retriever folder (python -m common.retrieval build) [§6.1: contriever, wiki-18]",
-                     group="retrieval")  # fmt: skip
-    encoder: str | None = arg(None, "tfidf, bm25 or a dense encoder (hub id or folder) when --index is empty")
+    encoder: str | None = arg(None, "without --index: tfidf, bm25, dense encoder (hub id, folder)", group="retrieval")
+    index: str = arg("", "saved retriever folder (python -m common.retrieval build) [§6.1: contriever, wiki-18]")
     top_k: int | None = arg(None, "documents per retrieval (impl: 10; a repeated query gets the next page)", low=1)
     model: str | None = arg(None, "proxy: hub id, folder or toy-lm spec [Tab. 6: Qwen2-0.5B/1.5B]", group="models")
     llm: str | None = arg(None, "frozen LLM: toy, hf:<name>, http(s)://.../v1 [§6.1: Qwen2-72B-Instruct]")
@@ -93,10 +92,8 @@ class Args:
     branch_k: int = arg(2, "K(t) for t <= branch_until [Eq. 2: 2]", low=1)
     branch_until: int = arg(4, "last depth with K(t) = branch_k, then 1 [Eq. 2: 4]", low=0)
     credit_mode: str = arg("tree", "Eq. 5, or the w/o-tree ablation (§6.4)", choices=["tree", "single_trajectory"])
-    teacher: str | None = arg(
-        None, "the toy oracle, or the frozen LLM in the proxy roles", choices=["oracle", "llm"], group="warm-up [§5.2]"
-    )
-    warmup_keep: int = arg(4, "successful trajectories kept per question [§6.1: 4]", low=1)
+    warmup_keep: int = arg(4, "successful trajectories kept per question [§6.1: 4]", low=1, group="warm-up [§5.2]")
+    teacher: str | None = arg(None, "the toy oracle, or the frozen LLM in the proxy roles", choices=["oracle", "llm"])
     sft_epochs: float | None = arg(None, "SFT epochs [Tab. 6: 3] (when --sft_steps is 0)", low=0.0)
     sft_steps: int | None = arg(None, "SFT steps; overrides epochs when > 0", low=0)
     sft_lr: float | None = arg(None, "SFT learning rate [Tab. 6: 4e-5]", low=POSITIVE)
@@ -120,12 +117,12 @@ class Args:
     rl_augment_p: float | None = arg(None, "renaming probability of a not-popular PPO tree (header 14)", flag=False)
     forced_weight: float | None = arg(None, "policy-loss weight of forced root tokens (header 15)", flag=False)
     ppo_epochs: int | None = arg(None, "epochs over each rollout (OpenRLHF: 1)", flag=False)
-    teacher_noise: float = arg(0.2, "the toy oracle teacher's probability of a wrong action (header 12)", flag=False)
+    teacher_noise: float = arg(0.2, "the toy oracle's probability of a wrong action (0.2; header 12)", flag=False)
     teacher_temperature: float = arg(0.6, "llm teacher sampling temperature (impl: 0.6)", flag=False)
     max_depth_eval: int = arg(15, "maximal depth at test (impl: 15)", flag=False)
     roadmap_temperature: float = arg(0.3, "LLM roadmap temperature (impl: 0.3)", flag=False)
     max_query_words: int = arg(100, "queries truncated to this many words (impl: 100)", flag=False)
-    answer_max_tokens: int = arg(256, "LLM tokens per answer, roadmap or verdict (ours: header 9)", flag=False)
+    answer_max_tokens: int = arg(256, "LLM tokens per answer, roadmap or verdict (ours, 256: header 9)", flag=False)
     gamma: float = arg(1.0, "GAE gamma within a node (OpenRLHF: 1)", flag=False)
     lam: float = arg(0.95, "GAE lambda (OpenRLHF: 0.95)", flag=False)
     clip: float = arg(0.2, "PPO clip epsilon [Eq. 9] (OpenRLHF: 0.2)", flag=False)
@@ -1067,9 +1064,7 @@ def train(args):
     for it in range(steps["ppo"], args.ppo_iterations):
         t0 = time.time()
         rows = rng.sample(train_rows, min(args.rollout_batch, len(train_rows)))
-        rows = toy.rename_rows(
-            rows, world, rng, args.rl_augment_p
-        )  # simplification: rename not-popular trees (header 14)
+        rows = toy.rename_rows(rows, world, rng, args.rl_augment_p)  # simplification: renamed trees (header 14)
         rows, weight = runs.own_share(rows, accelerator)  # this process's trees of the --rollout_batch
         actor = proxy_actor(accelerator.unwrap_model(policy), tokenizer, args, greedy=False)
         with accelerator.autocast():
