@@ -29,8 +29,8 @@ Toy-world adaptations, what only the toy preset changes (preset-only fields; the
 14. SFT examples and not-popular PPO trees are entity-renamed for the proxy (augment_p, rl_augment_p).
 15. The forced root tokens' policy loss is scaled by forced_weight 0.1 (paper preset 1: every node, §5.2).
 16. The judge is cover-EM of the short toy answer, not the LLM judge of App. D.2 (--judge).
-17. Compact templates, one- and two-hop questions, top-3 documents, 6 documents, smaller PPO sizes, 2 PPO epochs
-    (templates, question_types, max_documents, ppo_epochs and the PRESETS' toy column).
+17. Compact templates, one- and two-hop questions, at most 6 documents (templates, question_types, max_documents).
+18. Top-3 documents, smaller SFT and PPO sizes, 2 PPO epochs (ppo_epochs; top_k and the sizes: PRESETS' toy column).
 """
 
 import copy
@@ -107,7 +107,7 @@ class Args:
     value_lr: float | None = arg(None, "value model learning rate [Tab. 7: 5e-6]", low=POSITIVE)
     kl_coef: float = arg(0.005, "KL coefficient beta, a per-token penalty in the reward [Tab. 7: 0.005]", low=0.0)
     value_clip: float = arg(0.2, "value clip around the old values (OpenRLHF: 0.2); 0: Eq. 10 as printed", low=0.0)
-    # set by the presets only (toy-world tuning: header 12-17), or constants of the authors' code (impl, OpenRLHF)
+    # set by the presets only (toy-world tuning: header 12-18), or constants of the authors' code (impl, OpenRLHF)
     templates: str | None = arg(None, "App. B.1 as the authors write it, or compact (header 17)", flag=False)
     system_prompt: str | None = arg(None, "proxy system message (impl: 'You are a helpful assistant.')", flag=False)
     question_types: str | None = arg(None, "comma-separated metadata types to keep (empty: all)", flag=False)
@@ -116,7 +116,7 @@ class Args:
     augment_p: float | None = arg(None, "entity-renaming probability of an SFT example (header 14)", flag=False)
     rl_augment_p: float | None = arg(None, "renaming probability of a not-popular PPO tree (header 14)", flag=False)
     forced_weight: float | None = arg(None, "policy-loss weight of forced root tokens (header 15)", flag=False)
-    ppo_epochs: int | None = arg(None, "epochs over each rollout (OpenRLHF: 1)", flag=False)
+    ppo_epochs: int | None = arg(None, "epochs over each rollout (OpenRLHF: 1; header 18)", flag=False)
     teacher_noise: float = arg(0.2, "the toy oracle's probability of a wrong action (0.2; header 12)", flag=False)
     teacher_temperature: float = arg(0.6, "llm teacher sampling temperature (impl: 0.6)", flag=False)
     max_depth_eval: int = arg(15, "maximal depth at test (impl: 15)", flag=False)
@@ -157,7 +157,7 @@ PRESETS = {  # field: (toy, paper), for the fields left at None; any flag overri
     "augment_p": (1.0, 0.0),  # simplification: toy renaming, so facts are read, never memorised (header 14)
     "rl_augment_p": (1.0, 0.0),  # simplification: toy renaming of not-popular PPO trees (header 14)
     "forced_weight": (0.1, 1.0),  # simplification: the toy proxy overfits the forced roots (header 15)
-    "ppo_epochs": (2, 1),  # simplification: the toy's few trees get two passes (header 17); OpenRLHF: 1
+    "ppo_epochs": (2, 1),  # simplification: the toy's few trees get two passes (header 18); OpenRLHF: 1
 }
 
 

@@ -337,7 +337,7 @@ C3PO_PAPER = {  # flag: the paper preset's value, where the paper (or the author
     "policy_lr": 5e-7,  # Tab. 7
     "value_lr": 5e-6,  # Tab. 7
     "kl_coef": 0.005,  # Tab. 7
-    "ppo_epochs": 1,  # OpenRLHF, App. A.2's framework (header 17: the toy preset's 2)
+    "ppo_epochs": 1,  # OpenRLHF, App. A.2's framework (header 18: the toy preset's 2)
     "gamma": 1.0,  # OpenRLHF
     "lam": 0.95,  # OpenRLHF
     "clip": 0.2,  # OpenRLHF (Eq. 9's epsilon)

@@ -1,6 +1,6 @@
 """C-3PO's toy world (c3po.py reaches it through `--teacher oracle`, the toy preset's values and the adapters below):
 the oracle warm-up teacher, the compact templates, the cheapest-strategy warm-up selection, the entity renaming of SFT
-examples and PPO trees. c3po.py's header lists these as its toy-world adaptations (12-17)."""
+examples and PPO trees. c3po.py's header lists these as its toy-world adaptations (12-18)."""
 
 from pathlib import Path
 
