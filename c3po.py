@@ -20,16 +20,17 @@ Departures from the paper, in both presets (each marked `# simplification: ... (
 6. The policy loss is a token mean over the minibatch (OpenRLHF) where Eq. 9 sums over each sequence's tokens.
 7. The value head is zero-initialised (the paper does not say how).
 8. SFT uses AdamW betas (0.9, 0.98) and a cosine floor of 0.1 x lr (Tab. 6 says only AdamW and cosine).
-9. The LLM's roadmaps, answers and verdicts are capped at --answer_max_tokens (the paper states none).
+9. The LLM's roadmaps, answers and verdicts are capped at answer_max_tokens, 256 (the paper states none).
 10. Latency is batched wall time per question (all questions advance together), not one question served at a time.
 11. Prompts over --prompt_max_len (Tab. 7) and SFT pairs over --cutoff_len (Tab. 6) lose middle tokens (where: ours).
-Toy-world adaptations, what only the toy preset changes (marked alike):
-12. The warm-up teacher is an oracle reading the question's metadata, wrong with p = --teacher_noise.
-13. The warm-up keeps only the cheapest successful strategy's paths (--warmup_select cheapest; paper preset: uniform).
-14. SFT examples and not-popular PPO trees are entity-renamed for the proxy (--augment_p, --rl_augment_p).
-15. The forced root tokens' policy loss is scaled by --forced_weight 0.1 (paper preset 1: every node, §5.2).
+Toy-world adaptations, what only the toy preset changes (preset-only fields; the machinery: common/toy/c3po.py):
+12. The warm-up teacher is an oracle reading the question's metadata, wrong with p = teacher_noise (0.2).
+13. The warm-up keeps only the cheapest successful strategy's paths (warmup_select cheapest; paper preset: uniform).
+14. SFT examples and not-popular PPO trees are entity-renamed for the proxy (augment_p, rl_augment_p).
+15. The forced root tokens' policy loss is scaled by forced_weight 0.1 (paper preset 1: every node, §5.2).
 16. The judge is cover-EM of the short toy answer, not the LLM judge of App. D.2 (--judge).
-17. Compact templates, one- and two-hop questions, top-3 documents, smaller PPO sizes, 2 PPO epochs (PRESETS).
+17. Compact templates, one- and two-hop questions, at most 6 documents (templates, question_types, max_documents).
+18. Top-3 documents, smaller SFT and PPO sizes, 2 PPO epochs (ppo_epochs; top_k and the sizes: PRESETS' toy column).
 """
 
 import copy
@@ -38,28 +39,30 @@ import random
 import re
 import time
 from collections import Counter, defaultdict
-from dataclasses import asdict, dataclass, replace
+from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 
 import torch
 from accelerate import PartialState
 
 from common import runs
-from common.data import load_split, require_metadata, sample_rows, write_jsonl
+from common.data import load_split, sample_rows, write_jsonl
 from common.llm import backbone_of, chat_prompts, generate, right_pad, unknown_words
 from common.metrics import answer_scores, cover_em, summarize
 from common.models import load_model_and_tokenizer, make_llm
 from common.retrieval import open_retriever
 from common.runs import arg, cosine
-from common.toy import RenamingEnv, load_world, oracle_c3po, rename_entities, rename_rows
+from common.toy import RenamingEnv
+from common.toy import c3po as toy
 
 POSITIVE = 1e-12  # the low end of a number that must be > 0 (learning rates, the gradient-norm clip)
 
 
 @dataclass
 class Args:
-    # experiment
-    preset: str = arg("toy", "toy (built-in toy world, tiny proxy, CPU) or paper", choices=["toy", "paper"])
+    preset: str = arg(
+        "toy", "toy (built-in toy world, tiny proxy, CPU) or paper", choices=["toy", "paper"], group="run"
+    )
     train: bool = arg(False, "teacher warm-up data, SFT, PPO, evaluation")
     eval: bool = arg(False, "evaluate --model (a checkpoint or the untrained start)")
     ask: str = arg("", "answer one question with --model and print the trajectory")
@@ -69,65 +72,62 @@ class Args:
     dry_run: bool = arg(False, "print the resolved configuration, check its paths and models, load nothing")
     report_to: str = arg("none", "tracker beside metrics.jsonl", choices=["none", "tensorboard", "wandb"])
     seed: int = arg(0, "seed of models, sampling and data order", low=0)
-    # data, retriever, models
-    data_dir: str | None = arg(None, "folder with train/test jsonl (FlashRAG QA)")
+    eval_every: int = arg(10, "checkpoint every this many PPO updates", low=1)
+    data_dir: str | None = arg(None, "folder with train/test jsonl (FlashRAG QA)", group="data")
     corpus: str | None = arg(None, "FlashRAG corpus jsonl (default: data_dir's corpus.jsonl, else --world's)")
     world: str | None = arg(None, runs.WORLD_HELP)
+    n_train: int | None = arg(None, "training questions (None: all) [Tab. 8: 6000 per dataset]", low=1)
+    n_eval: int | None = arg(None, "test questions evaluated (None: all) [§6.1: 1000]", low=1)
+    encoder: str | None = arg(None, "without --index: tfidf, bm25, dense encoder (hub id, folder)", group="retrieval")
     index: str = arg("", "saved retriever folder (python -m common.retrieval build) [§6.1: contriever, wiki-18]")
-    encoder: str | None = arg(None, "tfidf, bm25 or a dense encoder (hub id or folder) when --index is empty")
-    model: str | None = arg(None, "proxy: hub id, folder or toy-lm spec [Tab. 6: Qwen2-0.5B/1.5B]")
+    top_k: int | None = arg(None, "documents per retrieval (impl: 10; a repeated query gets the next page)", low=1)
+    model: str | None = arg(None, "proxy: hub id, folder or toy-lm spec [Tab. 6: Qwen2-0.5B/1.5B]", group="models")
     llm: str | None = arg(None, "frozen LLM: toy, hf:<name>, http(s)://.../v1 [§6.1: Qwen2-72B-Instruct]")
     llm_model: str = arg("", "served model name when --llm is an endpoint URL")
     judge: str | None = arg(None, "the App. D.2 judge prompt on --llm, or cover-EM", choices=["llm", "cover_em"])
-    templates: str | None = arg(None, "App. B as the authors write it, or compact", choices=["paper", "compact"])
-    system_prompt: str | None = arg(None, "proxy system message (impl: 'You are a helpful assistant.')")
-    n_train: int | None = arg(None, "training questions (None: all) [Tab. 8: 6000 per dataset]", low=1)
-    n_eval: int | None = arg(None, "test questions evaluated (None: all) [§6.1: 1000]", low=1)
-    question_types: str | None = arg(None, "comma-separated metadata types to keep (empty: all)")
-    # agents, strategies, tree rollout [§4, §5.1]
-    top_k: int | None = arg(None, "documents per retrieval (impl: 10; a repeated query gets the next page)", low=1)
-    max_documents: int | None = arg(None, "more accumulated documents force [LLM] (impl: 10)", low=0)
-    max_depth: int = arg(13, "maximal tree depth in training [Tab. 7: 13]", low=1)
-    max_depth_eval: int = arg(15, "maximal depth at test (impl: 15)", low=1)
-    branch_k: int = arg(2, "K(t) for t <= branch_until [Eq. 2: 2]", low=1)
-    branch_until: int = arg(4, "last depth with K(t) = branch_k, then 1 [Eq. 2: 4]", low=0)
-    roadmap_temperature: float = arg(0.3, "LLM roadmap temperature (impl: 0.3)", low=0.0)
-    max_query_words: int = arg(100, "queries truncated to this many words (impl: 100)", low=1)
     max_new_tokens: int | None = arg(None, "proxy (and LLM teacher) tokens per action [Tab. 7: 2048]", low=1)
     prompt_max_len: int = arg(4096, "proxy prompt tokens, the middle cut beyond (header 11) [Tab. 7: 4096]", low=1)
-    answer_max_tokens: int = arg(256, "LLM tokens per answer, roadmap or verdict (ours: header 9)", low=1)
-    credit_mode: str = arg("tree", "Eq. 5, or the w/o-tree ablation (§6.4)", choices=["tree", "single_trajectory"])
-    forced_weight: float | None = arg(None, "policy-loss weight of forced root tokens (1: every node, §5.2)", low=0.0)
     gen_batch_size: int = arg(512, "prompts per proxy generate call (memory only)", low=1)
-    # warm-up [§5.2]
+    max_depth: int = arg(13, "maximal tree depth in training [Tab. 7: 13]", low=1, group="tree rollout [§5.1]")
+    branch_k: int = arg(2, "K(t) for t <= branch_until [Eq. 2: 2]", low=1)
+    branch_until: int = arg(4, "last depth with K(t) = branch_k, then 1 [Eq. 2: 4]", low=0)
+    credit_mode: str = arg("tree", "Eq. 5, or the w/o-tree ablation (§6.4)", choices=["tree", "single_trajectory"])
+    warmup_keep: int = arg(4, "successful trajectories kept per question [§6.1: 4]", low=1, group="warm-up [§5.2]")
     teacher: str | None = arg(None, "the toy oracle, or the frozen LLM in the proxy roles", choices=["oracle", "llm"])
-    teacher_noise: float = arg(0.2, "the toy oracle teacher's probability of a wrong action", low=0.0, high=1.0)
-    teacher_temperature: float = arg(0.6, "llm teacher sampling temperature (impl: 0.6)", low=0.0)
-    warmup_keep: int = arg(4, "successful trajectories kept per question [§6.1: 4]", low=1)
-    warmup_select: str | None = arg(None, "all successes, or the cheapest strategy's", choices=["uniform", "cheapest"])
     sft_epochs: float | None = arg(None, "SFT epochs [Tab. 6: 3] (when --sft_steps is 0)", low=0.0)
     sft_steps: int | None = arg(None, "SFT steps; overrides epochs when > 0", low=0)
     sft_lr: float | None = arg(None, "SFT learning rate [Tab. 6: 4e-5]", low=POSITIVE)
     sft_batch_size: int | None = arg(None, "SFT batch size, over all processes [Tab. 6: 512]", low=1)
     cutoff_len: int = arg(4096, "SFT tokens of prompt + output, the prompt's middle cut beyond [Tab. 6: 4096]", low=1)
     micro_batch_size: int | None = arg(None, "sequences per forward pass (gradient accumulation)", low=1)
-    augment_p: float | None = arg(None, "toy: entity-renaming probability of an SFT example", low=0.0, high=1.0)
-    rl_augment_p: float | None = arg(None, "toy: renaming probability of a not-popular PPO tree", low=0.0, high=1.0)
-    # PPO [§5.2, App. A.1, Tab. 7]
-    ppo_iterations: int | None = arg(None, "PPO updates (chosen on validation; impl ~150)", low=1)
+    ppo_iterations: int | None = arg(None, "PPO updates (chosen on validation; impl ~150)", low=1, group="PPO [§5.2]")
     rollout_batch: int | None = arg(None, "questions (trees) per PPO update, over all processes", low=1)
     ppo_batch_size: int | None = arg(None, "node samples per minibatch, over all processes [Tab. 7: 1024]", low=1)
-    ppo_epochs: int | None = arg(None, "epochs over each rollout (OpenRLHF: 1)", low=1)
     policy_lr: float | None = arg(None, "policy learning rate [Tab. 7: 5e-7]", low=POSITIVE)
     value_lr: float | None = arg(None, "value model learning rate [Tab. 7: 5e-6]", low=POSITIVE)
     kl_coef: float = arg(0.005, "KL coefficient beta, a per-token penalty in the reward [Tab. 7: 0.005]", low=0.0)
-    gamma: float = arg(1.0, "GAE gamma within a node (OpenRLHF: 1)", low=0.0, high=1.0)
-    lam: float = arg(0.95, "GAE lambda (OpenRLHF: 0.95)", low=0.0, high=1.0)
-    clip: float = arg(0.2, "PPO clip epsilon [Eq. 9] (OpenRLHF: 0.2)", low=0.0)
-    vf_coef: float = arg(0.5, "c_v [Eq. 11] (OpenRLHF: 0.5)", low=0.0)
     value_clip: float = arg(0.2, "value clip around the old values (OpenRLHF: 0.2); 0: Eq. 10 as printed", low=0.0)
-    max_grad_norm: float = arg(1.0, "gradient clipping (OpenRLHF: 1.0)", low=POSITIVE)
-    eval_every: int = arg(10, "checkpoint every this many PPO updates", low=1)
+    # set by the presets only (toy-world tuning: header 12-18), or constants of the authors' code (impl, OpenRLHF)
+    templates: str | None = arg(None, "App. B.1 as the authors write it, or compact (header 17)", flag=False)
+    system_prompt: str | None = arg(None, "proxy system message (impl: 'You are a helpful assistant.')", flag=False)
+    question_types: str | None = arg(None, "comma-separated metadata types to keep (empty: all)", flag=False)
+    max_documents: int | None = arg(None, "more accumulated documents force [LLM] (impl: 10)", flag=False)
+    warmup_select: str | None = arg(None, "all successes, or the cheapest strategy's (header 13)", flag=False)
+    augment_p: float | None = arg(None, "entity-renaming probability of an SFT example (header 14)", flag=False)
+    rl_augment_p: float | None = arg(None, "renaming probability of a not-popular PPO tree (header 14)", flag=False)
+    forced_weight: float | None = arg(None, "policy-loss weight of forced root tokens (header 15)", flag=False)
+    ppo_epochs: int | None = arg(None, "epochs over each rollout (OpenRLHF: 1; header 18)", flag=False)
+    teacher_noise: float = arg(0.2, "the toy oracle's probability of a wrong action (0.2; header 12)", flag=False)
+    teacher_temperature: float = arg(0.6, "llm teacher sampling temperature (impl: 0.6)", flag=False)
+    max_depth_eval: int = arg(15, "maximal depth at test (impl: 15)", flag=False)
+    roadmap_temperature: float = arg(0.3, "LLM roadmap temperature (impl: 0.3)", flag=False)
+    max_query_words: int = arg(100, "queries truncated to this many words (impl: 100)", flag=False)
+    answer_max_tokens: int = arg(256, "LLM tokens per answer, roadmap or verdict (ours, 256: header 9)", flag=False)
+    gamma: float = arg(1.0, "GAE gamma within a node (OpenRLHF: 1)", flag=False)
+    lam: float = arg(0.95, "GAE lambda (OpenRLHF: 0.95)", flag=False)
+    clip: float = arg(0.2, "PPO clip epsilon [Eq. 9] (OpenRLHF: 0.2)", flag=False)
+    vf_coef: float = arg(0.5, "c_v [Eq. 11] (OpenRLHF: 0.5)", flag=False)
+    max_grad_norm: float = arg(1.0, "gradient clipping (OpenRLHF: 1.0)", flag=False)
 
 
 PRESETS = {  # field: (toy, paper), for the fields left at None; any flag overrides them
@@ -136,28 +136,28 @@ PRESETS = {  # field: (toy, paper), for the fields left at None; any flag overri
     "model": ("toy-lm", "Qwen/Qwen2-0.5B"),  # [Tab. 6]
     "llm": ("toy", "hf:Qwen/Qwen2-72B-Instruct"),  # [§6.1]
     "judge": ("cover_em", "llm"),  # simplification: string match in the toy world (header 16)
-    "templates": ("compact", "paper"),  # simplification: no instruction prose in the toy world (header 17)
-    "system_prompt": ("", "You are a helpful assistant."),  # impl
-    "question_types": ("one_hop,two_hop", ""),
     "top_k": (3, 10),  # impl
-    "max_documents": (6, 10),  # impl
     "max_new_tokens": (20, 2048),  # [Tab. 7]
     "teacher": ("oracle", "llm"),  # simplification: the toy oracle teacher (header 12)
-    "warmup_select": ("cheapest", "uniform"),  # simplification: header 13
     "sft_epochs": (0.0, 3.0),  # [Tab. 6]
     "sft_steps": (1500, 0),
     "sft_lr": (2e-3, 4e-5),  # [Tab. 6]
     "sft_batch_size": (32, 512),  # [Tab. 6]
     "micro_batch_size": (8, 4),
-    "augment_p": (1.0, 0.0),  # simplification: toy renaming (header 14)
-    "rl_augment_p": (1.0, 0.0),
     "ppo_iterations": (20, 150),  # impl
-    "ppo_epochs": (2, 1),  # simplification: header 17
     "rollout_batch": (32, 64),
     "ppo_batch_size": (32, 1024),  # [Tab. 7]
-    "forced_weight": (0.1, 1.0),  # simplification: header 15
     "policy_lr": (1e-4, 5e-7),  # [Tab. 7]
     "value_lr": (1e-3, 5e-6),  # [Tab. 7]
+    "templates": ("compact", "paper"),  # simplification: no instruction prose in the toy world (header 17)
+    "system_prompt": ("", "You are a helpful assistant."),  # impl; the toy proxy's vocabulary has no prose
+    "question_types": ("one_hop,two_hop", ""),  # the toy world's questions a tiny proxy learns in minutes (header 17)
+    "max_documents": (6, 10),  # impl; 6 of the toy world's short passages (header 17)
+    "warmup_select": ("cheapest", "uniform"),  # simplification: the toy oracle's cheapest strategy (header 13)
+    "augment_p": (1.0, 0.0),  # simplification: toy renaming, so facts are read, never memorised (header 14)
+    "rl_augment_p": (1.0, 0.0),  # simplification: toy renaming of not-popular PPO trees (header 14)
+    "forced_weight": (0.1, 1.0),  # simplification: the toy proxy overfits the forced roots (header 15)
+    "ppo_epochs": (2, 1),  # simplification: the toy's few trees get two passes (header 18); OpenRLHF: 1
 }
 
 
@@ -368,19 +368,7 @@ Correct Answer: {golds}
 Predicted Answer: {prediction}
 """
 
-TEMPLATES = {
-    "paper": PAPER_TEMPLATES,
-    "compact": dict(  # simplification: the toy preset's compact set (header 17)
-        router="decide : no retrieval , retrieval or planning . question : {question}",
-        filter_plan="filter documents . goal : {objective} question : {question} documents : {documents}",
-        filter_direct="filter documents . question : {question} documents : {documents}",
-        dm="decide next action . existing documents : {documents} plan : {roadmap} question : {question}",
-        dm_llm="use llm . existing documents : {documents} plan : {roadmap} question : {question}",
-        roadmap="write a plan . question : {question}",
-        answer="answer the question using the documents . documents : {documents} question : {question}",
-        answer_no_docs="answer the question . question : {question}",
-    ),
-}
+TEMPLATES = {"paper": PAPER_TEMPLATES, "compact": toy.COMPACT_TEMPLATES}  # compact: the toy preset (header 17)
 ROUTER_ACTIONS = {"no retrieval": "No Retrieval", "retrieval": "Retrieval", "planning": "Planning"}  # [§4.1]
 DM_ACTIONS = {"retrieval": "Retrieval", "llm": "LLM"}  # [§4.1]
 AGENTS = ("router", "filter", "dm")  # [§3] N = {Reasoning Router, Information Filter, Decision Maker}
@@ -455,7 +443,39 @@ def parse_dm(text, max_query_words=100):
     return (parts[0], *got) if got else None
 
 
-# --------------------------------------------------------------------------- 3. the agents' transitions [App. B.2]
+# --------------------------------------------------------------------------- 3. rewards and credit [§5.1, Eq. 5]
+def score_leaves(trees, env, args):
+    """R = 1 if the final answer is judged correct, else 0 [§5.1]; invalid and over-depth leaves keep R = 0."""
+    leaves = [(t, n) for t in trees for n in t["nodes"] if n["kind"] == "leaf" and n["why"] == "answer"]
+    if args.judge == "llm":  # [App. D.2]
+        prompts = [JUDGE_PROMPT.format(question=t["row"]["question"], prediction=n["answer"],
+                                       golds=str(t["row"]["golden_answers"])) for t, n in leaves]  # fmt: skip
+        replies = env.chat([[{"role": "user", "content": p}] for p in prompts], [t["row"] for t, _ in leaves],
+                           temperature=0.0, max_tokens=args.answer_max_tokens)  # fmt: skip
+        rewards = [float("true" in visible(r).lower()) for r in replies]  # impl; a thinking judge's verdict
+    else:  # simplification: a gold answer as a whole-token span of the short toy answer (header 16)
+        rewards = [cover_em(n["answer"], t["row"]["golden_answers"]) for t, n in leaves]
+    for (_, n), r in zip(leaves, rewards):
+        n["reward"] = r
+
+
+def leaf_credits(nodes):
+    """Eq. 5 for every node (parents first): the mean reward of the leaves it reaches, not of its children's means."""
+    total, count = [0.0] * len(nodes), [0] * len(nodes)
+    for i in reversed(range(len(nodes))):
+        if nodes[i]["kind"] == "leaf":
+            total[i], count[i] = total[i] + nodes[i]["reward"], count[i] + 1
+        parent = nodes[i]["parent"]
+        if parent is not None:
+            total[parent] += total[i]
+            count[parent] += count[i]
+    return [t / c if c else 0.0 for t, c in zip(total, count)]
+
+
+# --------------------------------------------------------------------------- 4. tree rollout [§5.1, Eq. 1-4, Alg. 1]
+# One tree per question [Eq. 4], grown level by level: the proxy acts on every pending agent state (router, filter,
+# decision maker), each output goes through T(s, a) (transition), then the level's retrievals and LLM calls open the
+# next states. Tree mode forces the three strategies at the root and samples K(t) children (Eq. 2) below.
 def transition(agent, text, ctx, strict, max_query_words):
     """T(s_t, a_t) [Eq. 3; Eq. 12-15; Alg. 1]: the event an agent's output leads to, and the next state's context."""
     # ("answer", docs): the LLM answers; ("roadmap",): the LLM plans; ("search", query): retrieval, then the
@@ -501,23 +521,57 @@ def dm_forced(n_docs, dm_depth, max_documents, max_depth):
     return n_docs > max_documents or dm_depth - 1 > max_depth - 4
 
 
-def leaf_credits(nodes):
-    """Eq. 5 for every node (parents first): the mean reward of the leaves it reaches, not of its children's means."""
-    total, count = [0.0] * len(nodes), [0] * len(nodes)
-    for i in reversed(range(len(nodes))):
-        if nodes[i]["kind"] == "leaf":
-            total[i], count[i] = total[i] + nodes[i]["reward"], count[i] + 1
-        parent = nodes[i]["parent"]
-        if parent is not None:
-            total[parent] += total[i]
-            count[parent] += count[i]
-    return [t / c if c else 0.0 for t, c in zip(total, count)]
+@dataclass
+class Request:
+    """A pending agent state s_t [Eq. 3]: the proxy (or teacher) writes n outputs for it (fixed: a forced output)."""
+
+    tree: dict
+    parent: int  # the node the agent's output hangs below
+    agent: str  # router, filter or dm
+    depth: int
+    prompt: str
+    ctx: dict  # what the state holds: accumulated docs, queries used, roadmap, objective, retrieved docs, strategy
+    n: int
+    prefix: str = ""
+    fixed: str | None = None
 
 
-# --------------------------------------------------------------------------- 4. tree rollout [§5.1, Eq. 1-4, Alg. 1]
-def request(tree, parent, agent, depth, prompt, ctx, n, prefix="", fixed=None):
-    """A pending agent state: the proxy (or teacher) writes n outputs for it (fixed: a forced output)."""
-    return dict(locals())  # tree, parent, agent, depth, prompt, ctx, n, prefix, fixed
+@dataclass
+class ToolCall:
+    """A retrieval (kind search, text the query) or an LLM call (roadmap or answer, text the prompt) of a node."""
+
+    tree: dict
+    node: int
+    ctx: dict
+    kind: str
+    text: str
+
+
+@dataclass
+class Level:
+    """What one level of the trees hands on: the next agent states, the retrievals and the LLM calls [Alg. 1]."""
+
+    requests: list = field(default_factory=list)
+    searches: list = field(default_factory=list)
+    calls: list = field(default_factory=list)
+
+
+@dataclass
+class Expansion:
+    """How a rollout grows its trees: tree (forced top, then K(t) samples: RL and warm-up), single_trajectory (one
+    sampled path, the §6.4 ablation), greedy / sample (inference, Alg. 1)."""
+
+    args: Args
+    mode: str
+
+    def __post_init__(self):
+        self.testing = self.mode in ("greedy", "sample")
+        self.max_depth = self.args.max_depth_eval if self.testing else self.args.max_depth
+        self.tpl = TEMPLATES[self.args.templates]
+
+    def k(self, depth):
+        """K(t) [Eq. 2] in tree mode, else one child."""
+        return branching(depth, self.args.branch_k, self.args.branch_until) if self.mode == "tree" else 1
 
 
 def add_node(tree, parent, kind, depth, **fields):
@@ -536,99 +590,101 @@ def router_requests(tree, mode, args):
     prompt = TEMPLATES[args.templates]["router"].format(question=tree["row"]["question"])
     ctx = dict(acc=[], used={}, roadmap="", objective="", docs=[], query="", strategy="")
     forced = [dict(fixed="[No Retrieval]"), dict(prefix="[Retrieval]"), dict(fixed="[Planning]")]
-    return [request(tree, 0, "router", 1, prompt, ctx, 1, **f) for f in (forced if mode == "tree" else [{}])]
+    return [Request(tree, 0, "router", 1, prompt, ctx, 1, **f) for f in (forced if mode == "tree" else [{}])]
+
+
+def decision_maker(x, tree, parent, ctx, depth):
+    """The Decision Maker's state S^3 = {q, accumulated documents, roadmap} [Eq. 13, 15], or a leaf past the cap."""
+    if depth > x.max_depth:
+        add_leaf(tree, parent, "max_depth")
+        return []
+    forced = dm_forced(len(ctx["acc"]), depth, x.args.max_documents, x.max_depth)
+    docs, question = format_documents(ctx["acc"]), tree["row"]["question"]
+    prompt = x.tpl["dm_llm" if forced else "dm"].format(documents=docs, roadmap=ctx["roadmap"], question=question)
+    return [Request(tree, parent, "dm", depth, prompt, dict(ctx, forced=forced), x.k(depth))]
+
+
+def expand(x, req, outputs, level):
+    """An agent's outputs a ~ pi(.|s) [Eq. 1] as child nodes, each through T(s, a) [Eq. 3]: a leaf (invalid output,
+    R = 0), the Decision Maker's next state, or a retrieval or LLM call for the level."""
+    tree = req.tree
+    for text, prompt_ids, action_ids in {o[0]: o for o in outputs}.values():  # impl: identical children once
+        tree["proxy_calls"] += 1
+        fields = dict(text=text, prompt=req.prompt, prompt_ids=prompt_ids, action_ids=action_ids)
+        node = add_node(tree, req.parent, req.agent, req.depth, **fields, fixed=req.fixed, prefix=req.prefix)
+        event, ctx = transition(req.agent, text, req.ctx, not x.testing, x.args.max_query_words)  # [Eq. 3]
+        if req.agent == "router" and event[0] != "invalid":
+            tree["nodes"][node]["strategy"] = ctx["strategy"]
+        if event[0] == "invalid":
+            add_leaf(tree, node, "invalid")
+        elif event[0] == "decide":
+            level.requests += decision_maker(x, tree, node, ctx, req.depth + 1)
+        elif event[0] == "search":
+            level.searches.append(ToolCall(tree, node, ctx, "search", event[1]))
+        else:  # the LLM answers or writes the roadmap
+            prompt = llm_prompt(x.tpl, tree["row"]["question"], event)
+            level.calls.append(ToolCall(tree, node, ctx, event[0], prompt))
+
+
+def retrieve(x, searches, env):
+    """One retrieval call for the level's queries [Alg. 1 L5, L14; Eq. 12]; each result opens an Information Filter
+    state S^2 [Eq. 12, 14] (or a leaf at the depth cap). A query repeated in a path gets the next page (impl)."""
+    if not searches:
+        return []
+    requests, pages = [], [s.ctx["used"].get(s.text, 0) for s in searches]
+    hits = env.search([s.text for s in searches], x.args.top_k * (max(pages) + 1), [s.tree["row"] for s in searches])
+    for s, page, found in zip(searches, pages, hits):
+        s.tree["retrievals"] += 1
+        s.ctx.update(docs=found[page * x.args.top_k : (page + 1) * x.args.top_k], query=s.text)
+        depth = s.tree["nodes"][s.node]["depth"] + 1
+        if depth > x.max_depth:
+            add_leaf(s.tree, s.node, "max_depth")
+            continue
+        key = "filter_plan" if s.ctx["strategy"] == "Planning" else "filter_direct"  # S^2 [Eq. 12, 14]
+        docs, question = format_documents(s.ctx["docs"]), s.tree["row"]["question"]
+        prompt = x.tpl[key].format(objective=s.ctx["objective"], question=question, documents=docs)
+        requests.append(Request(s.tree, s.node, "filter", depth, prompt, s.ctx, x.k(depth)))
+    return requests
+
+
+def ask_llm(x, calls, env):
+    """The frozen LLM's calls of the level, one per kind: a roadmap [Alg. 1 L10, Eq. 13] opens the Decision Maker's
+    state; an answer [Alg. 1 L3, L7, L12, L18] is a leaf."""
+    requests = []
+    for kind in ("roadmap", "answer"):
+        todo = [c for c in calls if c.kind == kind]
+        if not todo:
+            continue
+        messages, rows = [[{"role": "user", "content": c.text}] for c in todo], [c.tree["row"] for c in todo]
+        temperature = x.args.roadmap_temperature if kind == "roadmap" else 0.0  # impl
+        # simplification: a cap on the LLM's output (header 9)
+        replies = env.chat(messages, rows, temperature=temperature, max_tokens=x.args.answer_max_tokens)
+        for c, reply in zip(todo, map(visible, replies)):  # a thinking LLM's reply
+            c.tree["llm_calls"] += 1
+            if kind == "answer":
+                add_leaf(c.tree, c.node, "answer", answer=reply.strip())
+                continue
+            road = add_node(c.tree, c.node, "roadmap", c.tree["nodes"][c.node]["depth"] + 1, text=reply.strip())
+            depth = c.tree["nodes"][road]["depth"] + 1
+            requests += decision_maker(x, c.tree, road, dict(c.ctx, roadmap=reply.strip()), depth)
+    return requests
 
 
 def rollout(rows, act, env, args, mode, seed=0):
     """Trees of a batch of questions, level by level: per level one proxy call (`act`) for all pending agent states,
-    one retrieval call, one LLM call per kind."""
-    # mode: tree (forced top, then K(t) samples: RL and warm-up), single_trajectory (one sampled path, the §6.4
-    # ablation), greedy / sample (inference, Alg. 1)
-    testing = mode in ("greedy", "sample")
-    max_depth, tpl = (args.max_depth_eval if testing else args.max_depth), TEMPLATES[args.templates]
-    k_of = lambda depth: branching(depth, args.branch_k, args.branch_until) if mode == "tree" else 1  # [Eq. 2]
+    one retrieval call, one LLM call per kind; then each leaf's reward R [§5.1]."""
+    x = Expansion(args, mode)
     # [Eq. 4] one tree per question: its nodes hold the trajectories {(s_t, a_t, s_t+1)} of all its paths
     trees = [dict(row=r, nodes=[dict(kind="root", parent=None, depth=0)], retrievals=0, llm_calls=0, proxy_calls=0)
              for r in rows]  # fmt: skip
-
-    def decision_maker(tree, parent, ctx, depth):
-        """The Decision Maker's state S^3 = {q, accumulated documents, roadmap} [Eq. 13, 15] (or the depth cap)."""
-        if depth > max_depth:
-            return add_leaf(tree, parent, "max_depth")
-        forced = dm_forced(len(ctx["acc"]), depth, args.max_documents, max_depth)
-        docs, question = format_documents(ctx["acc"]), tree["row"]["question"]
-        prompt = tpl["dm_llm" if forced else "dm"].format(documents=docs, roadmap=ctx["roadmap"], question=question)
-        return request(tree, parent, "dm", depth, prompt, dict(ctx, forced=forced), k_of(depth))
-
-    pending, level = [req for t in trees for req in router_requests(t, mode, args)], 0
-    while pending:
-        new, searches, calls = [], [], []  # the next agent states; retrievals; LLM calls
-        for req, outputs in zip(pending, act(pending, seed + 1000 * level)):  # [Eq. 1] a ~ pi(.|s, instruction)
-            tree, agent = req["tree"], req["agent"]
-            for text, prompt_ids, action_ids in {o[0]: o for o in outputs}.values():  # impl: identical children once
-                tree["proxy_calls"] += 1
-                fields = dict(text=text, prompt=req["prompt"], prompt_ids=prompt_ids, action_ids=action_ids)
-                fields |= {key: req[key] for key in ("fixed", "prefix")}
-                node = add_node(tree, req["parent"], agent, req["depth"], **fields)
-                event, ctx = transition(agent, text, req["ctx"], not testing, args.max_query_words)  # [Eq. 3]
-                if agent == "router" and event[0] != "invalid":
-                    tree["nodes"][node]["strategy"] = ctx["strategy"]
-                if event[0] == "invalid":
-                    add_leaf(tree, node, "invalid")
-                elif event[0] == "decide":
-                    new += filter(None, [decision_maker(tree, node, ctx, req["depth"] + 1)])
-                elif event[0] == "search":
-                    searches.append((tree, node, ctx, event[1]))
-                else:  # the LLM answers or writes the roadmap
-                    calls.append((tree, node, ctx, event[0], llm_prompt(tpl, tree["row"]["question"], event)))
-        if searches:  # one retrieval call; a query repeated in a path gets the next page of top_k (impl)
-            pages = [ctx["used"].get(query, 0) for _, _, ctx, query in searches]
-            hits = env.search([s[3] for s in searches], args.top_k * (max(pages) + 1), [s[0]["row"] for s in searches])
-            for (tree, node, ctx, query), page, found in zip(searches, pages, hits):
-                tree["retrievals"] += 1
-                ctx.update(docs=found[page * args.top_k : (page + 1) * args.top_k], query=query)
-                depth = tree["nodes"][node]["depth"] + 1
-                if depth > max_depth:
-                    add_leaf(tree, node, "max_depth")
-                    continue
-                key = "filter_plan" if ctx["strategy"] == "Planning" else "filter_direct"  # S^2 [Eq. 12, 14]
-                docs = format_documents(ctx["docs"])
-                prompt = tpl[key].format(objective=ctx["objective"], question=tree["row"]["question"], documents=docs)
-                new.append(request(tree, node, "filter", depth, prompt, ctx, k_of(depth)))
-        for kind in ("roadmap", "answer"):  # one LLM call per kind
-            todo = [c for c in calls if c[3] == kind]
-            if not todo:
-                continue
-            messages, rows = [[{"role": "user", "content": c[4]}] for c in todo], [c[0]["row"] for c in todo]
-            temperature = args.roadmap_temperature if kind == "roadmap" else 0.0  # impl
-            # simplification: a cap on the LLM's output (header 9)
-            replies = env.chat(messages, rows, temperature=temperature, max_tokens=args.answer_max_tokens)
-            for (tree, node, ctx, *_), reply in zip(todo, map(visible, replies)):  # a thinking LLM's reply
-                tree["llm_calls"] += 1
-                if kind == "answer":
-                    add_leaf(tree, node, "answer", answer=reply.strip())
-                    continue
-                road = add_node(tree, node, "roadmap", tree["nodes"][node]["depth"] + 1, text=reply.strip())
-                depth = tree["nodes"][road]["depth"] + 1
-                new += filter(None, [decision_maker(tree, road, dict(ctx, roadmap=reply.strip()), depth)])
-        pending, level = new, level + 1
+    requests, step = [req for t in trees for req in router_requests(t, mode, args)], 0
+    while requests:
+        level = Level()
+        for req, outputs in zip(requests, act(requests, seed + 1000 * step)):  # [Eq. 1] a ~ pi(.|s, instruction)
+            expand(x, req, outputs, level)
+        requests, step = level.requests + retrieve(x, level.searches, env) + ask_llm(x, level.calls, env), step + 1
     score_leaves(trees, env, args)
     return trees
-
-
-def score_leaves(trees, env, args):
-    """R = 1 if the final answer is judged correct, else 0 [§5.1]; invalid and over-depth leaves keep R = 0."""
-    leaves = [(t, n) for t in trees for n in t["nodes"] if n["kind"] == "leaf" and n["why"] == "answer"]
-    if args.judge == "llm":  # [App. D.2]
-        prompts = [JUDGE_PROMPT.format(question=t["row"]["question"], prediction=n["answer"],
-                                       golds=str(t["row"]["golden_answers"])) for t, n in leaves]  # fmt: skip
-        replies = env.chat([[{"role": "user", "content": p}] for p in prompts], [t["row"] for t, _ in leaves],
-                           temperature=0.0, max_tokens=args.answer_max_tokens)  # fmt: skip
-        rewards = [float("true" in visible(r).lower()) for r in replies]  # impl; a thinking judge's verdict
-    else:  # simplification: a gold answer as a whole-token span of the short toy answer (header 16)
-        rewards = [cover_em(n["answer"], t["row"]["golden_answers"]) for t, n in leaves]
-    for (_, n), r in zip(leaves, rewards):
-        n["reward"] = r
 
 
 # --------------------------------------------------------------------------- 5. the proxy and the teacher as actors
@@ -654,16 +710,16 @@ def proxy_actor(model, tokenizer, args, greedy):
 
     def act(requests, seed):
         # [Tab. 7] prompt max len, the middle cut beyond (header 11)
-        prompts = encode_prompts(tokenizer, [r["prompt"] for r in requests], args.system_prompt, args.prompt_max_len)
+        prompts = encode_prompts(tokenizer, [r.prompt for r in requests], args.system_prompt, args.prompt_max_len)
         out, batch, owners = [[] for _ in requests], [], []
         for i, (r, p) in enumerate(zip(requests, prompts)):
-            if r["fixed"] is not None:  # a forced text: tokenised, trained like a sampled one [§5.2]
-                fixed = tokenizer(r["fixed"], add_special_tokens=False)["input_ids"] + [tokenizer.eos_token_id]
-                out[i].append((r["fixed"], p, fixed))
+            if r.fixed is not None:  # a forced text: tokenised, trained like a sampled one [§5.2]
+                fixed = tokenizer(r.fixed, add_special_tokens=False)["input_ids"] + [tokenizer.eos_token_id]
+                out[i].append((r.fixed, p, fixed))
                 continue
-            prefix = tokenizer(r["prefix"], add_special_tokens=False)["input_ids"] if r["prefix"] else []
-            batch += [p + prefix] * r["n"]
-            owners += [(i, prefix)] * r["n"]
+            prefix = tokenizer(r.prefix, add_special_tokens=False)["input_ids"] if r.prefix else []
+            batch += [p + prefix] * r.n
+            owners += [(i, prefix)] * r.n
         model.eval()
         for s in range(0, len(batch), args.gen_batch_size):
             chunk = batch[s : s + args.gen_batch_size]  # T = 1: the behaviour policy is pi_theta (OpenRLHF)
@@ -680,37 +736,32 @@ def teacher_actor(args, llm):
     """The warm-up teacher as an actor [§5.2]: the toy oracle (draws seeded by question and node), or the LLM."""
 
     def act(requests, _seed):
-        free = [r for r in requests if not r["fixed"] for _ in range(r["n"])]
+        free = [r for r in requests if not r.fixed for _ in range(r.n)]
         if args.teacher == "oracle":  # simplification: the toy world's stand-in for C-3PO-ICL (header 12)
-            rng = {id(r): question_rng(args.seed, r["tree"]["row"], r["parent"], r["prefix"]) for r in free}
-            replies = (r["prefix"] + oracle_c3po(r["tree"]["row"], r["agent"], r["ctx"], r["prefix"], rng[id(r)],
-                                                 args.teacher_noise, args.templates) for r in free)  # fmt: skip
+            rng_of = lambda r: question_rng(args.seed, r.tree["row"], r.parent, r.prefix)  # seeded by question, node
+            replies = toy.oracle_replies(free, rng_of, args.teacher_noise, args.templates)
         else:  # simplification: zero-shot (header 1); a forced prefix ends the user message (header 2)
             system = [{"role": "system", "content": args.system_prompt}] if args.system_prompt else []
-            user = lambda r: {"role": "user", "content": (r["prompt"] + "\n" + r["prefix"]).strip()}
+            user = lambda r: {"role": "user", "content": (r.prompt + "\n" + r.prefix).strip()}
             sampling = dict(temperature=args.teacher_temperature, max_tokens=args.max_new_tokens)  # the proxy's cap
             # a thinking LLM's reasoning is not the output
             raw = map(visible, llm.chat([system + [user(r)] for r in free], **sampling))
             # a reply that repeats the forced prefix (`[Retrieval] q` after `... [Retrieval]`) keeps it once
-            replies = (f"{r['prefix']} {next(raw).strip().removeprefix(r['prefix']).strip()}".strip() for r in free)
-        texts = [[r["fixed"]] if r["fixed"] else [next(replies) for _ in range(r["n"])] for r in requests]
+            replies = (f"{r.prefix} {next(raw).strip().removeprefix(r.prefix).strip()}".strip() for r in free)
+        texts = [[r.fixed] if r.fixed else [next(replies) for _ in range(r.n)] for r in requests]
         return [[(text, None, None) for text in group] for group in texts]
 
     return act
 
 
 # --------------------------------------------------------------------------- 6. warm-up [§5.2: rejection sampling]
-# the strategies' cost order (§4.2, §6.4): No Retrieval < Retrieval < Planning
-STRATEGY_COST = {"No Retrieval": 0, "Retrieval": 1, "Planning": 2}
-
-
 def successful_paths(tree, keep, rng, select="uniform"):
     """The (prompt, output) pairs of the agent nodes on up to `keep` random successful paths (cheapest: header 13)."""
     nodes = tree["nodes"]
     wins = [i for i, n in enumerate(nodes) if n["kind"] == "leaf" and n["reward"] == 1]
     router = lambda i: i if nodes[i]["kind"] == "router" else router(nodes[i]["parent"])  # the path's router node
-    cost = {i: STRATEGY_COST.get(nodes[router(i)].get("strategy"), 3) for i in wins} if select == "cheapest" else {}
-    wins = [i for i in wins if select == "uniform" or cost[i] == min(cost.values())]  # simplification: header 13
+    if select == "cheapest":  # simplification: the toy oracle's cheapest strategy only (header 13)
+        wins = toy.cheapest(wins, lambda i: nodes[router(i)].get("strategy"))
     pairs = {}
     for i in rng.sample(wins, min(keep, len(wins))):
         while i is not None:
@@ -766,8 +817,7 @@ def sft(accelerator, model, tokenizer, examples, args, world, out):
             order += rng.sample(range(len(examples)), len(examples))
         batch, order = order[: args.sft_batch_size], order[args.sft_batch_size :]
         pairs = [[examples[i]["prompt"], examples[i]["output"]] for i in batch]
-        if world is not None:  # simplification: toy renaming (header 14), drawn for the whole batch: rng stays shared
-            pairs = [rename_entities(p, world, rng, "keep") if rng.random() < args.augment_p else p for p in pairs]
+        pairs = toy.rename_pairs(pairs, world, rng, args.augment_p)  # simplification: toy renaming (header 14)
         own, weight = runs.own_share(pairs, accelerator)  # this process's share of the batch
         step_args = (*sft_batch(own, tokenizer, args), args.micro_batch_size, 1.0, weight)
         losses.append(runs.sft_step(accelerator, model, optimizer, scheduler, *step_args))
@@ -936,60 +986,7 @@ def ppo_update(accelerator, policy, value, ref, optimizers, schedulers, samples,
     return out | {"losses/explained_variance": explained}
 
 
-# --------------------------------------------------------------------------- 8. evaluation [§6.1, §6.5]
-def tree_record(tree):
-    """Outcome of a one-path (inference) tree: accuracy, EM, F1, strategy, calls, tokens, depth."""
-    nodes, leaf = tree["nodes"], next(n for n in tree["nodes"] if n["kind"] == "leaf")
-    tokens = sum(len(n["action_ids"] or []) for n in nodes if n["kind"] in AGENTS)
-    strategy = next((n.get("strategy", "invalid") for n in nodes if n["kind"] == "router"), "invalid")
-    record = dict(accuracy=leaf["reward"], **answer_scores(leaf["answer"], tree["row"]["golden_answers"]))
-    record |= {k: tree[k] for k in ("retrievals", "llm_calls", "proxy_calls")} | dict(invalid=leaf["why"] != "answer")
-    return record | dict(depth=leaf["depth"], strategy=strategy, generated_tokens=tokens)
-
-
-def node_text(node):
-    """A node's text on one line: a leaf's answer, an agent's output or a roadmap."""
-    return " ".join(str(node.get("answer") if node["kind"] == "leaf" else node["text"]).split())
-
-
-def prediction_of(tree, record, decoding):
-    """One evaluated question: golds, prediction, the path in short (node kind: text), its outcome and cost."""
-    path = " | ".join(f"{n['kind']}: {node_text(n)[:200]}" for n in tree["nodes"][1:])
-    row, leaf = tree["row"], next(n for n in tree["nodes"] if n["kind"] == "leaf")
-    return dict(id=row.get("id"), question=row["question"], decoding=decoding, golden_answers=row["golden_answers"],
-                prediction=leaf["answer"], trajectory=path, **record)  # fmt: skip
-
-
-def evaluate(model, tokenizer, env, rows, args, greedy=True, seed=0, batch=256, predictions=None):
-    """Alg. 1 on the rows (greedy or T = 1), batched; a list `predictions` gets each question's path and scores."""
-    start, records, (mode, decoding) = time.time(), [], ("greedy", "greedy") if greedy else ("sample", "sampled")
-    quiet = not PartialState().is_local_main_process
-    for s in runs.progress(range(0, len(rows), batch), "eval", disable=quiet, leave=False):
-        trees = rollout(rows[s : s + batch], proxy_actor(model, tokenizer, args, greedy), env, args, mode, seed + s)
-        records += [tree_record(t) for t in trees]
-        if predictions is not None:
-            predictions += [prediction_of(t, r, decoding) for t, r in zip(trees, records[-len(trees) :])]
-    latency = (time.time() - start) / max(len(rows), 1)  # simplification: batched wall time per question (header 10)
-    return summarize(records, rows, {"strategy": "strategies"}) | {"latency_s": latency}
-
-
-def evaluate_stage(accelerator, out, stage, model, tokenizer, env, rows, args, step=None):
-    """Greedy and sampled evaluations at a stage (raw, sft, ppo, eval), with predictions_<stage>.jsonl and logs."""
-    kept = []
-    with accelerator.autocast():
-        greedy = evaluate(model, tokenizer, env, rows, args, greedy=True, predictions=kept)
-        sampled = evaluate(model, tokenizer, env, rows, args, greedy=False, seed=args.seed + 10_000, predictions=kept)
-    if accelerator.is_main_process:
-        write_jsonl(out / f"predictions_{stage}.jsonl", kept)
-    strategies = " ".join(f"{k}={v:.2f}" for k, v in greedy["strategies"].items())
-    accelerator.print(f"{stage} | greedy acc={greedy['accuracy']:.3f} retrievals={greedy['retrievals']:.2f} "
-                      f"[{strategies}] | sampled acc={sampled['accuracy']:.3f}")  # fmt: skip
-    if step is not None:
-        runs.log_eval(accelerator, out, stage, greedy | {"sampled": sampled}, step)
-    return greedy | {"sampled": sampled}
-
-
-# --------------------------------------------------------------------------- 9. train / eval / ask
+# --------------------------------------------------------------------------- 8. train [§5.2]
 # the end-of-run table: the judge's accuracy [Tab. 1], the answer's scores, the cost per question [Fig. 3]
 TABLE_ROWS = ("accuracy", "em", "f1", "acc", "retrievals", "llm_calls", "proxy_calls", "generated_tokens", "latency_s")
 
@@ -1045,10 +1042,8 @@ def train(args):
     train_rows = sample_rows(load_split(args.data_dir, "train", args.question_types), args.n_train, args.seed)
     test_rows = load_split(args.data_dir, "test", args.question_types)[: args.n_eval]
     if args.teacher == "oracle":  # simplification: the toy oracle reads each question's hops (header 12)
-        fields = ("type", "entities", "sub_queries", "hops", "popular", "popular_hops")
-        require_metadata(train_rows, fields, Path(args.data_dir) / "train.jsonl", "the oracle teacher (--teacher)")
-    env = environment(args)
-    world = load_world(args.world) if args.world and (args.augment_p or args.rl_augment_p) else None  # header 14
+        toy.require_oracle_metadata(train_rows, args.data_dir)
+    env, world = environment(args), toy.renaming_world(args)  # world: None, or the toy renaming's (header 14)
     policy, tokenizer, before_sft, steps, warnings = warm_up(accelerator, args, out, train_rows, test_rows, env, world)
     before = evaluate_stage(accelerator, out, "sft", policy, tokenizer, env, test_rows, args, step=0)
     # ---- PPO: policy and centralized critic with separate optimizers, reference frozen [App. A.1, Tab. 7]
@@ -1069,7 +1064,7 @@ def train(args):
     for it in range(steps["ppo"], args.ppo_iterations):
         t0 = time.time()
         rows = rng.sample(train_rows, min(args.rollout_batch, len(train_rows)))
-        rows = rename_rows(rows, world, rng, args.rl_augment_p)  # simplification: rename not-popular trees (header 14)
+        rows = toy.rename_rows(rows, world, rng, args.rl_augment_p)  # simplification: renamed trees (header 14)
         rows, weight = runs.own_share(rows, accelerator)  # this process's trees of the --rollout_batch
         actor = proxy_actor(accelerator.unwrap_model(policy), tokenizer, args, greedy=False)
         with accelerator.autocast():
@@ -1089,6 +1084,59 @@ def train(args):
     accelerator.end_training()
     results = runs.result_record("c3po", args, before_sft, before, after, steps, time.time() - start)
     runs.write_results(out, results | {"warnings": warnings}, accelerator.is_main_process, TABLE_ROWS)
+
+
+# --------------------------------------------------------------------------- 9. evaluate, --eval, --ask [§6.1, §6.5]
+def tree_record(tree):
+    """Outcome of a one-path (inference) tree: accuracy, EM, F1, strategy, calls, tokens, depth."""
+    nodes, leaf = tree["nodes"], next(n for n in tree["nodes"] if n["kind"] == "leaf")
+    tokens = sum(len(n["action_ids"] or []) for n in nodes if n["kind"] in AGENTS)
+    strategy = next((n.get("strategy", "invalid") for n in nodes if n["kind"] == "router"), "invalid")
+    record = dict(accuracy=leaf["reward"], **answer_scores(leaf["answer"], tree["row"]["golden_answers"]))
+    record |= {k: tree[k] for k in ("retrievals", "llm_calls", "proxy_calls")} | dict(invalid=leaf["why"] != "answer")
+    return record | dict(depth=leaf["depth"], strategy=strategy, generated_tokens=tokens)
+
+
+def node_text(node):
+    """A node's text on one line: a leaf's answer, an agent's output or a roadmap."""
+    return " ".join(str(node.get("answer") if node["kind"] == "leaf" else node["text"]).split())
+
+
+def prediction_of(tree, record, decoding):
+    """One evaluated question: golds, prediction, the path in short (node kind: text), its outcome and cost."""
+    path = " | ".join(f"{n['kind']}: {node_text(n)[:200]}" for n in tree["nodes"][1:])
+    row, leaf = tree["row"], next(n for n in tree["nodes"] if n["kind"] == "leaf")
+    return dict(id=row.get("id"), question=row["question"], decoding=decoding, golden_answers=row["golden_answers"],
+                prediction=leaf["answer"], trajectory=path, **record)  # fmt: skip
+
+
+def evaluate(model, tokenizer, env, rows, args, greedy=True, seed=0, batch=256, predictions=None):
+    """Alg. 1 on the rows (greedy or T = 1), batched; a list `predictions` gets each question's path and scores."""
+    start, records, (mode, decoding) = time.time(), [], ("greedy", "greedy") if greedy else ("sample", "sampled")
+    quiet = not PartialState().is_local_main_process
+    for s in runs.progress(range(0, len(rows), batch), "eval", disable=quiet, leave=False):
+        trees = rollout(rows[s : s + batch], proxy_actor(model, tokenizer, args, greedy), env, args, mode, seed + s)
+        records += [tree_record(t) for t in trees]
+        if predictions is not None:
+            predictions += [prediction_of(t, r, decoding) for t, r in zip(trees, records[-len(trees) :])]
+    latency = (time.time() - start) / max(len(rows), 1)  # simplification: batched wall time per question (header 10)
+    return summarize(records, rows, {"strategy": "strategies"}) | {"latency_s": latency}
+
+
+def evaluate_stage(accelerator, out, stage, model, tokenizer, env, rows, args, step=None):
+    """Greedy and sampled evaluations at a stage (raw, sft, ppo, eval), with predictions_<stage>.jsonl and logs."""
+    kept = []
+    with accelerator.autocast():
+        greedy = evaluate(model, tokenizer, env, rows, args, greedy=True, predictions=kept)
+        sampled = evaluate(model, tokenizer, env, rows, args, greedy=False, seed=args.seed + 10_000, predictions=kept)
+    if accelerator.is_main_process:
+        write_jsonl(out / f"predictions_{stage}.jsonl", kept)
+    strategies = " ".join(f"{k}={v:.2f}" for k, v in greedy["strategies"].items())
+    accelerator.print(f"{stage} | greedy acc={greedy['accuracy']:.3f} retrievals={greedy['retrievals']:.2f} "
+                      f"[{strategies}] | sampled acc={sampled['accuracy']:.3f}")  # fmt: skip
+    if step is not None:
+        runs.log_eval(accelerator, out, stage, greedy | {"sampled": sampled}, step)
+    return greedy | {"sampled": sampled}
 
 
 def run_eval(args):

@@ -306,7 +306,7 @@ def bench_c3po(opts, accelerator, tokenizer, words, dtype, out):
     prompt = c3po.TEMPLATES[args.templates]["filter_direct"].format(
         question="what is the birthplace of velbo ?", documents=c3po.format_documents(passages)
     )
-    requests = [dict(prompt=prompt, fixed=None, prefix="", n=1) for _ in range(opts.nodes)]
+    requests = [c3po.Request({}, 0, "filter", 1, prompt, {}, 1) for _ in range(opts.nodes)]
     prompt_ids = c3po.encode_prompts(tokenizer, [prompt], args.system_prompt)[0]
     log = GenerateLog(c3po)
     out |= dict(

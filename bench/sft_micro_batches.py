@@ -11,6 +11,7 @@ figures differ only in how the batch is cut; the loss printed last shows that th
 import argparse
 import os
 import sys
+import tempfile
 import time
 from pathlib import Path
 
@@ -35,7 +36,7 @@ def main():
     rows = c3po.sample_rows(c3po.load_split(args.data_dir, "train", args.question_types), args.n_train, args.seed)
     env = c3po.environment(args)
     examples, _ = c3po.build_warmup(rows, env.llm, env, args)
-    world = c3po.world_or_none(args.data_dir)
+    world = c3po.toy.renaming_world(args)
     print(
         f"torch {torch.__version__}, {torch.get_num_threads()} threads; {len(examples)} warm-up examples, "
         f"batches of {args.sft_batch_size}, {cli.steps} steps per setting"
@@ -45,7 +46,7 @@ def main():
         model, tokenizer = c3po.load_proxy(args, torch.device("cpu"))
         args.sft_steps, args.micro_batch_size = cli.steps, micro
         start = time.time()
-        model, _ = c3po.sft(Accelerator(cpu=True), model, tokenizer, examples, args, world)
+        model, _ = c3po.sft(Accelerator(cpu=True), model, tokenizer, examples, args, world, tempfile.mkdtemp())
         print(f"micro_batch_size {micro:4d}: {(time.time() - start) / cli.steps:.3f} s per SFT step")
 
 

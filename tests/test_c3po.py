@@ -7,6 +7,7 @@ import copy
 import json
 import random
 import re
+from dataclasses import replace
 from pathlib import Path
 
 import pytest
@@ -286,7 +287,7 @@ def test_transition_of_the_decision_maker():
 
 
 def test_the_toy_oracle_writes_what_the_agents_parse():
-    from common.toy import oracle_c3po
+    from common.toy.c3po import oracle_c3po
 
     meta = dict(type="two_hop", hops=2, entities=["zekil", "mipon", "tuvia"], popular=False,
                 popular_hops=[False, False], sub_queries=["zekil directed", "mipon born"])  # fmt: skip
@@ -309,7 +310,7 @@ def test_the_toy_oracle_writes_what_the_agents_parse():
 def test_the_toy_oracle_in_the_paper_formats_leads_to_the_events_of_the_compact_one(style):
     """The oracle as the paper's figures show the agents writing (a thought per document, the plan's step in the
     Decision Maker's thought) and after a <think> block: the same transitions as its compact outputs."""
-    from common.toy import oracle_c3po
+    from common.toy.c3po import oracle_c3po
 
     meta = dict(type="two_hop", hops=2, entities=["zekil", "mipon", "tuvia"], popular=False, relations=["directed_by",
                 "born_in"], popular_hops=[False, False], sub_queries=["zekil directed", "mipon born"])  # fmt: skip
@@ -560,9 +561,9 @@ def scripted(dm_text="Thought: t\nAction: [Retrieval] sub", filter_text="Thought
         calls.append(requests)
         out = []
         for r in requests:
-            router = router_text or r["prefix"] + " q"
-            text = r["fixed"] or {"router": router, "filter": filter_text, "dm": dm_text}[r["agent"]]
-            out.append([(text, [3], [4, 1])] * (1 if r["fixed"] else r["n"]))
+            router = router_text or r.prefix + " q"
+            text = r.fixed or {"router": router, "filter": filter_text, "dm": dm_text}[r.agent]
+            out.append([(text, [3], [4, 1])] * (1 if r.fixed else r.n))
         return out
 
     return act, calls
@@ -590,8 +591,8 @@ def test_forced_top_and_one_proxy_call_per_level_for_all_trees():
         leaves = sorted((n["depth"], n["reward"]) for n in tree["nodes"] if n["kind"] == "leaf")
         assert leaves == [(3, 1.0), (4, 1.0), (5, 1.0)]  # No Retrieval 3, single-pass 4, planning with 0 loops 5
     assert len(calls) == 2 and len(calls[0]) == 9  # level 1: 3 routers x 3 trees; level 2: filters and DMs together
-    assert sorted(r["agent"] for r in calls[1]) == ["dm"] * 3 + ["filter"] * 3
-    assert all(r["n"] == 2 for r in calls[1])  # K(2) = K(3) = 2 (identical outputs deduplicated)
+    assert sorted(r.agent for r in calls[1]) == ["dm"] * 3 + ["filter"] * 3
+    assert all(r.n == 2 for r in calls[1])  # K(2) = K(3) = 2 (identical outputs deduplicated)
     assert len(retriever.calls) == 1 and len(retriever.calls[0][0]) == 3  # one retriever call per level
     assert [len(c) for c in llm.calls] == [3, 3, 6]  # level 1: roadmaps, then answers; level 2: answers
 
@@ -606,7 +607,7 @@ def test_single_trajectory_rollout_is_one_free_path_whose_reward_every_node_gets
         "step 1 : find it ." if m[-1]["content"].startswith("write a plan") else answer for m in msgs
     ]
     trees = c3po.rollout(ROWS, act, RenamingEnv(FakeRetriever(), llm), args_for(credit_mode="single_trajectory"), mode)
-    assert all(r["fixed"] is None and r["prefix"] == "" and r["n"] == 1 for c in calls for r in c)
+    assert all(r.fixed is None and r.prefix == "" and r.n == 1 for c in calls for r in c)
     for tree in trees:
         kinds = [n["kind"] for n in tree["nodes"]]
         assert kinds.count("router") == 1 and kinds.count("leaf") == 1
@@ -662,9 +663,9 @@ def test_proxy_prompts_over_the_prompt_max_len_lose_their_middle_and_ppo_scores_
     prompt = "filter documents . question : " + " ".join(["zekil"] * 40) + " ?"
     full = c3po.encode_prompts(tokenizer, [prompt], "")[0]
     act = c3po.proxy_actor(model, tokenizer, args, greedy=True)
-    requests = [c3po.request({"row": ROWS[0]}, 0, "filter", 2, prompt, CTX, 1),
-                c3po.request({"row": ROWS[0]}, 0, "router", 1, prompt, CTX, 1, prefix="[Retrieval]"),
-                c3po.request({"row": ROWS[0]}, 0, "router", 1, prompt, CTX, 1, fixed="[Planning]")]  # fmt: skip
+    requests = [c3po.Request({"row": ROWS[0]}, 0, "filter", 2, prompt, CTX, 1),
+                c3po.Request({"row": ROWS[0]}, 0, "router", 1, prompt, CTX, 1, prefix="[Retrieval]"),
+                c3po.Request({"row": ROWS[0]}, 0, "router", 1, prompt, CTX, 1, fixed="[Planning]")]  # fmt: skip
     (free,), (prefixed,), (fixed,) = act(requests, 0)
     prefix = tokenizer("[Retrieval]", add_special_tokens=False)["input_ids"]
     assert len(full) > 40 and free[1] == full[:6] + full[-6:] == fixed[1] == prefixed[1]  # instruction ... <assistant>
@@ -698,11 +699,11 @@ def planning_act(filter_texts=("Thought: t\nAction: [1]",), dm_text="Thought: t\
         calls.append(requests)
         out = []
         for r in requests:
-            if r["agent"] == "filter":
+            if r.agent == "filter":
                 text = filter_texts[count[0] % len(filter_texts)]
                 count[0] += 1
             else:
-                text = {"router": "[Planning]", "dm": dm_text}[r["agent"]]
+                text = {"router": "[Planning]", "dm": dm_text}[r.agent]
             out.append([(text, [3], [4, 1])])
         return out
 
@@ -717,13 +718,13 @@ def test_depth_limit_allows_4_loops_in_training_and_5_at_test(mode, loops, leaf_
     assert tree["retrievals"] == loops and len(retriever.calls) == loops
     leaf = next(n for n in tree["nodes"] if n["kind"] == "leaf")
     assert leaf["depth"] == leaf_depth and leaf["reward"] == 1.0 and leaf["why"] == "answer"
-    dms = [r for c in calls for r in c if r["agent"] == "dm"]
-    assert [r["depth"] for r in dms] == [3 + 2 * i for i in range(loops + 1)]
-    assert [r["ctx"]["forced"] for r in dms] == [False] * loops + [True]  # the last DM is forced to [LLM]
-    assert dms[-1]["prompt"].startswith("use llm") and dms[0]["prompt"].startswith("decide next action")
+    dms = [r for c in calls for r in c if r.agent == "dm"]
+    assert [r.depth for r in dms] == [3 + 2 * i for i in range(loops + 1)]
+    assert [r.ctx["forced"] for r in dms] == [False] * loops + [True]  # the last DM is forced to [LLM]
+    assert dms[-1].prompt.startswith("use llm") and dms[0].prompt.startswith("decide next action")
     # paging: the repeated sub-query "sub" gets ranks 1-2, 3-4, ...; accumulated documents never repeat
     assert [k for _, k in retriever.calls] == [2 * (i + 1) for i in range(loops)]
-    assert [d["text"] for d in dms[-1]["ctx"]["acc"]] == [f"sub passage {2 * i}" for i in range(loops)]
+    assert [d["text"] for d in dms[-1].ctx["acc"]] == [f"sub passage {2 * i}" for i in range(loops)]
     assert max(n["depth"] for n in tree["nodes"]) == leaf_depth
 
 
@@ -737,9 +738,7 @@ def test_tree_size_bound_with_one_roadmap():
             "dm": "Thought: t{k}\nAction: [Retrieval] sub",
         }
         return [
-            [(r["fixed"], [3], [4])]
-            if r["fixed"]
-            else [(texts[r["agent"]].format(k=k), [3], [4]) for k in range(r["n"])]
+            [(r.fixed, [3], [4])] if r.fixed else [(texts[r.agent].format(k=k), [3], [4]) for k in range(r.n)]
             for r in requests
         ]
 
@@ -754,8 +753,8 @@ def test_document_limit_forces_the_answer():
     act, calls = planning_act(filter_texts=("Thought: t\nAction: [1, 2]",))
     args = args_for(max_documents=3)
     tree = c3po.rollout(ROWS[:1], act, env(), args, "single_trajectory")[0]
-    dms = [r for c in calls for r in c if r["agent"] == "dm"]
-    assert [len(r["ctx"]["acc"]) for r in dms] == [0, 2, 4] and [r["ctx"]["forced"] for r in dms] == [
+    dms = [r for c in calls for r in c if r.agent == "dm"]
+    assert [len(r.ctx["acc"]) for r in dms] == [0, 2, 4] and [r.ctx["forced"] for r in dms] == [
         False,
         False,
         True,
@@ -768,16 +767,16 @@ def test_placeholder_for_an_empty_selection_is_removed_when_the_query_later_sele
         filter_texts=("Thought: t\nAction: []", "Thought: t\nAction: []", "Thought: t\nAction: [2]")
     )
     c3po.rollout(ROWS[:1], act, env(), args_for(), "single_trajectory")
-    dms = [r for c in calls for r in c if r["agent"] == "dm"]
-    assert dms[1]["ctx"]["acc"] == [c3po.placeholder("sub")] == dms[2]["ctx"]["acc"]  # deduplicated
-    assert [d["text"] for d in dms[3]["ctx"]["acc"]] == ["sub passage 5"]  # third page, 2nd doc; placeholder gone
+    dms = [r for c in calls for r in c if r.agent == "dm"]
+    assert dms[1].ctx["acc"] == [c3po.placeholder("sub")] == dms[2].ctx["acc"]  # deduplicated
+    assert [d["text"] for d in dms[3].ctx["acc"]] == ["sub passage 5"]  # third page, 2nd doc; placeholder gone
 
 
 def test_filter_objective_is_the_decision_makers_thought():
     act, calls = planning_act(dm_text="Thought: find the director\nAction: [Retrieval] sub")
     c3po.rollout(ROWS[:1], act, env(), args_for(), "single_trajectory")
-    filt = next(r for c in calls for r in c if r["agent"] == "filter")
-    assert filt["prompt"].startswith("filter documents . goal : find the director question : question 0 ?")
+    filt = next(r for c in calls for r in c if r.agent == "filter")
+    assert filt.prompt.startswith("filter documents . goal : find the director question : question 0 ?")
 
 
 @pytest.mark.parametrize(
@@ -790,7 +789,7 @@ def test_filter_objective_is_the_decision_makers_thought():
 )
 def test_invalid_outputs_end_in_a_zero_leaf(router, filter_text, why):
     def act(requests, seed):
-        return [[({"router": router, "filter": filter_text}[r["agent"]], [3], [4])] for r in requests]
+        return [[({"router": router, "filter": filter_text}[r.agent], [3], [4])] for r in requests]
 
     tree = c3po.rollout(ROWS[:1], act, env(), args_for(), "single_trajectory")[0]
     leaves = [n for n in tree["nodes"] if n["kind"] == "leaf"]
@@ -887,14 +886,14 @@ def test_a_renamed_tree_is_the_same_tree_under_other_names(toy):
 
         def act(requests, s):
             real = [
-                dict(
+                replace(
                     r,
-                    tree=dict(r["tree"], row=row),
+                    tree=dict(r.tree, row=row),
                     ctx=dict(
-                        r["ctx"],
-                        docs=real_docs(r["ctx"]["docs"]),
-                        acc=real_docs(r["ctx"]["acc"]),
-                        used={back(q): n for q, n in r["ctx"]["used"].items()},
+                        r.ctx,
+                        docs=real_docs(r.ctx["docs"]),
+                        acc=real_docs(r.ctx["acc"]),
+                        used={back(q): n for q, n in r.ctx["used"].items()},
                     ),
                 )
                 for r in requests
@@ -1141,8 +1140,8 @@ def test_the_llm_teacher_writes_at_the_proxys_length_and_its_reasoning_is_droppe
 
     args = args_for(templates="paper", teacher="llm", max_new_tokens=2048, top_k=10)
     llm = Capped(reply)
-    requests = [c3po.request({"row": ROWS[0]}, 0, "filter", 2, c3po.TEMPLATES["paper"]["filter_direct"], CTX, 1),
-                c3po.request({"row": ROWS[0]}, 0, "router", 1, c3po.TEMPLATES["paper"]["router"], CTX, 1,
+    requests = [c3po.Request({"row": ROWS[0]}, 0, "filter", 2, c3po.TEMPLATES["paper"]["filter_direct"], CTX, 1),
+                c3po.Request({"row": ROWS[0]}, 0, "router", 1, c3po.TEMPLATES["paper"]["router"], CTX, 1,
                              prefix="[Retrieval]")]  # fmt: skip
     (filter_text,), (router_text,) = ([t for t, _, _ in out] for out in c3po.teacher_actor(args, llm)(requests, 0))
     assert len(analysis.split()) > 256 and all(c["max_tokens"] == 2048 for c in llm.calls)
@@ -1228,8 +1227,6 @@ TINY = [
     "64",
     "--eval_every",
     "1",
-    "--rl_augment_p",
-    "1.0",
 ]
 
 
@@ -1330,7 +1327,8 @@ def own_questions(folder, n=4):
 
 def test_an_interrupted_run_resumes_with_the_losses_of_an_uninterrupted_one(tmp_path, capsys, monkeypatch):
     """Weights, optimizers, schedulers and the random states (python, numpy, torch, the run's rng) come back."""
-    flags = [*TINY, "--ppo_iterations", "3", "--n_eval", "2", "--rl_augment_p", "0.5"]  # renaming draws from the rng
+    flags = [*TINY, "--ppo_iterations", "3", "--n_eval", "2"]
+    monkeypatch.setitem(c3po.PRESETS, "rl_augment_p", (0.5, 0.0))  # renaming draws from the rng
     run(["--train", "--output_dir", str(tmp_path / "whole"), *flags], capsys)
     save = runs.save_checkpoint
 
@@ -1415,12 +1413,11 @@ def test_report_to_tensorboard_logs_the_updates_beside_metrics_jsonl(tmp_path, c
     assert sft == [(m["sft/step"], pytest.approx(m["sft/loss"])) for m in logged if "sft/loss" in m] and len(sft) == 8
 
 
-def test_paper_templates_run_a_few_steps(tmp_path, capsys):
+def test_paper_templates_run_a_few_steps(tmp_path, capsys, monkeypatch):
+    monkeypatch.setitem(c3po.PRESETS, "templates", ("paper", "paper"))  # a preset-only field
     stdout = run(
         [
             "--train",
-            "--templates",
-            "paper",
             "--output_dir",
             str(tmp_path / "paper"),
             "--n_train",
@@ -1456,17 +1453,35 @@ def test_bad_flags_are_clear_errors(flag, message):
 @pytest.mark.parametrize(
     "flag, value, message",
     [("--n_train", "-5", "-5: must be >= 1"), ("--n_eval", "0", "0: must be >= 1"),
-     ("--teacher_noise", "1.5", "1.5: must be in [0.0, 1.0]"), ("--forced_weight", "-1", "-1.0: must be >= 0.0"),
+     ("--kl_coef", "-1", "-1.0: must be >= 0.0"), ("--value_clip", "-1", "-1.0: must be >= 0.0"),
      ("--sft_lr", "0", "0.0: must be >= 1e-12"), ("--ppo_batch_size", "0", "0: must be >= 1"),
      ("--seed", "-1", "-1: must be >= 0"), ("--micro_batch_size", "0", "0: must be >= 1"),
-     ("--rl_augment_p", "2", "2.0: must be in [0.0, 1.0]"), ("--top_k", "0", "0: must be >= 1"),
-     ("--lam", "1.5", "1.5: must be in [0.0, 1.0]"), ("--max_grad_norm", "0", "0.0: must be >= 1e-12")],
+     ("--branch_k", "0", "0: must be >= 1"), ("--top_k", "0", "0: must be >= 1"),
+     ("--cutoff_len", "0", "0: must be >= 1"), ("--value_lr", "0", "0.0: must be >= 1e-12")],
 )  # fmt: skip
 def test_a_number_out_of_its_range_is_one_line_and_exit_2(flag, value, message, capsys):
     """Counts >= 1, probabilities in [0, 1], learning rates > 0 ...: refused before any work, never a traceback."""
     with pytest.raises(SystemExit) as exit_:
         c3po.main(["--train", flag, value])
     assert exit_.value.code == 2 and capsys.readouterr().err.splitlines() == [f"error: {flag} {message}"]
+
+
+@pytest.mark.parametrize(
+    "name, toy, paper",
+    [("teacher_noise", 0.2, 0.2), ("warmup_select", "cheapest", "uniform"), ("augment_p", 1.0, 0.0),
+     ("rl_augment_p", 1.0, 0.0), ("forced_weight", 0.1, 1.0), ("templates", "compact", "paper"),
+     ("max_documents", 6, 10), ("ppo_epochs", 2, 1), ("lam", 0.95, 0.95), ("max_grad_norm", 1.0, 1.0)],
+)  # fmt: skip
+def test_toy_tuning_and_impl_constants_are_preset_values_not_flags(name, toy, paper, capsys):
+    """A preset-only field is no flag (one line, exit 2), each preset sets it, --help lists it after the flags."""
+    with pytest.raises(SystemExit) as exit_:
+        c3po.main(["--train", f"--{name}", "1"])
+    assert exit_.value.code == 2 and f"unknown flags ['--{name}', '1']" in capsys.readouterr().err
+    assert [getattr(c3po.apply_preset(c3po.Args(preset=p)), name) for p in ("toy", "paper")] == [toy, paper]
+    with pytest.raises(SystemExit):
+        c3po.main(["--help"])
+    listed = capsys.readouterr().out.partition("not flags:")[2]
+    assert f"\n  {name}: " in listed and f"\n  --{name}" not in listed
 
 
 def test_another_methods_checkpoint_is_refused_naming_both(tmp_path):
@@ -1480,8 +1495,8 @@ def test_another_methods_checkpoint_is_refused_naming_both(tmp_path):
 
 @pytest.mark.parametrize(
     "flag, value",
-    [("--preset", "nope"), ("--judge", "nope"), ("--warmup_select", "best"), ("--templates", "short"),
-     ("--teacher", "gpt"), ("--credit_mode", "single"), ("--report_to", "mlflow")],
+    [("--preset", "nope"), ("--judge", "nope"), ("--teacher", "gpt"), ("--credit_mode", "single"),
+     ("--report_to", "mlflow")],
 )  # fmt: skip
 def test_a_value_outside_a_flags_choices_is_an_argparse_error(flag, value, capsys):
     """Not one of the choices: exit code 2 and one error line naming the flag and the value (after the usage)."""

@@ -24,7 +24,7 @@ FLAGS = {  # the preset's paper values except where a tiny random model or the t
                  "4", "--max_new_tokens", "8", "--num_beams", "1"],
     "c3po": ["--llm", "toy", "--judge", "cover_em", "--teacher", "oracle", "--n_train", "4", "--sft_batch_size", "4",
              "--sft_epochs", "1", "--ppo_iterations", "1", "--rollout_batch", "2", "--ppo_batch_size", "8",
-             "--max_new_tokens", "16", "--answer_max_tokens", "16"],
+             "--max_new_tokens", "16"],
     "sparkle": ["--llm", "toy", "--teacher_model", "oracle", "--n_train", "4", "--sft_batch_size", "4",
                 "--ppo_iterations", "1", "--rollout_batch", "2", "--ppo_batch_size", "8", "--max_new_tokens", "16"],
     "tearag": ["--reranker", "lexical", "--n_dpo", "4", "--sft_batch_size", "4", "--sft_steps", "2", "--rollout_batch",

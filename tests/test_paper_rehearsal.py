@@ -233,7 +233,7 @@ def c3po_oracle_accuracy(preset, style, rows, monkeypatch):
     import random
 
     import c3po
-    from common.toy import oracle_c3po
+    from common.toy.c3po import oracle_c3po
 
     world = str(ROOT / "data" / "toy")
     args = c3po.apply_preset(
@@ -246,8 +246,8 @@ def c3po_oracle_accuracy(preset, style, rows, monkeypatch):
     rng = random.Random(0)  # noise 0: never drawn against
 
     def act(requests, seed):  # fixed texts as the proxy gets them; else the oracle (noise 0) after any forced prefix
-        draw = lambda r: r["prefix"] + oracle_c3po(r["tree"]["row"], r["agent"], r["ctx"], r["prefix"], rng, 0, style)
-        return [[(r["fixed"] or draw(r), None, None)] * r["n"] for r in requests]
+        draw = lambda r: r.prefix + oracle_c3po(r.tree["row"], r.agent, r.ctx, r.prefix, rng, 0, style)
+        return [[(r.fixed or draw(r), None, None)] * r.n for r in requests]
 
     monkeypatch.setattr(c3po, "proxy_actor", lambda model, tokenizer, args, greedy: act)
     return c3po.evaluate(None, None, env, rows, args)
@@ -336,7 +336,7 @@ C3PO_PAPER = {  # flag: the paper preset's value, where the paper (or the author
     "policy_lr": 5e-7,  # Tab. 7
     "value_lr": 5e-6,  # Tab. 7
     "kl_coef": 0.005,  # Tab. 7
-    "ppo_epochs": 1,  # OpenRLHF, App. A.2's framework (header 17: the toy preset's 2)
+    "ppo_epochs": 1,  # OpenRLHF, App. A.2's framework (header 18: the toy preset's 2)
     "gamma": 1.0,  # OpenRLHF
     "lam": 0.95,  # OpenRLHF
     "clip": 0.2,  # OpenRLHF (Eq. 9's epsilon)

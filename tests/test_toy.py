@@ -679,7 +679,9 @@ def oracle_row(qtype="two_hop", popular_hops=(False, False)):
 
 def oracle(row, agent, ctx=None, prefix="", noise=0.0):
     base = dict(docs=[], acc=[], used={}, forced=False)
-    return toy.oracle_c3po(row, agent, base | (ctx or {}), prefix, random.Random(0), noise)
+    from common.toy.c3po import oracle_c3po
+
+    return oracle_c3po(row, agent, base | (ctx or {}), prefix, random.Random(0), noise)
 
 
 def test_oracle_c3po_router():

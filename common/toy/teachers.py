@@ -8,52 +8,6 @@ from common.toy.world import RELATIONS
 # ---------------------------------------------------------------- oracle teachers (the papers' teacher LLMs)
 
 
-def oracle_c3po(row, agent, ctx, prefix, rng, noise, style="compact"):
-    """C-3PO's warm-up teacher in the toy world: an output of `agent` (router, filter, dm) that knows the hops from the
-    row's metadata. With probability `noise` the filter keeps every document (decoys mislead the reader) and the
-    Decision Maker stops early. ctx holds the agent's state: docs (retrieved), acc (accumulated), used (queries
-    issued), forced (the Decision Maker may only stop); prefix: a forced beginning of the output. style: "compact"
-    (the toy preset's short thoughts), "paper" (the formats of the paper's App. B.1 and the authors' examples: a
-    thought per document, a Decision Maker's thought naming the plan's step), "think" (paper, after a <think> block
-    as a reasoning model writes one, naming the other actions)."""
-    meta = row["metadata"]
-    heads = meta["entities"][:2] if meta["type"] in ("comparison", "yes_no") else meta["entities"][:-1]
-    wrong = rng.random() < noise
-    think = {
-        "router": "Should the LLM answer alone ([No Retrieval]), after one search ([Retrieval] <query>) or after a "
-        "plan ([Planning])?",
-        "filter": "I compare each document's title with the entities the question needs; the action: keep those.",
-        "dm": "Which steps of the plan do the existing documents cover? The next action: [Retrieval] or [LLM].",
-    }[agent]
-    lead = f"<think>\n{think}\n</think>\n\n" if style == "think" and not prefix else ""
-    if agent == "router":  # the forced root asks only for the query; a free router picks the strategy too
-        if prefix:
-            return f" {meta['sub_queries'][0]}"
-        single = f"[Retrieval] {meta['sub_queries'][0]}"
-        return lead + ("[No Retrieval]" if meta["popular"] else single if meta["hops"] == 1 else "[Planning]")
-    if agent == "filter":
-        docs = ctx["docs"]
-        ids = list(range(1, len(docs) + 1)) if wrong else [i for i, d in enumerate(docs, 1) if d["title"] in heads]
-        listed = ", ".join(map(str, ids))
-        if style == "compact":
-            return f"Thought: {'keep ' + listed if ids else 'none relevant'} .\nAction: [{listed}]"
-        said = [f"Document {i}: {'Relevant' if i in ids else 'Not relevant'}, it is about {d['title']}."
-                for i, d in enumerate(docs, 1)]  # fmt: skip
-        return lead + "Thought: " + "\n".join(said) + f"\n\nAction: [{listed}]"
-    titles, used = {d["title"] for d in ctx["acc"]}, ctx["used"]
-    todo = [i for i, h in enumerate(heads)
-            if not meta["popular_hops"][i] and h not in titles and not used.get(meta["sub_queries"][i])]  # fmt: skip
-    if ctx["forced"] or not todo or wrong:
-        done = "Every step of the plan is in the existing documents, so the next action: answer."
-        return "Thought: done .\nAction: [LLM]" if style == "compact" else f"{lead}Thought: {done}\nAction: [LLM]"
-    step, query = todo[0], meta["sub_queries"][todo[0]]
-    if style == "compact":
-        return f"Thought: need step {step + 1} .\nAction: [Retrieval] {query}"
-    rel = (meta.get("relations") or [None] * len(heads))[step]  # the hop's relation: "the director of zekil"
-    goal = RELATIONS[rel][4].format(h=heads[step]) if rel in RELATIONS else query
-    return f"{lead}Thought: In our plan, the next action: find {goal} [step {step + 1}].\nAction: [Retrieval] {query}"
-
-
 def tearag_tail(evidence, head, rel):
     """The tail that `evidence` (lowercased) states for (head, rel): a passage sentence ("dites was born in makux .")
     or a triplet line ("triplet : dites born in makux") about the exact name; None when it states none."""
