@@ -23,19 +23,19 @@ Departures from the paper, in both presets (each marked `# simplification:` wher
 2. SFT subqueries are the decomposition's as written, not rewritten into fluent questions by Qwen2.5-72B.
 3. SFT supporting triplets: the step passage's triplets whose head or tail is its answer (paper: Qwen2.5-72B picks).
 4. SFT important entities: the supporting triplets' entities that the subquery names (paper: all their entities).
-5. Option (off): `--sft_summaries 1` writes every SFT summary with one template, not the paper's "diverse" ones.
+5. Option (off): preset field sft_summaries 1 writes every SFT summary with one template, not the "diverse" ones.
 6. `</Reference>` is written by the environment and masked like the evidence between the tags.
 7. The SFT losses are token means (SFT: over a batch's loss tokens, IP-DPO: its chosen paths'), not Eq. 4/15's sums.
 8. One LoRA adapter is trained through SFT and all rounds (Theta_p starts from Theta_{p-1}, nothing merged).
 9. Golden evidence: a multi-hop question's supporting passages, HotpotQA's too (paper: its evidence sentences).
-10. `--evidence sentence`: a hop's supporting sentence is the one holding its sub-answer, not an annotated fact.
+10. Option (off): preset field evidence "sentence": a hop's evidence is the sentence holding its sub-answer.
 
-Toy-world adaptations (the toy preset's values and toy-only options; the paper preset leaves them off):
+Toy-world adaptations (the toy preset's values, PRESETS; the toy machinery lives in common/toy/tearag.py):
 11. Toy retrieval system: a TF-IDF bi-encoder and a lexical cross-scorer stand in for E5-base-v2 and BGE-reranker-v2.
-12. Toy preset: full fine-tuning of a 0.6M model; SFT by steps on all question types plus 3 retrieved distractors.
-13. Toy preset: the compact template, the question without the instruction (the paper preset writes it as system turn).
-14. Toy world only: SFT paths are entity-renamed (--augment_p) so that the tiny model reads instead of memorising.
-15. Toy option (off): `--sft_redundant_p` of the one-hop SFT paths repeat their step: a start that over-decomposes.
+12. Toy preset: full fine-tuning of a 0.6M model; SFT by steps on all types (sft_single_steps off), sft_distractors.
+13. Toy preset: the compact templates, the question without the instruction (the paper's: the system turn).
+14. Toy world only: SFT paths are entity-renamed (augment_p) so that the tiny model reads instead of memorising.
+15. Toy option (off): sft_redundant_p of the one-hop SFT paths repeat their step: a start that over-decomposes.
 """
 
 import math
@@ -45,6 +45,7 @@ import time
 from collections import Counter, defaultdict
 from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
+from typing import NamedTuple
 
 import numpy as np
 import torch
@@ -57,9 +58,10 @@ from common.data import UserError, load_split, read_jsonl, sample_rows, write_js
 from common.llm import add_lora, chat_prompts, generate, right_pad, unknown_words
 from common.metrics import answer_scores, f1_score, summarize
 from common.models import load_model_and_tokenizer
-from common.retrieval import DenseRetriever, load_retriever, make_encoder, open_retriever, tokenize_words
+from common.retrieval import DenseRetriever, load_retriever, make_encoder, open_retriever
 from common.runs import arg
-from common.toy import load_world, rename_entities
+from common.toy import load_world
+from common.toy import tearag as toy
 
 
 @dataclass
@@ -84,112 +86,84 @@ class Args:
     reranker: str | None = arg(None, "cross-encoder (hub id / folder) or lexical [§5.1.3: BGE-reranker-v2]")
     model: str | None = arg(None, "policy LLM: hub id, local folder or toy-lm spec")
     lora_r: int | None = arg(None, "LoRA rank, 0: full fine-tuning [§5.1.3: 8, alpha 32, dropout 0.1]")
-    templates: str | None = arg(None, "paper (instruction as system turn) or compact", choices=["paper", "compact"])
+    templates: str | None = arg(None, "paper (the instruction as system turn) or compact", flag=False)
     sft_split: str = arg("train", "SFT questions with a decomposition: data_dir/<split>.jsonl [§4.3.1]")
-    sft_types: str = arg("", "metadata types of the SFT questions (empty: all)")
+    sft_types: str = arg("", "metadata types of the SFT questions (both presets: all)", flag=False)
     dpo_split: str = arg("train", "IP-DPO sampling questions: data_dir/<split>.jsonl [Tab. 2]")
-    dpo_types: str = arg("", "metadata types of the IP-DPO questions (empty: all)")
+    dpo_types: str = arg("", "metadata types of the IP-DPO questions (both presets: all)", flag=False)
     n_dpo: int | None = arg(None, "IP-DPO questions, the same each round (None: all) [Tab. 2: 10,000]", low=1)
     n_eval: int | None = arg(None, "test questions evaluated (None: all)", low=1)
     retrieval: str = arg("ppr", "ppr (TeaRAG) or a Table 7 variant", choices=["ppr", "semantic", "graph", "concat"],
                          group="retrieval [§4.2.3-4.2.5, §5.1.3]")  # fmt: skip
-    chunk_candidates: int = arg(20, "dense chunk candidates before reranking [§5.1.3: 20]", low=1)
+    chunk_candidates: int = arg(20, "dense chunk candidates before reranking [§5.1.3: 20]", low=1, flag=False)
     k_d: int = arg(5, "chunks kept after reranking [§5.1.3: 5]", low=1)
-    entity_candidates: int = arg(10, "entities per entity query [§5.1.3: 10]", low=1)
+    entity_candidates: int = arg(10, "entities per entity query [§5.1.3: 10]", low=1, flag=False)
     k_entities: int = arg(5, "entities kept after reranking [§5.1.3: 5]", low=1)
-    triplet_candidates: int = arg(20, "dense triplet candidates before reranking [§5.1.3: 20]", low=1)
+    triplet_candidates: int = arg(20, "dense triplet candidates before reranking [§5.1.3: 20]", low=1, flag=False)
     k_t: int = arg(10, "triplets kept after reranking [§5.1.3: 10]", low=1)
     k_f: int = arg(5, "context items per retrieval [§5.1.3: 5]", low=1)
     tau: float = arg(0.2, "triplet relevance threshold [Eq. 2; §5.1.3: 0.2]", low=0.0, high=1.0)
     alpha: float = arg(0.5, "PPR weight of the graph term [Eq. 3; §5.1.3: 0.5]", low=0.0, high=1.0)
-    ppr_iterations: int = arg(200, "PPR iterations N [§5.1.3: 200]", low=1)
+    ppr_iterations: int = arg(200, "PPR iterations N [§5.1.3: 200]", low=1, flag=False)
     max_steps: int = arg(5, "reasoning steps per path [§5.1.3: k <= 5]", low=1)
     max_new_tokens: int | None = arg(None, "tokens per generate call (summary + step header, or the answer)", low=1)
     sft_steps: int | None = arg(None, "SFT steps (0: one epoch [§5.1.3])", low=0, group="SFT [§4.3.1, §5.1.3]")
     sft_lr: float | None = arg(None, "SFT learning rate [§5.1.3: 5e-4]")
     sft_batch_size: int | None = arg(None, "SFT batch size [§5.1.3: 128]", low=1)
-    sft_single_steps: bool | None = arg(None, "add each step of a path as a 1-hop question [§4.3.1, Tab. 1]")
-    sft_distractors: int | None = arg(None, "retrieved items added to each SFT context (ours; paper: 0)", low=0)
-    sft_redundant_p: float | None = arg(None, "toy: share of 1-hop SFT paths repeating a step", low=0.0, high=1.0)
-    sft_summaries: int | None = arg(None, "SFT summary templates: the first N [§4.3.1 (5): all 3]", low=1, high=3)
-    weight_decay: float = arg(0.001, "AdamW weight decay of SFT and DPO [§5.1.3: 0.001]", low=0.0)
+    sft_single_steps: bool | None = arg(None, "each SFT step also as a 1-hop question [§4.3.1, Tab. 1]", flag=False)
+    sft_distractors: int | None = arg(None, "retrieved items added to each SFT context (ours)", low=0, flag=False)
+    sft_redundant_p: float | None = arg(None, "toy: share of 1-hop SFT paths repeating a step", low=0.0, flag=False)
+    sft_summaries: int = arg(3, "SFT summary templates: the first N [§4.3.1 (5): all 3]", low=1, high=3, flag=False)
+    weight_decay: float = arg(0.001, "AdamW weight decay of SFT and DPO [§5.1.3: 0.001]", low=0.0, flag=False)
     micro_batch_size: int | None = arg(None, "SFT paths or DPO pairs per forward pass", low=1)
-    augment_p: float | None = arg(None, "toy world: entity-renaming probability of an SFT path", low=0.0, high=1.0)
+    augment_p: float | None = arg(None, "toy world: entity-renaming probability of an SFT path", low=0.0, flag=False)
     rounds: int = arg(3, "IP-DPO rounds [§5.5.1: TeaRAG-1..3]", low=0, group="IP-DPO [§4.3.2, §5.1.3]")
     n_rollouts: int = arg(8, "sampled paths per question R [§5.1.3: 8]", low=1)
-    temperature: float = arg(1.0, "sampling temperature of the rollouts (not in the paper; ours: 1.0)")
+    temperature: float = arg(1.0, "sampling temperature of the rollouts (ours: 1.0)", flag=False)
     dpo_epochs: str | None = arg(None, "epochs of each round, the first --rounds of them [§5.1.3: 2,2,1]")
     eta: str = arg("1,0.5,0.25", "SFT weight of each round, the first --rounds [Eq. 17; §5.1.3: within 0.25-1]")
     beta: float = arg(0.5, "DPO beta [Eq. 16; §5.1.3: 0.5]")
     dpo_lr: float | None = arg(None, "IP-DPO learning rate [§5.1.3: 1e-4]")
     dpo_batch_size: int = arg(16, "pairs per IP-DPO step [§5.1.3: 16]", low=1)
     rollout_batch: int | None = arg(None, "questions per batched rollout (times R paths)", low=1)
-    evidence: str = arg("passage", "golden evidence g_t [Eq. 9-11, §4.3.2]", choices=["passage", "sentence"])
+    evidence: str = arg("passage", "golden evidence g_t: passage or sentence (ours) [Eq. 9-11, §4.3.2]", flag=False)
 
 
-PRESETS = {  # values for the fields left at None; any flag overrides them
-    "toy": {  # simplification: a tiny model, SFT on every type with distractors, fewer questions (header item 12)
-        "data_dir": "data/toy",
-        "encoder": "tfidf",
-        "reranker": "lexical",
-        "model": "toy-lm",
-        "lora_r": 0,
-        "templates": "compact",  # simplification: the question without the instruction (header item 13)
-        "n_dpo": 96,
-        "n_eval": 200,
-        "max_new_tokens": 40,
-        "sft_steps": 900,
-        "sft_lr": 2e-3,
-        "sft_batch_size": 16,
-        "sft_single_steps": False,
-        "micro_batch_size": 64,
-        "augment_p": 1.0,
-        "sft_distractors": 3,
-        "sft_redundant_p": 0.0,  # 0.6 removes steps on data/toy but lost EM on world seed 5 (docs/log.md)
-        "sft_summaries": 3,
-        "dpo_epochs": "1,1,1",
-        "dpo_lr": 2e-4,
-        "rollout_batch": 96,
-    },
-    "paper": {
-        "data_dir": "data/tearag",
-        "encoder": "intfloat/e5-base-v2",
-        "reranker": "BAAI/bge-reranker-v2-m3",
-        "model": "meta-llama/Meta-Llama-3-8B-Instruct",
-        "lora_r": 8,
-        "templates": "paper",
-        "n_dpo": None,
-        "n_eval": None,
-        "max_new_tokens": 512,
-        "sft_steps": 0,
-        "sft_lr": 5e-4,
-        "sft_batch_size": 128,
-        "sft_single_steps": True,
-        "micro_batch_size": 2,
-        "augment_p": 0.0,
-        "sft_distractors": 0,
-        "sft_redundant_p": 0.0,
-        "sft_summaries": 3,
-        "dpo_epochs": "2,2,1",
-        "dpo_lr": 1e-4,
-        "rollout_batch": 64,
-    },
+PRESETS = {  # field: (toy, paper), for the fields left at None; any flag overrides them
+    "data_dir": ("data/toy", "data/tearag"),
+    "encoder": ("tfidf", "intfloat/e5-base-v2"),  # simplification: the toy's TF-IDF (header item 11)
+    "reranker": ("lexical", "BAAI/bge-reranker-v2-m3"),  # toy: common/toy/tearag.py's cross-scorer
+    "model": ("toy-lm", "meta-llama/Meta-Llama-3-8B-Instruct"),  # simplification: a tiny model (header item 12)
+    "lora_r": (0, 8),  # the toy model: full fine-tuning
+    "templates": ("compact", "paper"),  # simplification: the question without the instruction (header item 13)
+    "n_dpo": (96, None),  # a toy round: 96 questions
+    "n_eval": (200, None),
+    "max_new_tokens": (40, 512),  # a toy step is a few words
+    "sft_steps": (900, 0),  # the toy SFT: 900 steps, not one epoch
+    "sft_lr": (2e-3, 5e-4),
+    "sft_batch_size": (16, 128),
+    "sft_single_steps": (False, True),  # toy: the paper's SFT mix left IP-DPO few pairs (docs/log.md)
+    "sft_distractors": (3, 0),  # ours: 3 retrieved items beside the golden ones (header item 12)
+    "sft_redundant_p": (0.0, 0.0),  # 0.6 removes steps on data/toy but lost EM on world seed 5 (docs/log.md)
+    "micro_batch_size": (64, 2),  # memory only: every loss is the same for any micro-batch
+    "augment_p": (1.0, 0.0),  # toy world only: every SFT path renamed (header item 14)
+    "dpo_epochs": ("1,1,1", "2,2,1"),  # toy: one epoch a round
+    "dpo_lr": (2e-4, 1e-4),
+    "rollout_batch": (96, 64),  # throughput only
 }
 
 
 def apply_preset(args):
-    """Fill the fields left at None from the preset; derived paths; the per-round lists cut to --rounds; every
-    problem of the flags at once, in one line."""
-    for key, value in PRESETS[args.preset].items():
+    """The preset's column for the fields left at None, derived paths, per-round lists cut to --rounds; every problem
+    of the flags at once, in one line."""
+    for key, values in PRESETS.items():
         if getattr(args, key) is None:
-            setattr(args, key, value)
+            setattr(args, key, values[args.preset == "paper"])
     args.corpus = args.corpus or str(Path(args.data_dir) / "corpus.jsonl")
     args.triples = args.triples or str(Path(args.data_dir) / "triples.jsonl")
     args.world = args.world or runs.toy_world(None, args.data_dir)  # the preset's data folder may hold the world
-    positive = ("sft_lr", "dpo_lr", "beta", "temperature")
+    positive = ("sft_lr", "dpo_lr", "beta")
     problems = [f"--{k} {getattr(args, k)}: must be > 0" for k in positive if getattr(args, k) <= 0]
-    if args.train + args.eval + bool(args.ask) > 1:
-        problems.append("--train, --eval and --ask: choose one")
     for name, accepts, ok in (("dpo_epochs", "whole numbers >= 1", lambda v: v >= 1 and v == int(v)),
                               ("eta", "numbers >= 0", lambda v: v >= 0)):  # fmt: skip
         try:
@@ -269,62 +243,52 @@ SUMMARY = re.compile(r"\s*summary\s*:(.*?)(step\s*\d+\s*:.*|final\s+answer\s*:(.
 FINAL = re.compile(r"final\s+answer\s*:", re.IGNORECASE)
 
 
+class StepHeader(NamedTuple):
+    """What the model writes to open a step [§4.2.1-4.2.2]: its number, important entities and subquery."""
+
+    number: int
+    entities: list
+    subquery: str
+
+
 def parse_header(text):
-    """(step number, entities, subquery) of the last step header in text (before its <Reference>), or None."""
+    """The StepHeader of the last step header in text (before its <Reference>), or None."""
     starts = [m.start() for m in STEP_START.finditer(text)]
     m = HEADER.fullmatch(text.replace(REF_OPEN, ""), starts[-1]) if starts else None
-    return (int(m[1]), [v.strip() for v in m[2].split(";") if v.strip()], m[3].strip()) if m else None
+    return StepHeader(int(m[1]), [v.strip() for v in m[2].split(";") if v.strip()], m[3].strip()) if m else None
+
+
+def step_is_valid(i, header, summary, last):
+    """The format of step i [Eq. 6]: its header "Step i:" with entities and a subquery, then after the Reference block
+    a non-empty summary (SUMMARY's match) followed by the next step header, or by the final answer when `last`."""
+    if header is None or summary is None or header.number != i:
+        return False
+    if not (header.entities and header.subquery and summary[1].strip()):
+        return False
+    answer = summary[3]
+    return (answer is not None and answer.strip() != "") if last else answer is None
 
 
 def parse_path(text):
-    """Steps (entities, subquery, summary), final answer and format check of a path's text [§4.2, Eq. 6; ours].
-
-    Valid: k >= 1 steps, each "Step i:" (i = 1..k) with non-empty entities and subquery, one Reference block and a
-    non-empty summary; then one non-empty "Final answer:" and nothing after it."""
+    """Steps (entities, subquery, summary), final answer and format check of a path's text [§4.2, Eq. 6; ours]: valid
+    with k >= 1 valid steps (step_is_valid), then one non-empty "Final answer:" and nothing after it."""
     pieces = re.split(f"{REF_OPEN}.*?{REF_CLOSE}", text, flags=re.DOTALL)  # [head 1, summary 1 + head 2, ..., answer]
     answers = FINAL.split(text)
-    steps, header = [], parse_header(pieces[0])
-    ok = len(pieces) > 1 and STEP_START.match(pieces[0].strip()) is not None
+    steps, valid, header = [], [], parse_header(pieces[0])
     for i, piece in enumerate(pieces[1:], 1):
-        m, last = SUMMARY.fullmatch(piece), i == len(pieces) - 1
-        summary = m[1].strip() if m else ""
-        ok = ok and m is not None and header is not None and header[0] == i and all((header[1], header[2], summary))
-        ok = ok and m is not None and (m[3] is not None) == last and (not last or bool(m[3].strip()))
-        entities, subquery = header[1:] if header else ([], "")
-        steps.append({"entities": entities, "subquery": subquery, "summary": summary})
-        header = parse_header(m[2]) if m and m[2] and not last else None
+        summary, last = SUMMARY.fullmatch(piece), i == len(pieces) - 1
+        valid.append(step_is_valid(i, header, summary, last))
+        entities, subquery = (header.entities, header.subquery) if header else ([], "")
+        steps.append({"entities": entities, "subquery": subquery, "summary": summary[1].strip() if summary else ""})
+        header = parse_header(summary[2]) if summary and summary[2] and not last else None
+    opened = len(pieces) > 1 and STEP_START.match(pieces[0].strip()) is not None
     stray = any(tag in piece for piece in pieces for tag in (REF_OPEN, REF_CLOSE))  # a tag outside a block
-    ok = ok and not stray and len(answers) == 2 and not STEP_START.search(answers[1])
-    return {"steps": steps, "answer": answers[-1].strip() if len(answers) > 1 else "", "format_ok": ok}
+    ends = len(answers) == 2 and not STEP_START.search(answers[1])  # one final answer, no step after it
+    format_ok = opened and all(valid) and not stray and ends
+    return {"steps": steps, "answer": answers[-1].strip() if len(answers) > 1 else "", "format_ok": format_ok}
 
 
 # --------------------------------------------------------------------------- 3. the retrieval system R [§4.2.3-4.2.5]
-STOPWORDS = frozenset(
-    tokenize_words("a an the of in on at to by for from with and or is are was were be been what which who whom")
-    + tokenize_words("whose when where why how did do does it its this that as")
-)
-
-
-# simplification: the toy world's reranker and TF-IDF bi-encoder stand in for BGE-reranker-v2 and E5 (header item 11)
-class LexicalReranker:
-    """The toy world's cross-scorer: logit = 8 F1 - 4, F1 of the idf-weighted overlap
-    of the two texts' content words (not stopwords, seen in the corpus); sigmoid(logit) lies in [0.018, 0.982]."""
-
-    def __init__(self, texts):
-        df = Counter(w for t in texts for w in set(tokenize_words(t)))
-        self.idf = {w: math.log((1 + len(texts)) / (1 + c)) + 1 for w, c in df.items()}
-
-    def __call__(self, pairs):
-        """Logits of (query, passage) pairs, (n,)."""
-        words = lambda text: {w for w in tokenize_words(text) if w in self.idf and w not in STOPWORDS}
-        weight = lambda ws: sum(self.idf[w] for w in sorted(ws))  # sorted: a set's order follows the hash seed
-        out = []
-        for query, passage in pairs:
-            q, p = words(query), words(passage)
-            out.append(8 * (2 * weight(q & p) / (weight(q) + weight(p)) if q and p else 0.0) - 4)
-        return np.array(out, dtype=np.float64)
-
-
 class CrossEncoderReranker:
     """A sequence-classification cross-encoder (BGE-reranker-v2): one relevance logit per (query, passage) pair."""
 
@@ -378,15 +342,12 @@ class RetrievalSystem:
         self.args, self.kg = args, KnowledgeGraph(args.triples)
         self.chunks = open_retriever(args.index, args.corpus, args.encoder)
         self.encoder = getattr(self.chunks, "encoder", None)  # ranks E_entity's triplets (none: the reranker alone)
-        if args.entity_index:
-            self.entities = load_retriever(args.entity_index)
-        else:
-            self.entities = DenseRetriever.build(
-                [{"id": e, "contents": e} for e in self.kg.entities], make_encoder(args.encoder)
-            )
+        names = [{"id": e, "contents": e} for e in self.kg.entities]  # the graph's entities, for the entity queries
+        build = lambda: DenseRetriever.build(names, make_encoder(args.encoder))
+        self.entities = load_retriever(args.entity_index) if args.entity_index else build()
         self.docs = {str(d["id"]): d for d in self.chunks.corpus}
-        if args.reranker == "lexical":
-            self.rerank = LexicalReranker([d["contents"] for d in self.chunks.corpus])
+        if args.reranker == "lexical":  # simplification: the toy's cross-scorer for BGE-reranker-v2 (header item 11)
+            self.rerank = toy.LexicalReranker([d["contents"] for d in self.chunks.corpus])
         else:
             self.rerank = CrossEncoderReranker(args.reranker, device)
 
@@ -572,15 +533,16 @@ def rejection_type(r, c, single_hop, eps=1e-9):
 
 
 def build_pairs(rewards, single_hop):
-    """[(chosen, rejected, type)] indices for one question's sampled paths [§4.3.2]: the chosen in descending total
-    reward, each matched by a forward-only walk over all paths in ascending total reward [§4.3.2]."""
+    """[(chosen, rejected, type)] of one question's paths [§4.3.2]: each chosen path, best first, matched by a
+    forward-only walk over all paths, worst first."""
     chosen = sorted((i for i, r in enumerate(rewards) if is_chosen(r, single_hop)), key=lambda i: -sum(rewards[i]))
     ranked = sorted(range(len(rewards)), key=lambda i: sum(rewards[i]))  # stable: ties by sample index
     pairs, ptr = [], 0
     for c in chosen:
         while ptr < len(ranked):
             r, ptr = ranked[ptr], ptr + 1
-            if r not in chosen and (kind := rejection_type(rewards[r], rewards[c], single_hop)):
+            kind = None if r in chosen else rejection_type(rewards[r], rewards[c], single_hop)
+            if kind:
                 pairs.append((c, r, kind))
                 break
     return pairs
@@ -589,8 +551,7 @@ def build_pairs(rewards, single_hop):
 # --------------------------------------------------------------------------- 6. the agent loop [§4.2, Fig. 3]
 @dataclass
 class ReasoningPath:
-    """One path P_k: token ids after the prompt with loss_mask (1 exactly on generated tokens), its text, the
-    contexts retrieved for its steps and the count of their tokens, what parse_path found, its rewards."""
+    """One path P_k: ids after the prompt, loss_mask (1 on generated tokens), text, contexts, parse_path's, rewards."""
 
     row: dict
     prompt: list
@@ -616,14 +577,12 @@ class ReasoningPath:
 
 
 def add_format_tokens(model, tokenizer):
-    """<Reference> and </Reference> as single tokens [Fig. 4], and any format word the tokenizer cannot read (a
-    word-level toy tokenizer); returns the new ids."""
+    """<Reference> and </Reference> as single tokens [Fig. 4] (and the toy tokenizer's format words); the new ids."""
     from tokenizers import AddedToken
 
     # impl: not "special", so decoding keeps them and the stop string <Reference> is found in the decoded text
     new = [AddedToken(t, normalized=False) for t in (REF_OPEN, REF_CLOSE) if len(tokenizer.tokenize(t)) != 1]
-    words = [w for w in unknown_words(tokenizer, FORMAT_WORDS) if re.fullmatch(r"[A-Za-z]{2,}", w)]
-    new += [AddedToken(w.lower(), normalized=True, single_word=True) for w in words]
+    new += toy.format_tokens(unknown_words(tokenizer, FORMAT_WORDS))  # none for a real tokenizer
     if new:
         tokenizer.add_tokens(new)
         model.resize_token_embeddings(len(tokenizer))
@@ -646,43 +605,53 @@ def cut_step(ids, tokenizer):
     return ids[:cut], decode(ids[:cut])
 
 
-def rollout(model, tokenizer, system, rows, args, n_samples=1, greedy=True, seed=0):
-    """n_samples reasoning paths per question, one generate call per step for all live paths [§4.2, Fig. 3].
+def model_turn(p, ids, text, tokenizer, args):
+    """The model's turn in path p [§4.2.1-4.2.2, Fig. 3]: the summary of the last context, then a step header ending
+    in <Reference> (returned: the environment retrieves for it) or the final answer (the path is done: None). At the
+    step cap [§5.1.3: k <= 5] a 6th header is cut and the environment writes "Final answer:" (ours)."""
+    p.calls += 1
+    capped = not p.forced and len(p.contexts) == args.max_steps and text.rstrip().endswith(REF_OPEN)
+    if capped:
+        ids, text = cut_step(ids, tokenizer)
+    p.append(ids, text, trained=True)
+    if capped:
+        p.append(tokenizer("\nFinal answer:", add_special_tokens=False)["input_ids"], "\nFinal answer:", False)
+        p.forced = True
+        return None
+    header = parse_header(text) if not p.forced and text.rstrip().endswith(REF_OPEN) else None
+    if header is None or not header.subquery:
+        p.done = True  # the final answer (EOS), out of tokens, or a malformed step header (format reward 0)
+        return None
+    return header
 
-    A call continues a path to its next <Reference> (the last step's summary, then a new step header) or to EOS
-    (the final answer); the environment retrieves for every path stopped at <Reference> and appends the block."""
+
+def add_context(p, context, tokenizer):
+    """The environment's turn [§4.2.5, Fig. 4a]: the context C_q retrieved for p's step as its Reference block."""
+    block = reference_block(context)
+    block_ids = tokenizer(block, add_special_tokens=False)["input_ids"]
+    p.append(block_ids, block, trained=False)  # simplification: </Reference> masked too (header item 6)
+    p.contexts.append(context)
+    p.retrieved += len(block_ids)
+
+
+def rollout(model, tokenizer, system, rows, args, n_samples=1, greedy=True, seed=0):
+    """n_samples reasoning paths per question [§4.2, Fig. 3]: one generate call per turn for every live path
+    (model_turn), then one retrieval for every path stopped at <Reference> (add_context); every path parsed at last."""
     prompts = encode_prompts(tokenizer, [r["question"] for r in rows], args.templates)
     paths = [ReasoningPath(r, p) for r, p in zip(rows, prompts) for _ in range(n_samples)]
     sampling = {"do_sample": not greedy, "temperature": args.temperature, "stop": [REF_OPEN]}
     for turn in range(args.max_steps + 2):  # at most 5 retrievals, a 6th header cut, the forced answer
-        if not (live := [p for p in paths if not p.done]):
+        live = [p for p in paths if not p.done]
+        if not live:
             break
         gen = generate(
             model, tokenizer, [p.prompt + p.ids for p in live], args.max_new_tokens, **sampling, seed=seed + turn
         )
-        asking = []
-        for p, ids, text in zip(live, gen.token_ids, gen.texts):
-            p.calls += 1
-            capped = not p.forced and len(p.contexts) == args.max_steps and text.rstrip().endswith(REF_OPEN)
-            if capped:  # a 6th step [§5.1.3: k <= 5]: its header is cut, the environment writes "Final answer:"
-                ids, text = cut_step(ids, tokenizer)
-            p.append(ids, text, trained=True)
-            if capped:
-                p.append(tokenizer("\nFinal answer:", add_special_tokens=False)["input_ids"], "\nFinal answer:", False)
-                p.forced = True
-            elif p.forced or not text.rstrip().endswith(REF_OPEN):
-                p.done = True  # the final answer (EOS), or out of tokens
-            elif (header := parse_header(text)) and header[2]:
-                asking.append((p, header))
-            else:
-                p.done = True  # a malformed step header ends the path (format reward 0)
-        contexts = system.retrieve([h[2] for _, h in asking], [h[1] for _, h in asking]) if asking else []
-        for (p, _), ctx in zip(asking, contexts):
-            block = reference_block(ctx)
-            block_ids = tokenizer(block, add_special_tokens=False)["input_ids"]
-            p.append(block_ids, block, trained=False)  # simplification: </Reference> masked too (header item 6)
-            p.contexts.append(ctx)
-            p.retrieved += len(block_ids)
+        headers = [model_turn(p, ids, text, tokenizer, args) for p, ids, text in zip(live, gen.token_ids, gen.texts)]
+        asking = [(p, h) for p, h in zip(live, headers) if h is not None]
+        contexts = system.retrieve([h.subquery for _, h in asking], [h.entities for _, h in asking]) if asking else []
+        for (p, _), context in zip(asking, contexts):
+            add_context(p, context, tokenizer)
     for p in paths:
         parsed = parse_path(p.text)
         p.steps, p.answer = parsed["steps"], parsed["answer"]
@@ -716,7 +685,7 @@ def sft_steps(row, system, rng):
         for t in support + others:  # (4) the golden paragraph, triplets (and distractors) at random places
             context.insert(rng.randint(0, len(context)), t)
         facts = " and ".join(item_text(t) for t in support)
-        # simplification: --sft_summaries < 3 narrows the "diverse templates" (header item 5)
+        # simplification: sft_summaries < 3 (a preset field) narrows the "diverse templates" (header item 5)
         summary = rng.choice(SUMMARIES[: system.args.sft_summaries]).format(facts=facts, answer=answer)  # (5)
         steps.append({"entities": entities, "subquery": sub, "context": context, "summary": summary, "answer": answer})
     return steps
@@ -729,12 +698,8 @@ def sft_examples(rows, system, args, rng):
         steps = sft_steps(row, system, rng)
         if not steps:
             continue
-        if len(steps) == 1 and args.sft_redundant_p and rng.random() < args.sft_redundant_p:
-            # simplification: a one-hop path that retrieves its step twice, the redundant retrieval of agents trained
-            # on outcomes (§1, Fig. 2b) that the toy start lacks; IP-DPO's r_outcome / k removes it (header item 15)
-            items = [(row["question"], steps + [dict(steps[0])], row["golden_answers"][0])]
-        else:
-            items = [(row["question"], steps, row["golden_answers"][0])]
+        path = toy.redundant_step(steps, args.sft_redundant_p, rng)  # toy option, off (header item 15)
+        items = [(row["question"], path, row["golden_answers"][0])]
         if args.sft_single_steps and len(steps) > 1:
             items += [(s["subquery"], [s], s["answer"]) for s in steps]
         for question, path, answer in items:
@@ -750,8 +715,7 @@ def sft_sequence(example, tokenizer, args, rng, world):
     """(ids, loss_mask) of an SFT path: 0 on the prompt and the Reference blocks, 1 on the model's text and EOS."""
     question, segments = example
     texts = [question] + [text for text, _ in segments]
-    if world is not None and rng.random() < args.augment_p:
-        texts = rename_entities(texts, world, rng, popular="free")  # simplification: toy renaming (header item 14)
+    texts = toy.renamed(texts, world, rng, args.augment_p)  # toy world only (header item 14)
     ids = encode_prompts(tokenizer, texts[:1], args.templates)[0]
     mask = [0] * len(ids)
     for text, (_, trained) in zip(texts[1:], segments):
@@ -778,26 +742,32 @@ def dpo_loss(pi_chosen, pi_rejected, ref_chosen, ref_rejected, beta):
 
 
 def sft_nll(logp_sums, n_tokens):
-    """L_SFT [Eq. 15] of chosen paths: minus their summed log-probs over `n_tokens`, the loss tokens of the whole
-    batch, so that the micro-batches of every process add up to the batch's token mean, whatever their number."""
+    """L_SFT [Eq. 15] of chosen paths: minus their summed log-probs over `n_tokens`, the whole batch's loss tokens."""
     # simplification: a token mean, not Eq. 15's sum per path, so that eta weighs it like a mean (header item 7)
     return -logp_sums.sum() / n_tokens
 
 
+def l_all(pi_chosen, pi_rejected, ref_chosen, ref_rejected, eta, beta, n_pairs, n_tokens):
+    """L_ALL = L_DPO + eta L_SFT [Eq. 17] of some of a batch's pairs as their share of the batch's (L_DPO [Eq. 16] over
+    its n_pairs, L_SFT [Eq. 15] over its n_tokens); and the pairs' L_DPO and margins, (b,) each."""
+    l_dpo, margin = dpo_loss(pi_chosen, pi_rejected, ref_chosen, ref_rejected, beta)
+    return eta * sft_nll(pi_chosen, n_tokens) + l_dpo.sum() / n_pairs, l_dpo, margin
+
+
 # --------------------------------------------------------------------------- 9. SFT and IP-DPO training
-def linear(steps):
-    """Linear decay to 0 without warm-up (ours; the paper gives no schedule)."""
-    return lambda s: max(0.0, 1 - s / max(steps, 1))
+def adamw(accelerator, model, lr, weight_decay, steps):
+    """AdamW [§5.1.3] with a linear decay to 0 over `steps` and no warm-up (ours: the paper gives no schedule)."""
+    optimizer = torch.optim.AdamW(model.parameters(), lr=lr, weight_decay=weight_decay)
+    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: max(0.0, 1 - s / max(steps, 1)))
+    model, optimizer = accelerator.prepare(model, optimizer)
+    return model, optimizer, scheduler
 
 
 def sft(accelerator, model, tokenizer, examples, args, world, out):
-    """Masked next-token loss on the SFT paths [Eq. 4]; AdamW, lr 5e-4, batch 128, weight decay 0.001 [§5.1.3]; the
-    mean loss logged (metrics.jsonl, trackers) 20 times in the run."""
+    """Masked next-token loss on the SFT paths [Eq. 4, §5.1.3]; the mean loss logged 20 times in the run."""
     rng = random.Random(args.seed)
     steps = args.sft_steps or math.ceil(len(examples) / args.sft_batch_size)  # [§5.1.3] one epoch, a short last batch
-    optimizer = torch.optim.AdamW(model.parameters(), lr=args.sft_lr, weight_decay=args.weight_decay)
-    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, linear(steps))
-    model, optimizer = accelerator.prepare(model, optimizer)
+    model, optimizer, scheduler = adamw(accelerator, model, args.sft_lr, args.weight_decay, steps)
     model.train()
     order, losses, logged, mb = [], [], 0, args.micro_batch_size
     bar = runs.progress(range(steps), "SFT", disable=not accelerator.is_local_main_process)
@@ -851,10 +821,8 @@ def dpo_round(accelerator, model, tokenizer, pairs, eta, epochs, args, rng):
     model.eval()
     with torch.no_grad():  # the reference Theta_{p-1}, the model that sampled the round [Eq. 16], over the processes
         ref = torch.tensor(runs.map_shared(in_micro_batches, pairs), device=device).view(-1, 2)  # (n_pairs, 2)
-    optimizer = torch.optim.AdamW(model.parameters(), lr=args.dpo_lr, weight_decay=args.weight_decay)
     n_steps = epochs * math.ceil(len(pairs) / args.dpo_batch_size)
-    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, linear(n_steps))
-    model, optimizer = accelerator.prepare(model, optimizer)
+    model, optimizer, scheduler = adamw(accelerator, model, args.dpo_lr, args.weight_decay, n_steps)
     model.train()
     stats = defaultdict(list)
     for _ in range(epochs):
@@ -870,9 +838,8 @@ def dpo_round(accelerator, model, tokenizer, pairs, eta, epochs, args, rng):
 
 
 def dpo_backward(accelerator, model, pairs, ref, batch, eta, args, pad):
-    """The gradient of L_ALL [Eq. 17] on `batch` (pair indices, the same on every process), and its losses: this
-    process's share in micro-batches, L_DPO the mean over the batch's pairs and L_SFT over its chosen tokens, so that
-    any micro-batch size and process count give the batch's gradient (DDP averages over processes: hence the N)."""
+    """The gradient of L_ALL [Eq. 17] on `batch` (pair indices, the same on every process) and its losses, from this
+    process's share in micro-batches: any micro-batch size and process count give the batch's gradient."""
     own, weight = runs.own_share(batch, accelerator)
     n_tokens = max(sum(sum(pairs[i][0][1][1:]) for i in batch), 1)  # the chosen paths' loss tokens, as sequence_logps
     sums = torch.zeros(4, device=accelerator.device)  # L_DPO, -log p of the chosen, margin, margin > 0 over own pairs
@@ -881,9 +848,9 @@ def dpo_backward(accelerator, model, pairs, ref, batch, eta, args, pad):
         part = own[rows]
         seqs = [pairs[i][0] for i in part] + [pairs[i][1] for i in part]  # chosen, then rejected
         pi_c, pi_r = sequence_logps(model, seqs, pad, accelerator.device)[0].chunk(2)  # (b,) each
-        l_dpo, margin = dpo_loss(pi_c, pi_r, ref[part, 0], ref[part, 1], args.beta)
+        loss, l_dpo, margin = l_all(pi_c, pi_r, ref[part, 0], ref[part, 1], eta, args.beta, len(batch), n_tokens)
         sums.add_(weight * torch.stack([l_dpo.sum(), -pi_c.sum(), margin.sum(), (margin > 0).float().sum()]).detach())
-        return (eta * sft_nll(pi_c, n_tokens) + l_dpo.sum() / len(batch)) * accelerator.num_processes * weight
+        return loss * accelerator.num_processes * weight
 
     runs.micro_backward(accelerator, model, len(own), args.micro_batch_size, loss_of)
     dpo, nll, margin, right = (runs.global_sum(accelerator, sums) / len(batch)).tolist()  # per pair
@@ -915,16 +882,9 @@ def evaluate(model, tokenizer, system, rows, args, predictions=None):
     records = [path_record(p) for p in paths]
     if predictions is not None and PartialState().is_main_process:
         row = lambda p: {"id": p.row.get("id"), "question": p.row["question"], "golds": p.row["golden_answers"]}
-        write_jsonl(
-            predictions, [row(p) | {"prediction": p.answer, "path": p.text} | r for p, r in zip(paths, records)]
-        )
+        lines = [row(p) | {"prediction": p.answer, "path": p.text} | r for p, r in zip(paths, records)]
+        write_jsonl(predictions, lines)
     return summarize(records, [p.row for p in paths])
-
-
-def brief(r):
-    """One log line of an evaluation."""
-    out = f"em={r['em']:.3f} f1={r['f1']:.3f} format={r['format']:.2f} steps={r['retrievals']:.2f} "
-    return out + f"thinking={r['thinking_tokens']:.1f} retrieved={r['retrieved_tokens']:.1f}"
 
 
 # the table that ends a run: EM, F1, steps and tokens per question at each stage [§5.3.2, Tab. 3]
@@ -938,7 +898,9 @@ def evaluate_stage(accelerator, out, stage, model, tokenizer, system, rows, args
     """The greedy evaluation of a stage (raw, sft, dpo, eval) with predictions_<stage>.jsonl and a log line."""
     with accelerator.autocast():
         result = evaluate(model, tokenizer, system, rows, args, out / f"predictions_{stage}.jsonl")
-    accelerator.print(f"{STAGES[stage]} | {brief(result)}")
+    scores = f"em={result['em']:.3f} f1={result['f1']:.3f} format={result['format']:.2f} "
+    cost = f"steps={result['retrievals']:.2f} thinking={result['thinking_tokens']:.1f}"
+    accelerator.print(f"{STAGES[stage]} | {scores}{cost} retrieved={result['retrieved_tokens']:.1f}")
     if step is not None:
         runs.log_eval(accelerator, out, stage, result, step)
     return result
@@ -1055,8 +1017,7 @@ def ask(args):
 
 def main(argv=None):
     """Parse the flags, fill the preset, dispatch on the mode."""
-    presets = {k: (v, PRESETS["paper"][k]) for k, v in PRESETS["toy"].items()}  # --help shows both
-    args = runs.parse_args(Args, argv, "tearag's is runs/<run_name>/dpo", "tearag", presets)
+    args = runs.parse_args(Args, argv, "tearag's is runs/<run_name>/dpo", "tearag", PRESETS)
     args = apply_preset(args)
     (runs.dry_run if args.dry_run else train if args.train else run_eval if args.eval else ask)(args)
 

@@ -478,8 +478,8 @@ def test_sparkle_paper_preset_prints_the_papers_values(capsys):
 
 # ------------------------------------------------------------------ tearag
 class TearagOracle:
-    """common.llm.generate with TeaRAG's toy oracle as the policy (common.toy.oracle_tearag): each prompt's next turn,
-    tokenized as a model's output (up to and with the <Reference> stop, EOS after a final answer, at most
+    """common.llm.generate with TeaRAG's toy oracle as the policy (common.toy.tearag.oracle_tearag): each prompt's
+    next turn, tokenized as a model's output (up to and with the <Reference> stop, EOS after a final answer, at most
     max_new_tokens). Paths alike so far draw their noise apart, seeded by question, text and rank in the call."""
 
     def __init__(self, rows, tokenizer, templates, noise=0.0):
@@ -497,7 +497,7 @@ class TearagOracle:
         from collections import Counter
 
         from common.llm import Generation
-        from common.toy import oracle_tearag
+        from common.toy.tearag import oracle_tearag
 
         stop, seen, out = tokenizer.convert_tokens_to_ids("<Reference>"), Counter(), ([], [], [])
         for ids in prompts:
@@ -624,7 +624,7 @@ def test_tearag_paper_preset_prints_the_papers_values(capsys):
     with contextlib.suppress(SystemExit):  # exit 1 where data/tearag or a hub model is missing: printed first
         T.main(["--preset", "paper", "--dry_run", "--train"])
     config, _ = json.JSONDecoder().raw_decode(capsys.readouterr().out)
-    assert set(T.PRESETS["paper"]) <= set(TEARAG_PAPER), set(T.PRESETS["paper"]) - set(TEARAG_PAPER)
+    assert set(T.PRESETS) <= set(TEARAG_PAPER), set(T.PRESETS) - set(TEARAG_PAPER)
     assert {flag: config[flag] for flag in TEARAG_PAPER} == TEARAG_PAPER
 
 

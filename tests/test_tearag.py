@@ -624,7 +624,8 @@ def test_sft_paths_follow_the_decomposition(system):
 
 
 def test_redundant_sft_paths_repeat_the_step_of_a_share_of_the_one_hop_questions(system):
-    """Toy --sft_redundant_p: a one-hop path retrieves its step twice (same entities, subquery, evidence, summary)."""
+    """Toy sft_redundant_p (common.toy.tearag.redundant_step): a one-hop path retrieves its step twice (same entities,
+    subquery, evidence, summary)."""
     rows = [json.loads(line) for line in (WORLD / "train.jsonl").open()][:240]
     one_hop = [r for r in rows if r["metadata"]["type"] == "one_hop"]
     rng = lambda: __import__("random").Random(0)
@@ -647,7 +648,8 @@ def test_redundant_sft_paths_repeat_the_step_of_a_share_of_the_one_hop_questions
 
 
 def test_sft_summaries_come_from_the_first_n_templates(system, monkeypatch):
-    """--sft_summaries N: the SFT summaries use SUMMARIES[:N] (3: all, the paper's "diverse templates"; 1: one)."""
+    """Preset field sft_summaries N: the SFT summaries use SUMMARIES[:N] (3: all, the paper's "diverse templates"; 1:
+    one)."""
     rows = [json.loads(line) for line in (WORLD / "train.jsonl").open()][:60]
     opening = lambda summary: next(i for i, t in enumerate(T.SUMMARIES) if summary.startswith(t.split("{")[0]))
     used = {}
@@ -714,7 +716,7 @@ def test_train_on_a_fresh_world_then_eval_and_ask(tmp_path):
         capture_output=True,
     )
     out = tmp_path / "run"
-    tiny_sft = ["--sft_steps", "150", "--sft_redundant_p", "0"]  # 150 steps teach the format without redundant steps
+    tiny_sft = ["--sft_steps", "150"]  # 150 steps teach the format (the toy preset: no redundant steps)
     result = run("--train", "--data_dir", str(world), "--output_dir", str(out), *tiny_sft, *TINY)
     assert result.returncode == 0, result.stderr[-3000:]
     results = check_contract(out, result.stdout)
@@ -784,7 +786,7 @@ def test_eval_on_a_flashrag_folder_without_metadata(tmp_path):
                                          (["--eval", "--triples", "/nonexistent.jsonl"], "/nonexistent.jsonl"),
                                          (["--train", "--preset", "nope"], "--preset"),
                                          (["--train", "--dry_run", "--n_rollouts", "-2"], "--n_rollouts -2: must be"),
-                                         (["--train", "--dry_run", "--templates", "fancy"], "--templates"),
+                                         (["--train", "--dry_run", "--retrieval", "fancy"], "--retrieval"),
                                          (["--train", "--eval", "--dry_run"], "choose one mode: --train"),
                                          (["--train", "--dry_run", "--eta", "x", "--dpo_epochs", "1.5,2", "--beta",
                                            "0"], "--beta 0.0: must be > 0; --dpo_epochs needs 3 comma-separated "

@@ -496,8 +496,8 @@ def test_model_code_imports_the_toy_world_not_the_reverse():
     """common.llm never imports the toy world, not even lazily; common.toy.lm is built on the toy world; common.models,
     the one place that knows every backend, imports common.llm at module level and the toy world only when a toy
     name or spec is asked for; no other common module imports any of them; inside common/toy/, the reader reads the
-    world, the teachers and each method's toy module read the world (and the reader), and nothing imports common.llm
-    or common.models."""
+    world, each method's toy module (its oracle teacher, renaming, warm-up) reads the world (and the reader), and
+    nothing imports common.llm or common.models."""
     import ast
     import subprocess
     import sys
@@ -505,7 +505,7 @@ def test_model_code_imports_the_toy_world_not_the_reverse():
 
     common, edges = Path(toy.__file__).parent.parent, {}
     names = {"llm": "llm", "models": "models", "toy": "toy", "toy.lm": "lm", "toy.world": "world"}
-    names |= {"toy.reader": "reader", "toy.teachers": "teachers"}
+    names |= {"toy.reader": "reader"}
     paths = sorted(common.glob("*.py")) + sorted(common.glob("toy/*.py"))
     for path in paths:
         stem = path.stem if path.parent == common else f"toy/{path.stem}"
@@ -523,14 +523,13 @@ def test_model_code_imports_the_toy_world_not_the_reverse():
     assert edges == {
         ("toy/lm", "world"): {""},  # the model's vocabulary is its world's
         ("toy/reader", "world"): {""},
-        ("toy/teachers", "world"): {""},
         ("toy/smartrag", "reader"): {""},  # each method's toy side (oracle, renaming, warm-up): world and reader
         ("toy/smartrag", "world"): {""},
         ("toy/c3po", "world"): {""},
         ("toy/sparkle", "world"): {""},
+        ("toy/tearag", "world"): {""},
         ("toy/sparcrag", "world"): {""},
         ("toy/__init__", "reader"): {""},  # the package's names as one module
-        ("toy/__init__", "teachers"): {""},
         ("toy/__init__", "world"): {""},
         ("toy/__main__", "toy"): {""},
         ("models", "llm"): {""},  # hub ids, folders, endpoints

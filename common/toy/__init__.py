@@ -54,11 +54,11 @@ import argparse
 import json
 import sys
 
-# the package's names as one module (common.toy.X): world generation and renaming, the reader, the teachers; the
-# tiny models (common.toy.lm) are imported only when asked for, so the toy world never pulls in torch
+# the package's names as one module (common.toy.X): world generation and renaming, the reader; each method's toy side
+# (common.toy.<method>: oracle teacher, renaming, warm-up) is imported by its method file; the tiny models
+# (common.toy.lm) are imported only when asked for, so the toy world never pulls in torch
 from common.toy.reader import *  # noqa: F403
 from common.toy.reader import baselines, format_baselines, world_stats
-from common.toy.teachers import *  # noqa: F403
 from common.toy.world import *  # noqa: F403
 from common.toy.world import DEFAULT_WORLD, write_world
 

@@ -1,13 +1,61 @@
-"""The oracle teachers: the papers' teacher LLMs on the toy world, each writing its method's output formats from a
-question's metadata."""
+"""TeaRAG's toy-world machinery, reached from tearag.py through values and two adapters: the lexical cross-scorer
+(--reranker lexical, standing in for BGE-reranker-v2), the SFT paths' toy augmentations (entity renaming, a
+redundant step) and the oracle agent that writes the paper's step format from a question's metadata (the policy of
+tests/test_paper_rehearsal.py)."""
 
+import math
 import re
+from collections import Counter
 
-from common.toy.world import RELATIONS
+import numpy as np
 
-# ---------------------------------------------------------------- oracle teachers (the papers' teacher LLMs)
+from common.retrieval import tokenize_words
+from common.toy.world import RELATIONS, rename_entities
+
+# the toy world's cross-scorer, --reranker lexical (BGE-reranker-v2 in the paper)
+STOPWORDS = frozenset(
+    tokenize_words("a an the of in on at to by for from with and or is are was were be been what which who whom")
+    + tokenize_words("whose when where why how did do does it its this that as")
+)
 
 
+class LexicalReranker:
+    """The toy world's cross-scorer: logit = 8 F1 - 4, F1 of the idf-weighted overlap
+    of the two texts' content words (not stopwords, seen in the corpus); sigmoid(logit) lies in [0.018, 0.982]."""
+
+    def __init__(self, texts):
+        df = Counter(w for t in texts for w in set(tokenize_words(t)))
+        self.idf = {w: math.log((1 + len(texts)) / (1 + c)) + 1 for w, c in df.items()}
+
+    def __call__(self, pairs):
+        """Logits of (query, passage) pairs, (n,)."""
+        words = lambda text: {w for w in tokenize_words(text) if w in self.idf and w not in STOPWORDS}
+        weight = lambda ws: sum(self.idf[w] for w in sorted(ws))  # sorted: a set's order follows the hash seed
+        out = []
+        for query, passage in pairs:
+            q, p = words(query), words(passage)
+            out.append(8 * (2 * weight(q & p) / (weight(q) + weight(p)) if q and p else 0.0) - 4)
+        return np.array(out, dtype=np.float64)
+
+
+# ---------------------------------------------------------------- the SFT paths' augmentations (toy world only)
+def redundant_step(steps, p, rng):
+    """A one-hop SFT path that, with probability p (rng), retrieves its step twice: the redundant retrieval of agents
+    trained on outcomes (TeaRAG §1, Fig. 2b) that the toy start lacks (sft_redundant_p); other paths as they are."""
+    if len(steps) == 1 and p and rng.random() < p:
+        return steps + [dict(steps[0])]
+    return steps
+
+
+def renamed(texts, world, rng, p):
+    """An SFT path's texts (question first) entity-renamed with probability p (rng), so that the tiny model reads its
+    evidence instead of memorising the world's facts (augment_p); no world: as they are."""
+    if world is not None and rng.random() < p:
+        return rename_entities(texts, world, rng, popular="free")
+    return texts
+
+
+# ---------------------------------------------------------------- the oracle agent (the policy in the rehearsal)
 def tearag_tail(evidence, head, rel):
     """The tail that `evidence` (lowercased) states for (head, rel): a passage sentence ("dites was born in makux .")
     or a triplet line ("triplet : dites born in makux") about the exact name; None when it states none."""
@@ -64,3 +112,13 @@ def oracle_tearag(row, path, rng=None, noise=0.0):
     if wrong:  # the other entity, the other yes/no, the start entity of a chain
         answer = {"yes": "no", "no": "yes", meta["entities"][0]: meta["entities"][1]}.get(answer, meta["entities"][0])
     return summary + f"Final answer: {answer}"
+
+
+def format_tokens(unknown):
+    """The format words that a word-level toy tokenizer cannot read (`unknown`: common.llm.unknown_words of TeaRAG's
+    format words; none for a real tokenizer) as tokens to add, so that the toy model writes them, not <unk>."""
+    from tokenizers import AddedToken
+
+    return [
+        AddedToken(w.lower(), normalized=True, single_word=True) for w in unknown if re.fullmatch(r"[A-Za-z]{2,}", w)
+    ]
