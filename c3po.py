@@ -717,8 +717,8 @@ def proxy_actor(model, tokenizer, args, greedy):
             batch += [p + prefix] * r.n
             owners += [(i, prefix)] * r.n
         model.eval()
-        for s in range(0, len(batch), args.gen_batch_size):
-            chunk = batch[s : s + args.gen_batch_size]  # T = 1: the behaviour policy is pi_theta (OpenRLHF)
+        for s in range(0, len(batch), args.gen_batch_size):  # T = 1: the behaviour policy is pi_theta (OpenRLHF)
+            chunk = batch[s : s + args.gen_batch_size]
             gen = generate(model, tokenizer, chunk, args.max_new_tokens, do_sample=not greedy, seed=seed + s)
             for (i, prefix), ids, fed in zip(owners[s : s + args.gen_batch_size], gen.token_ids, gen.prompt_ids):
                 read = fed[: len(fed) - len(prefix)]  # the prompt as generated from: PPO scores this very context
@@ -973,11 +973,10 @@ def ppo_update(accelerator, policy, value, ref, optimizers, schedulers, samples,
                 opt.step()
     for sched in schedulers:  # one scheduler step per PPO update (per rollout)
         sched.step()
-    out = {k: sum(v) / len(v) for k, v in stats.items()}
     kl = [o - r for s in samples for o, r in zip(s["old"], s["ref"])]
-    out["rollout/kl"] = sum(kl) / max(len(kl), 1)
     ret, val = returns[mask.bool()].cpu(), v_old[mask.bool()].cpu()
     explained = (1 - (ret - val).var() / ret.var().clamp(min=1e-8)).item() if len(ret) > 1 else 0.0
+    out = {k: sum(v) / len(v) for k, v in stats.items()} | {"rollout/kl": sum(kl) / max(len(kl), 1)}
     return out | {"losses/explained_variance": explained}
 
 
