@@ -717,8 +717,8 @@ def proxy_actor(model, tokenizer, args, greedy):
             batch += [p + prefix] * r.n
             owners += [(i, prefix)] * r.n
         model.eval()
-        for s in range(0, len(batch), args.gen_batch_size):  # T = 1: the behaviour policy is pi_theta (OpenRLHF)
-            chunk = batch[s : s + args.gen_batch_size]
+        for s in range(0, len(batch), args.gen_batch_size):
+            chunk = batch[s : s + args.gen_batch_size]  # T = 1: the behaviour policy is pi_theta (OpenRLHF)
             gen = generate(model, tokenizer, chunk, args.max_new_tokens, do_sample=not greedy, seed=seed + s)
             for (i, prefix), ids, fed in zip(owners[s : s + args.gen_batch_size], gen.token_ids, gen.prompt_ids):
                 read = fed[: len(fed) - len(prefix)]  # the prompt as generated from: PPO scores this very context
@@ -1035,7 +1035,7 @@ def train(args):
     accelerator, out = runs.start(args, "c3po")  # the run's folder; refuses a checkpoint without --resume
     train_rows = sample_rows(load_split(args.data_dir, "train", args.question_types), args.n_train, args.seed)
     test_rows = load_split(args.data_dir, "test", args.question_types)[: args.n_eval]
-    toy.require_oracle_metadata(train_rows, args)  # --teacher oracle reads each question's hops (header 12)
+    toy.require_oracle_metadata(train_rows, args)  # the toy oracle teacher reads each question's hops (header 12)
     env, world = environment(args), toy.renaming_world(args)  # world: None, or the toy renaming's (header 14)
     policy, tokenizer, before_sft, steps, warnings = warm_up(accelerator, args, out, train_rows, test_rows, env, world)
     before = evaluate_stage(accelerator, out, "sft", policy, tokenizer, env, test_rows, args, step=0)
