@@ -60,9 +60,7 @@ POSITIVE = 1e-12  # the low end of a number that must be > 0 (learning rates, th
 
 @dataclass
 class Args:
-    preset: str = arg(
-        "toy", "toy (built-in toy world, tiny proxy, CPU) or paper", choices=["toy", "paper"], group="run"
-    )
+    preset: str = arg("toy", "toy (toy world, tiny proxy, CPU) or paper", choices=["toy", "paper"], group="run")
     train: bool = arg(False, "teacher warm-up data, SFT, PPO, evaluation")
     eval: bool = arg(False, "evaluate --model (a checkpoint or the untrained start)")
     ask: str = arg("", "answer one question with --model and print the trajectory")
@@ -383,9 +381,8 @@ def llm_prompt(tpl, question, event):
     """The LLM's roadmap prompt [Alg. 1 L10], or its answer prompt with or without documents [Alg. 1 L3, L7, L18]."""
     if event[0] == "roadmap":
         return tpl["roadmap"].format(question=question)
-    if event[1]:
-        return tpl["answer"].format(documents=format_documents(event[1]), question=question)
-    return tpl["answer_no_docs"].format(question=question)
+    key = "answer" if event[1] else "answer_no_docs"  # format_documents([]) is "": the no-docs template ignores it
+    return tpl[key].format(documents=format_documents(event[1]), question=question)
 
 
 def placeholder(query):
@@ -491,11 +488,10 @@ def transition(agent, text, ctx, strict, max_query_words):
         return ("invalid",), c
     if agent == "router":
         c["strategy"] = parsed[0]
-        if parsed[0] == "No Retrieval":  # [Alg. 1 L2-3] Answer <- LLM(q)
-            return ("answer", []), c
-        if parsed[0] == "Retrieval":  # [Alg. 1 L4-5, Eq. 12] docs <- Retrieval(<query content>)
-            return ("search", parsed[1]), c
-        return ("roadmap",), c  # [Alg. 1 L10, Eq. 13] Roadmap <- LLM(q)
+        # [Alg. 1] No Retrieval: Answer <- LLM(q) (L2-3); Retrieval: docs <- Retrieval(<query content>) (L4-5, Eq. 12);
+        # Planning: Roadmap <- LLM(q) (L10, Eq. 13)
+        events = {"No Retrieval": ("answer", []), "Retrieval": ("search", parsed[1]), "Planning": ("roadmap",)}
+        return events[parsed[0]], c
     if agent == "filter":
         chosen = [ctx["docs"][i - 1] for i in parsed[1]] or [placeholder(ctx["query"])]
         if ctx["strategy"] == "Retrieval":  # [Alg. 1 L6-7] Answer <- LLM(q, selected docs)
@@ -759,9 +755,8 @@ def successful_paths(tree, keep, rng, select="uniform"):
     """The (prompt, output) pairs of the agent nodes on up to `keep` random successful paths (cheapest: header 13)."""
     nodes = tree["nodes"]
     wins = [i for i, n in enumerate(nodes) if n["kind"] == "leaf" and n["reward"] == 1]
-    router = lambda i: i if nodes[i]["kind"] == "router" else router(nodes[i]["parent"])  # the path's router node
     if select == "cheapest":  # simplification: the toy oracle's cheapest strategy only (header 13)
-        wins = toy.cheapest(wins, lambda i: nodes[router(i)].get("strategy"))
+        wins = toy.cheapest(nodes, wins)
     pairs = {}
     for i in rng.sample(wins, min(keep, len(wins))):
         while i is not None:
@@ -978,11 +973,10 @@ def ppo_update(accelerator, policy, value, ref, optimizers, schedulers, samples,
                 opt.step()
     for sched in schedulers:  # one scheduler step per PPO update (per rollout)
         sched.step()
-    out = {k: sum(v) / len(v) for k, v in stats.items()}
     kl = [o - r for s in samples for o, r in zip(s["old"], s["ref"])]
-    out["rollout/kl"] = sum(kl) / max(len(kl), 1)
     ret, val = returns[mask.bool()].cpu(), v_old[mask.bool()].cpu()
     explained = (1 - (ret - val).var() / ret.var().clamp(min=1e-8)).item() if len(ret) > 1 else 0.0
+    out = {k: sum(v) / len(v) for k, v in stats.items()} | {"rollout/kl": sum(kl) / max(len(kl), 1)}
     return out | {"losses/explained_variance": explained}
 
 
@@ -1041,8 +1035,7 @@ def train(args):
     accelerator, out = runs.start(args, "c3po")  # the run's folder; refuses a checkpoint without --resume
     train_rows = sample_rows(load_split(args.data_dir, "train", args.question_types), args.n_train, args.seed)
     test_rows = load_split(args.data_dir, "test", args.question_types)[: args.n_eval]
-    if args.teacher == "oracle":  # simplification: the toy oracle reads each question's hops (header 12)
-        toy.require_oracle_metadata(train_rows, args.data_dir)
+    toy.require_oracle_metadata(train_rows, args)  # the toy oracle teacher reads each question's hops (header 12)
     env, world = environment(args), toy.renaming_world(args)  # world: None, or the toy renaming's (header 14)
     policy, tokenizer, before_sft, steps, warnings = warm_up(accelerator, args, out, train_rows, test_rows, env, world)
     before = evaluate_stage(accelerator, out, "sft", policy, tokenizer, env, test_rows, args, step=0)
@@ -1087,27 +1080,23 @@ def train(args):
 
 
 # --------------------------------------------------------------------------- 9. evaluate, --eval, --ask [§6.1, §6.5]
-def tree_record(tree):
-    """Outcome of a one-path (inference) tree: accuracy, EM, F1, strategy, calls, tokens, depth."""
-    nodes, leaf = tree["nodes"], next(n for n in tree["nodes"] if n["kind"] == "leaf")
+def tree_record(tree, decoding):
+    """A one-path (inference) tree's outcome (accuracy, EM, F1, calls, strategy, tokens, depth) and its prediction
+    line: golds, prediction, the path in short (node kind: text), then the outcome."""
+    nodes, row, leaf = tree["nodes"], tree["row"], next(n for n in tree["nodes"] if n["kind"] == "leaf")
     tokens = sum(len(n["action_ids"] or []) for n in nodes if n["kind"] in AGENTS)
     strategy = next((n.get("strategy", "invalid") for n in nodes if n["kind"] == "router"), "invalid")
-    record = dict(accuracy=leaf["reward"], **answer_scores(leaf["answer"], tree["row"]["golden_answers"]))
+    record = dict(accuracy=leaf["reward"], **answer_scores(leaf["answer"], row["golden_answers"]))
     record |= {k: tree[k] for k in ("retrievals", "llm_calls", "proxy_calls")} | dict(invalid=leaf["why"] != "answer")
-    return record | dict(depth=leaf["depth"], strategy=strategy, generated_tokens=tokens)
+    record |= dict(depth=leaf["depth"], strategy=strategy, generated_tokens=tokens)
+    path = " | ".join(f"{n['kind']}: {node_text(n)[:200]}" for n in nodes[1:])
+    line = dict(id=row.get("id"), question=row["question"], decoding=decoding, golden_answers=row["golden_answers"])
+    return record, line | dict(prediction=leaf["answer"], trajectory=path, **record)
 
 
 def node_text(node):
     """A node's text on one line: a leaf's answer, an agent's output or a roadmap."""
     return " ".join(str(node.get("answer") if node["kind"] == "leaf" else node["text"]).split())
-
-
-def prediction_of(tree, record, decoding):
-    """One evaluated question: golds, prediction, the path in short (node kind: text), its outcome and cost."""
-    path = " | ".join(f"{n['kind']}: {node_text(n)[:200]}" for n in tree["nodes"][1:])
-    row, leaf = tree["row"], next(n for n in tree["nodes"] if n["kind"] == "leaf")
-    return dict(id=row.get("id"), question=row["question"], decoding=decoding, golden_answers=row["golden_answers"],
-                prediction=leaf["answer"], trajectory=path, **record)  # fmt: skip
 
 
 def evaluate(model, tokenizer, env, rows, args, greedy=True, seed=0, batch=256, predictions=None):
@@ -1116,9 +1105,10 @@ def evaluate(model, tokenizer, env, rows, args, greedy=True, seed=0, batch=256, 
     quiet = not PartialState().is_local_main_process
     for s in runs.progress(range(0, len(rows), batch), "eval", disable=quiet, leave=False):
         trees = rollout(rows[s : s + batch], proxy_actor(model, tokenizer, args, greedy), env, args, mode, seed + s)
-        records += [tree_record(t) for t in trees]
+        outcomes = [tree_record(t, decoding) for t in trees]
+        records += [record for record, _ in outcomes]
         if predictions is not None:
-            predictions += [prediction_of(t, r, decoding) for t, r in zip(trees, records[-len(trees) :])]
+            predictions += [line for _, line in outcomes]
     latency = (time.time() - start) / max(len(rows), 1)  # simplification: batched wall time per question (header 10)
     return summarize(records, rows, {"strategy": "strategies"}) | {"latency_s": latency}
 

@@ -82,14 +82,18 @@ def oracle_replies(requests, rng_of, noise, style):
     )
 
 
-def require_oracle_metadata(rows, data_dir):
-    """The oracle reads each question's hops: a one-line DataError naming the first row without them."""
-    require_metadata(rows, ORACLE_FIELDS, Path(data_dir) / "train.jsonl", "the oracle teacher (--teacher)")
+def require_oracle_metadata(rows, args):
+    """Under --teacher oracle, which reads each question's hops: a one-line DataError naming the first row without
+    them."""
+    if args.teacher == "oracle":
+        require_metadata(rows, ORACLE_FIELDS, Path(args.data_dir) / "train.jsonl", "the oracle teacher (--teacher)")
 
 
-def cheapest(wins, strategy_of):
-    """The successful leaves `wins` whose path took the cheapest strategy (strategy_of(leaf); unknown: costliest)."""
-    cost = {i: STRATEGY_COST.get(strategy_of(i), 3) for i in wins}
+def cheapest(nodes, wins):
+    """The successful leaves `wins` (indices into a c3po tree's `nodes`) whose path took the cheapest strategy (its
+    router node's; unknown: costliest)."""
+    router = lambda i: i if nodes[i]["kind"] == "router" else router(nodes[i]["parent"])  # the path's router node
+    cost = {i: STRATEGY_COST.get(nodes[router(i)].get("strategy"), 3) for i in wins}
     return [i for i in wins if cost[i] == min(cost.values())]
 
 
