@@ -22,18 +22,17 @@ Departures from the paper, in both presets (each marked `# simplification: ... (
 2. DPO against the adapter-disabled model (TRL 0.23.1's DPO with LoRA, App. A.4); §3.4's printed loss has no reference.
 3. Paper preset: BM25 and E5 over wiki-18 (the paper: Elasticsearch BM25, BGE-large-en-v1.5, IRCoT and DPR corpora).
 4. Cost: all roles' tokens in the trained model's tokenizer; latency batched; App. B.2's overlap on the branches' sets.
-5. rpo_alpha (0 in both presets): DPO + alpha x the chosen's per-token NLL (RPO, Pang et al. 2024; TRL's name).
-6. W = 1 calls no Select or Merge (Alg. 1 calls both every round): the one branch's note is m^(t), its answer a_k*.
-7. One seed per batched generate call: a sample depends on its batch-mates (per-question seeds: a call each).
+5. W = 1 calls no Select or Merge (Alg. 1 calls both every round): the one branch's note is m^(t), its answer a_k*.
+6. One seed per batched generate call: a sample depends on its batch-mates (per-question seeds: a call each).
 
 Toy-world adaptations, the toy preset only (numbered on; in parentheses the PRESETS fields that realise each):
-8. The trained roles are a tiny toy-lm; the Context Manager and Answer Generator the toy reader (model, llm).
-9. Untuned start: SFT on an oracle teacher that over-accepts, writes near-duplicates (§5.2, Fig. 7) (sft_*, teacher_*).
-10. Warm-up SFT examples and DPO pairs entity-renamed: a tiny model learns to copy names only then (augment_p).
-11. Greedy, top-3, depths 4 (paper: T 0.5, 6, 6/8); compact single-token tags (templates, format_tokens, evaluator_*).
-12. EM labels correctness (evaluator pairs, incorrect acceptance): FlashRAG's acc finds "no" in "unknown" (correct_by).
-13. Wrong-stop weight lambda = 8 (paper: 2; Fig. 6): at DPO lr 5e-5 a smaller one leaves "unknown" stops (lam).
-14. A LoRA adapter per trained role (paper: one), the rewriter's 1 epoch, the evaluator's 5 (role_adapters, *_epochs).
+7. The trained roles are a tiny toy-lm; the Context Manager and Answer Generator the toy reader (model, llm).
+8. Untuned start: SFT on an oracle teacher that over-accepts, writes near-duplicates (§5.2, Fig. 7) (sft_*, teacher_*).
+9. Warm-up SFT examples and DPO pairs entity-renamed: a tiny model learns to copy names only then (augment_p).
+10. Greedy, top-3, depths 4 (paper: T 0.5, 6, 6/8); compact single-token tags (templates, format_tokens, evaluator_*).
+11. EM labels correctness (evaluator pairs, incorrect acceptance): FlashRAG's acc finds "no" in "unknown" (correct_by).
+12. Wrong-stop weight lambda = 8 (paper: 2; Fig. 6): at DPO lr 5e-5 a smaller one leaves "unknown" stops (lam).
+13. A LoRA adapter per trained role (paper: one), the rewriter's 1 epoch, the evaluator's 5 (role_adapters, *_epochs).
 """
 
 import random
@@ -55,9 +54,7 @@ from common.llm import add_lora, chat_prompts, generate, right_pad, unknown_word
 from common.metrics import answer_scores, exact_match, f1_score, normalize_answer, sub_exact_match
 from common.models import load_model_and_tokenizer, make_llm
 from common.retrieval import open_retriever
-from common.toy import sparcrag as toy  # the toy world's teacher, warm-up, renaming, adapters (header items 9-14)
-
-SYSTEMS = ("sparcrag", "vanilla", "parallel", "sequential")  # SPARC-RAG and the naive baselines [App. A.5]
+from common.toy import sparcrag as toy  # the toy world's teacher, warm-up, renaming, adapters (header items 8-13)
 
 
 @dataclass
@@ -104,52 +101,46 @@ class Args:
     dpo_batch_size: int = runs.arg(16, "pairs per update [App. A.4: effective 16]", low=1)
     micro_batch_size: int | None = runs.arg(None, "pairs per forward (accumulation)", low=1)
     sft_steps: int | None = runs.arg(None, "toy teacher SFT steps (0: none, the paper)", low=0, group="warm-up")
-    system: str = runs.arg("sparcrag", "--eval: it or a naive one [App. A.5]", choices=SYSTEMS, group="baselines")
-    naive_n: int = runs.arg(3, "answers (parallel) or attempts (sequential) [App. A.5: D=3]", low=1)
     # set by PRESETS or fixed, not flags: constants the paper never varies, choices of ours, toy-world tuning
     lora_dropout: float = runs.arg(0.05, "LoRA dropout [App. A.4: 0.05]", flag=False)
     max_length: int = runs.arg(8192, "longest pair sequence kept [App. A.4: 8192]", flag=False)
-    question_types: str = runs.arg("", "comma-separated metadata types (empty: all)", flag=False)
-    bootstrap_with_q0: bool = runs.arg(False, "round 1: a dense path on q0, off (reading §5.2, C.3)", flag=False)
-    rewrite_pair_temperature: float = runs.arg(1.0, "rewrite samples' T, 1.0 (ours: §3.4 gives none)", flag=False)
-    rpo_alpha: float = runs.arg(0.0, "+ alpha x the chosen's NLL (RPO; header item 5), 0.0", flag=False)
-    templates: str | None = runs.arg(None, "paper (App. D verbatim) or compact (header item 11)", flag=False)
-    format_tokens: bool | None = runs.arg(None, "the formats' tags as single tokens (header item 11)", flag=False)
+    templates: str | None = runs.arg(None, "paper (App. D verbatim) or compact (header item 10)", flag=False)
+    format_tokens: bool | None = runs.arg(None, "the formats' tags as single tokens (header item 10)", flag=False)
     evaluator_max_tokens: int | None = runs.arg(None, "tokens per evaluator call (None: --max_new_tokens)", flag=False)
-    correct_by: str | None = runs.arg(None, "answer correctness: acc, em or f1 >= 0.5 (header item 12)", flag=False)
-    role_adapters: bool | None = runs.arg(None, "one LoRA adapter per trained role (header item 14)", flag=False)
+    correct_by: str | None = runs.arg(None, "answer correctness: acc or em (header item 11)", flag=False)
+    role_adapters: bool | None = runs.arg(None, "one LoRA adapter per trained role (header item 13)", flag=False)
     evaluator_epochs: int | None = runs.arg(None, "role_adapters: the evaluator adapter's epochs", flag=False)
-    sft_batch_size: int = runs.arg(32, "warm-up SFT batch size, 32 (header item 9)", flag=False)
-    sft_lr: float = runs.arg(2e-3, "warm-up SFT learning rate, 2e-3 (header item 9)", flag=False)
-    warmup_widths: str = runs.arg("1,2,4", "widths of the teacher's runs, 1,2,4 (header item 9)", flag=False)
-    teacher_accept_correct: float = runs.arg(0.9, "teacher: P(STOP | correct answer), 0.9 (header item 9)", flag=False)
-    teacher_accept_wrong: float = runs.arg(0.6, "teacher: P(STOP | wrong answer), 0.6 (header item 9)", flag=False)
-    teacher_duplicate: float = runs.arg(0.5, "teacher: P(near-duplicate rewrite set), 0.5 (item 9)", flag=False)
-    augment_p: float | None = runs.arg(None, "renaming P of an SFT example, a DPO pair (header 10)", flag=False)
+    sft_batch_size: int = runs.arg(32, "warm-up SFT batch size, 32 (header item 8)", flag=False)
+    sft_lr: float = runs.arg(2e-3, "warm-up SFT learning rate, 2e-3 (header item 8)", flag=False)
+    warmup_widths: str = runs.arg("1,2,4", "widths of the teacher's runs, 1,2,4 (header item 8)", flag=False)
+    teacher_accept_correct: float = runs.arg(0.9, "teacher: P(STOP | correct answer), 0.9 (header item 8)", flag=False)
+    teacher_accept_wrong: float = runs.arg(0.6, "teacher: P(STOP | wrong answer), 0.6 (header item 8)", flag=False)
+    teacher_duplicate: float = runs.arg(0.5, "teacher: P(near-duplicate rewrite set), 0.5 (item 8)", flag=False)
+    augment_p: float | None = runs.arg(None, "renaming P of an SFT example, a DPO pair (header 9)", flag=False)
 
 
 PRESETS = {  # field: (toy, paper), for the fields left at None; any flag overrides them
     "data_dir": ("data/toy", "data/sparcrag"),
     "encoder": ("tfidf", "intfloat/e5-base-v2"),  # simplification: E5 over wiki-18 (header item 3)
-    "model": ("toy-lm", "Qwen/Qwen2.5-7B-Instruct"),  # [§4.2]; simplification: a tiny toy-lm (header item 8)
-    "llm": ("toy", "policy"),  # [§4.2]; simplification: the toy reader (header item 8)
+    "model": ("toy-lm", "Qwen/Qwen2.5-7B-Instruct"),  # [§4.2]; simplification: a tiny toy-lm (header item 7)
+    "llm": ("toy", "policy"),  # [§4.2]; simplification: the toy reader (header item 7)
     "n_train": (400, None),
-    "depth": (4, 8),  # [§4.5]; simplification: header item 11
+    "depth": (4, 8),  # [§4.5]; simplification: header item 10
     "untuned_depth": (4, 6),  # [§4.5]
     "top_k": (3, 6),  # [App. A.3]
     "temperature": (0.0, 0.5),  # [App. A.4]
     "max_new_tokens": (64, 600),  # [App. A.4]
-    "lam": (8.0, 2.0),  # [§5.2, Fig. 6]; simplification: header item 13
-    "dpo_epochs": (1, 3),  # [App. A.4: 3]; simplification: the toy rewriter's adapter, 1 epoch (header item 14)
+    "lam": (8.0, 2.0),  # [§5.2, Fig. 6]; simplification: header item 12
+    "dpo_epochs": (1, 3),  # [App. A.4: 3]; simplification: the toy rewriter's adapter, 1 epoch (header item 13)
     "micro_batch_size": (16, 1),
-    "sft_steps": (800, 0),  # simplification: the toy's warm-up (header item 9); the paper tunes the model as it is
-    "templates": ("compact", "paper"),  # simplification: the toy's compact set (header item 11)
-    "format_tokens": (True, False),  # simplification: single-token tags for a model trained from scratch (item 11)
-    "evaluator_max_tokens": (8, None),  # [App. A.4: 600, as every call]; the toy's decision tag fits 8 (item 11)
-    "correct_by": ("em", "acc"),  # simplification: header item 12
-    "role_adapters": (True, False),  # simplification: per-role adapters in the toy (header item 14)
-    "evaluator_epochs": (5, 3),  # [App. A.4: 3]; with role_adapters (header item 14)
-    "augment_p": (1.0, 0.0),  # simplification: toy renaming (header item 10)
+    "sft_steps": (800, 0),  # simplification: the toy's warm-up (header item 8); the paper tunes the model as it is
+    "templates": ("compact", "paper"),  # simplification: the toy's compact set (header item 10)
+    "format_tokens": (True, False),  # simplification: single-token tags for a model trained from scratch (item 10)
+    "evaluator_max_tokens": (8, None),  # [App. A.4: 600, as every call]; the toy's decision tag fits 8 (item 10)
+    "correct_by": ("em", "acc"),  # simplification: header item 11
+    "role_adapters": (True, False),  # simplification: per-role adapters in the toy (header item 13)
+    "evaluator_epochs": (5, 3),  # [App. A.4: 3]; with role_adapters (header item 13)
+    "augment_p": (1.0, 0.0),  # simplification: toy renaming (header item 9)
 }
 
 
@@ -163,9 +154,7 @@ def apply_preset(args):
         args.output_dir = runs.eval_dir(args, "sparcrag")
     reads = (args.train or args.eval) and not args.dry_run  # the data (a dry run checks every path itself)
     checks = {
-        "--train, --eval and --ask are separate modes: choose one": args.train + args.eval + bool(args.ask) > 1,
         "--resume continues a training run: use it with --train": args.resume and not args.train,
-        f"--system {args.system} is evaluated (--eval), not trained": args.system != "sparcrag" and args.train,
         "--llm toy reads a toy world: pass --world DIR": args.llm == "toy" and not args.world,
         f"--data_dir {args.data_dir}: no such folder": reads and not Path(args.data_dir).is_dir(),
         f"--model {args.model}: not found": not args.dry_run and runs.where_is(args.model) is None,
@@ -275,20 +264,11 @@ Give a one-sentence justification, then output your decision as <decision>STOP</
 <decision>CONTINUE</decision>. End your response with the literal tag [END].
 Evaluation:"""
 
-# ours: the self-evaluation of the Sequential (Naive) baseline [App. A.5], which the paper does not print
-CONFIDENCE_PROMPT = """\
-The following are given documents:
-{note}
-Question: {query}
-Answer: {answer}
-How likely is the answer to be correct? Output only a confidence score between 0 and 1. End your response with the \
-literal tag [END].
-Confidence:"""
-
-ROLES = ("update", "answer", "rewrite", "select", "merge", "evaluate", "confidence")  # the templates' keys
-PAPER_PROMPTS = (ANSWER_SELECTION_PROMPT, CONTEXT_MERGING_PROMPT, EVALUATOR_PROMPT, CONFIDENCE_PROMPT)
-TEMPLATES = {  # simplification: the toy preset's compact set (header item 11)
-    "paper": dict(zip(ROLES, (CONTEXT_MANAGER_PROMPT, ANSWER_GENERATOR_PROMPT, REWRITE_PROMPT) + PAPER_PROMPTS)),
+ROLES = ("update", "answer", "rewrite", "select", "merge", "evaluate")  # the templates' keys
+PAPER_PROMPTS = (CONTEXT_MANAGER_PROMPT, ANSWER_GENERATOR_PROMPT, REWRITE_PROMPT, ANSWER_SELECTION_PROMPT)
+PAPER_PROMPTS += (CONTEXT_MERGING_PROMPT, EVALUATOR_PROMPT)  # in the order of ROLES
+TEMPLATES = {  # simplification: the toy preset's compact set (header item 10)
+    "paper": dict(zip(ROLES, PAPER_PROMPTS)),
     "compact": toy.COMPACT_TEMPLATES,
 }
 STOP, CONTINUE = "STOP", "CONTINUE"
@@ -364,9 +344,8 @@ def parse_decision(text):
 
 
 def select_branch(text, answers, decisions):
-    """k* from the Answer Selection output before [END], <think> blocks dropped (ours, [§3.2]): the branch whose answer
-    equals the last <answer> text (normalised, not empty), else the best token-F1 one, else the first STOP branch,
-    else 0; the lowest k on ties."""
+    """k* of the Answer Selection output (ours, [§3.2]): the branch whose answer is the last <answer> text (normalised,
+    not empty), else the best token-F1 one, else the first STOP branch, else 0; the lowest k on ties."""
     text = strip_end(text)
     tags = re.findall(TAG.format("answer"), text, flags=FLAGS)
     chosen = normalize_answer(tags[-1] if tags else text)
@@ -376,27 +355,18 @@ def select_branch(text, answers, decisions):
     return scores.index(max(scores)) if max(scores) > 0 else next((k for k, d in enumerate(decisions) if d == STOP), 0)
 
 
-def parse_confidence(text):
-    """The first number of a self-evaluation, clipped to [0, 1], else 0 (the Sequential (Naive) baseline)."""
-    m = re.search(r"\d*\.?\d+", strip_end(text))
-    return min(max(float(m.group(0)), 0.0), 1.0) if m else 0.0
-
-
 PARSE = {  # what the rollout reads from each agent's output; `info` is what the request carried
     "rewrite": lambda text, info: parse_rewrites(text, info["width"], info["fallback"]),
     "select": lambda text, info: select_branch(text, info["answers"], info["decisions"]),
     "evaluate": lambda text, info: parse_decision(text),
-    "confidence": lambda text, info: parse_confidence(text),
+    "answer": lambda text, info: clean_answer(text),
 }
 PARSE |= {role: lambda text, info: strip_end(text) for role in ("update", "merge")}  # the notes
-PARSE |= {role: lambda text, info: clean_answer(text) for role in ("answer", "naive", "parallel")}
 
 
 # --------------------------------------------------------------------------- 3. rewards and pair rules [§3.4, §4.1]
 def is_correct(answer, golds, by):
-    """An answer's correctness label (ours: the paper names none): acc (a gold in the answer), em, or f1 >= 0.5."""
-    if by == "f1":
-        return f1_score(answer, golds) >= 0.5
+    """An answer's correctness label (ours: the paper names none): acc (a gold in the answer) or em."""
     return bool((exact_match if by == "em" else sub_exact_match)(answer, golds))
 
 
@@ -431,7 +401,7 @@ def evaluator_pair(decisions, correct, lam, synthesize=False):
 # --------------------------------------------------------------------------- 4. agents, retrievers, the trace
 def policy_role(model, tokenizer, args, temperature, max_tokens=None, adapter="default"):
     """A role played by the backbone: one generate call (per gen_batch_size) for all requests; T 0 is greedy.
-    `adapter`: the role's own where the model has one per role (role_adapters, header item 14)."""
+    `adapter`: the role's own where the model has one per role (role_adapters, header item 13)."""
 
     def chat(requests, seed=0):
         prompts = chat_prompts(tokenizer, [[{"role": "user", "content": r["prompt"]}] for r in requests])
@@ -439,7 +409,7 @@ def policy_role(model, tokenizer, args, temperature, max_tokens=None, adapter="d
         model.eval()
         sampling = {"do_sample": temperature > 0, "temperature": temperature or 1.0, "stop": ["[END]"]}
         texts, n, size = [], max_tokens or args.max_new_tokens, args.gen_batch_size
-        for s in range(0, len(prompts), size):  # simplification: one seed per generate call (header item 7)
+        for s in range(0, len(prompts), size):  # simplification: one seed per generate call (header item 6)
             texts += generate(model, tokenizer, prompts[s : s + size], n, seed=seed + s, **sampling).texts
         return texts
 
@@ -457,14 +427,12 @@ def llm_role(llm, args, temperature):
 
 
 def make_ctx(policy, tokenizer, retrievers, llm, args, trained=None):
-    """The backbone of each role [§4.2, App. A.4-A.5], a token counter and the retrievers (`trained`: the teacher)."""
+    """The backbone of each role [§4.2, App. A.4], a token counter and the retrievers (`trained`: the teacher)."""
     other = (lambda t: policy_role(policy, tokenizer, args, t)) if llm is None else (lambda t: llm_role(llm, args, t))
     roles = {"rewrite": policy_role(policy, tokenizer, args, args.temperature)}
     roles |= {"evaluate": policy_role(policy, tokenizer, args, 0.0, args.evaluator_max_tokens, "evaluate")}
     roles |= trained or {}
     roles |= {role: other(args.temperature) for role in ("update", "answer", "select", "merge")}
-    # the naive baselines [App. A.5]: Parallel's answers at T 0.7, Vanilla's and Sequential's at A.4's; confidence ours
-    roles |= {"parallel": other(0.7), "naive": other(args.temperature), "confidence": other(0.0)}
 
     def count(prompts, outputs):  # simplification: every role in the backbone's tokenizer (header item 4)
         chats = chat_prompts(tokenizer, [[{"role": "user", "content": p}] for p in prompts])
@@ -492,9 +460,8 @@ def retrieve(retrievers, items, top_k, dense_only=False):
 
 @dataclass
 class Run:
-    """One question's state in Algorithm 1: the global note m^(t) (m^(0) = "" [L1]), the current query q_t (q0, then
-    the last winner's sub-query: ours), the last winner's answer and STOP, this round's branches, and what evaluation
-    reads: the cost, the trace of every agent call, the retrieved ids per round, a snapshot per round."""
+    """One question's state in Algorithm 1: the global note m^(t) (m^(0) = "" [L1]), q_t (q0, then the last winner's
+    sub-query: ours), its answer and STOP, this round's branches; evaluation's cost, trace, retrievals, snapshots."""
 
     row: dict
     note: str = ""
@@ -527,14 +494,14 @@ def req(run, prompt, k=None, **info):
     return {"run": run, "k": k, "prompt": prompt, "info": info}
 
 
-def call_role(ctx, role, t, requests, seed=0):
-    """One batched call of an agent for all requests: the parsed outputs. Every call is traced in its run (prompt,
-    output, parse: the preference builder reads the traces) and costed (tokens in and out, §4.1)."""
+def call_role(ctx, role, t, requests, seed=0, parse=None):
+    """One batched call of an agent for all requests: the outputs read by `parse` (default PARSE[role]). Every call is
+    traced in its run (prompt, output, parse: the preference builder reads the traces) and costed (tokens, §4.1)."""
     if not requests:
         return []
     texts = ctx["roles"][role](requests, seed)
     n_in, n_out = ctx["count"]([r["prompt"] for r in requests], texts)
-    parsed = [PARSE[role](text, r["info"]) for r, text in zip(requests, texts)]
+    parsed = [(parse or PARSE[role])(text, r["info"]) for r, text in zip(requests, texts)]
     for r, text, p, a, b in zip(requests, texts, parsed, n_in, n_out):
         r["run"].cost.update(llm_calls=1, tokens=a + b, generated_tokens=b)
         entry = {"t": t, "role": role, "k": r["k"], "prompt": r["prompt"], "output": text, "parsed": p}
@@ -566,15 +533,11 @@ def sparc_rag(rows, ctx, width, depth, early_exit=True, seed=0):
 def distribute(ctx, live, width, t, seed):
     """Phase 1 [Alg. 1 L3-4]: the Query Rewriter writes W (strategy, sub-query) items per question in one call
     [§3.2]; each item opens a branch (run.branches). q_t: the question in round 1, then the last winner's sub-query."""
-    if ctx["args"].bootstrap_with_q0 and t == 1:  # a reading of §5.2, App. C.3: round 1 on q0
-        items = [[("dense", run.row["question"])] for run in live]
-    else:
-        fill = lambda run: {"N": width, "query": run.row["question"], "current_query": run.query}
-        prompts = [ctx["tpl"]["rewrite"].format(context=run.note, **fill(run)) for run in live]
-        requests = [req(run, p, width=width, fallback=run.query) for run, p in zip(live, prompts)]
-        items = call_role(ctx, "rewrite", t, requests, seed)
-    for run, its in zip(live, items):
-        run.branches = [Branch(run, k, strategy, query) for k, (strategy, query) in enumerate(its)]
+    fill = lambda run: {"N": width, "query": run.row["question"], "current_query": run.query}
+    prompts = [ctx["tpl"]["rewrite"].format(context=run.note, **fill(run)) for run in live]
+    requests = [req(run, p, width=width, fallback=run.query) for run, p in zip(live, prompts)]
+    for run, items in zip(live, call_role(ctx, "rewrite", t, requests, seed)):  # {q_k} <- RewriteQuery [L4]
+        run.branches = [Branch(run, k, strategy, query) for k, (strategy, query) in enumerate(items)]
 
 
 def explore(ctx, branches, t, seed):
@@ -599,7 +562,7 @@ def explore(ctx, branches, t, seed):
 def select_best(ctx, live, t, seed):
     """Phase 3 [Alg. 1 L12]: k* <- SelectBest({a_k, e_k, m'_k}), the Context Manager's Answer Selection call per
     question; the winning branch of each. One branch: it wins, no call."""
-    many = [run for run in live if len(run.branches) > 1]  # simplification: one branch, no call (header item 6)
+    many = [run for run in live if len(run.branches) > 1]  # simplification: one branch, no call (header item 5)
     requests = []
     for run in many:
         blocks = format_answer_blocks(run.branches)
@@ -612,14 +575,14 @@ def select_best(ctx, live, t, seed):
 
 def merge_notes(ctx, live, winners, t, seed):
     """[Alg. 1 L13]: m^(t) <- ContextMerge(m'_k*, {m'_k}_k!=k*), the branch notes merged, the winner's first, in one
-    call per question: the only write to the shared context. One branch: its note, no call (header item 6)."""
+    call per question: the only write to the shared context. One branch: its note, no call (header item 5)."""
     requests = []
     for run, winner in [(run, w) for run, w in zip(live, winners) if len(run.branches) > 1]:
         notes = [winner.note] + [b.note for b in run.branches if b is not winner]
         prompt = ctx["tpl"]["merge"].format(question=run.row["question"], reasoning_list=format_notes(notes))
         requests.append(req(run, prompt))
     merged = iter(call_role(ctx, "merge", t, requests, seed))
-    # simplification: one branch, its note is m^(t) (header item 6)
+    # simplification: one branch, its note is m^(t) (header item 5)
     return [next(merged) if len(run.branches) > 1 else w.note for run, w in zip(live, winners)]
 
 
@@ -631,39 +594,7 @@ def advance(run, winner, note, t):
     run.snapshots.append({**run.cost, "answer": winner.answer, "n_retrieved": len(run.retrieved)})
 
 
-# --------------------------------------------------------------------------- 6. the naive baselines [App. A.5]
-def naive(rows, ctx, system, n, seed=0):
-    """The naive baselines [App. A.5]: Vanilla RAG, Parallel (n answers at T 0.7, majority vote), Sequential (retried
-    below confidence 0.7); the answer prompt the Answer Generator's, passages as notes (ours)."""
-    tpl, played = ctx["tpl"], [Run(row, rounds=1) for row in rows]
-    found = retrieve(ctx["retrievers"], [("dense", r["question"]) for r in rows], ctx["args"].top_k)
-    passages = [format_passages(hits) for hits in found]
-    prompts = [tpl["answer"].format(note=p, query=row["question"]) for p, row in zip(passages, rows)]
-    for run, hits in zip(played, found):
-        run.cost["retrievals"] += 1
-        run.retrieved.append((1, [h["id"] for h in hits]))
-    if system != "sequential":
-        copies, role = (n, "parallel") if system == "parallel" else (1, "naive")
-        requests = [req(run, p) for run, p in zip(played, prompts) for _ in range(copies)]
-        answers = call_role(ctx, role, 1, requests, seed)
-        for i, run in enumerate(played):
-            votes = Counter(normalize_answer(a) for a in answers[i * copies : (i + 1) * copies])
-            run.answer = next(a for a in answers[i * copies :] if normalize_answer(a) == votes.most_common(1)[0][0])
-        return played
-    live, best = list(range(len(rows))), [(-1.0, 0, "")] * len(rows)
-    for attempt in range(1, n + 1):
-        answers = call_role(ctx, "naive", attempt, [req(played[i], prompts[i]) for i in live], seed + attempt)
-        fill = lambda i, a: tpl["confidence"].format(note=passages[i], query=rows[i]["question"], answer=a)
-        requests = [req(played[i], fill(i, a)) for i, a in zip(live, answers)]
-        scores = call_role(ctx, "confidence", attempt, requests, seed + attempt)
-        for i, a, c in zip(live, answers, scores):  # the first of the most confident answers
-            best[i] = max(best[i], (c, -attempt, a))
-            played[i].rounds, played[i].answer = attempt, best[i][2]
-        live = [i for i, c in zip(live, scores) if c < 0.7]
-    return played
-
-
-# --------------------------------------------------------------------------- 7. preference pairs [§3.4]
+# --------------------------------------------------------------------------- 6. preference pairs [§3.4]
 def states_of(played, role):
     """(trace entry, run) of every call of a role in the runs, once per prompt."""
     return list({e["prompt"]: (e, run) for run in played for e in run.trace if e["role"] == role}.values())
@@ -674,8 +605,7 @@ def build_pairs(played, ctx, sample, args):
     the combined recall of their W retrievals; per logged Evaluator input, n decisions by the answer's correctness."""
     rewrites = [(e, r) for e, r in states_of(played, "rewrite") if r.row["metadata"].get("supporting_doc_ids")]
     evaluations = states_of(played, "evaluate")
-    temperatures = [args.rewrite_pair_temperature] * len(rewrites) + [1.0] * len(evaluations)  # ours
-    texts = sample([e["prompt"] for e, _ in rewrites + evaluations], args.n_samples, temperatures)
+    texts = sample([e["prompt"] for e, _ in rewrites + evaluations], args.n_samples)
     groups = [[parse_rewrites(t, e["width"]) for t in ts] for (e, _), ts in zip(rewrites, texts)]  # unparsed: []
     flat = [item for group in groups for items in group for item in items]
     found = iter(retrieve(ctx["retrievers"], flat, args.top_k, args.dense_only))
@@ -694,22 +624,17 @@ def build_pairs(played, ctx, sample, args):
 
 
 def sampler(model, tokenizer, args):
-    """sample(prompts, n, temperatures): n texts per prompt from the backbone, one generate call per temperature."""
+    """sample(prompts, n): n texts per prompt from the backbone at T 1.0 (ours: §3.4 gives none), in one call."""
+    chat = policy_role(model, tokenizer, args, 1.0)
 
-    def sample(prompts, n, temperatures, seed=0):
-        texts = [None] * len(prompts)
-        for temperature in sorted(set(temperatures)):
-            picked = [i for i, t in enumerate(temperatures) if t == temperature]
-            chat = policy_role(model, tokenizer, args, temperature)
-            out = chat([{"prompt": prompts[i]} for i in picked for _ in range(n)], seed)
-            for j, i in enumerate(picked):
-                texts[i] = out[j * n : (j + 1) * n]
-        return texts
+    def sample(prompts, n, seed=0):
+        out = chat([{"prompt": prompt} for prompt in prompts for _ in range(n)], seed)
+        return [out[i * n : (i + 1) * n] for i in range(len(prompts))]
 
     return sample
 
 
-# --------------------------------------------------------------------------- 8. losses
+# --------------------------------------------------------------------------- 7. losses
 def sequence_logps(model, ids, loss_mask, attention):
     """log pi(y | x): the sum of the response tokens' log-probs, (B,); the logits at position i score token i + 1."""
     logits = model(input_ids=ids, attention_mask=attention).logits[:, :-1].float()  # (B, T-1, V)
@@ -727,13 +652,11 @@ def dpo_loss(pi_chosen, pi_rejected, ref_chosen, ref_rejected, weights, beta, re
 
 
 def pair_loss(model, ids, mask, attention, weights, args, reference):
-    """dpo_loss of chosen-then-rejected sequences + --rpo_alpha x the chosen's per-token NLL, weighted as its pair."""
+    """dpo_loss and the reward margins of chosen-then-rejected sequences, the reference under `reference()`."""
     with torch.no_grad(), reference():  # pi_ref
         ref = sequence_logps(model, ids, mask, attention).chunk(2)  # (B,) chosen, (B,) rejected
     pi = sequence_logps(model, ids, mask, attention).chunk(2)
-    loss, rewards = dpo_loss(*pi, *ref, weights, args.beta, args.reference_free)
-    nll = -pi[0] / mask[: len(weights), 1:].sum(-1)  # simplification: RPO's NLL term (header item 5)
-    return loss + args.rpo_alpha * (weights * nll).mean(), rewards
+    return dpo_loss(*pi, *ref, weights, args.beta, args.reference_free)
 
 
 def encode(tokenizer, prompt, response):
@@ -760,25 +683,24 @@ def pair_tensors(micro, tokenizer, device):
     return *tensors, torch.tensor([p["weight"] for p in micro], device=device)
 
 
-# ------------------------------------------------------------------------- 9. weighted DPO with LoRA [§3.4, App. A.4]
+# ------------------------------------------------------------------------- 8. weighted DPO with LoRA [§3.4, App. A.4]
 def tune(accelerator, model, tokenizer, pairs, args, world, out):
     """The tuned model and its DPO steps: one adapter on the combined pairs [§4.5], or one per trained role."""
-    if args.role_adapters:  # simplification: per-role adapters, the rewriter's "default" (header item 14)
+    if args.role_adapters:  # simplification: per-role adapters, the rewriter's "default" (header item 13)
         return toy.tune_per_role(dpo_train, accelerator, model, tokenizer, pairs, args, world, out)
     return dpo_train(accelerator, model, tokenizer, pairs, args, world, out)
 
 
 def dpo_train(accelerator, model, tokenizer, pairs, args, world, out, adapter="default", logged=0, epochs=None):
-    """Weighted DPO of one LoRA adapter (q/k/v/o) on `pairs`, the combined ones by default [§4.5]; the reference the
-    same model with its adapter(s) disabled, AdamW, linear decay, clipping 1.0 (ours: HF defaults). Each batch split
-    over the processes in micro-batches: the same step for any process count and --micro_batch_size."""
+    """Weighted DPO of one LoRA adapter (q/k/v/o) on `pairs` [§4.5], against the adapter-disabled model; AdamW, linear
+    decay, clipping 1.0 (ours: HF defaults); the same step for any process count and --micro_batch_size."""
     rng = random.Random(args.seed)
     longest = lambda p: max(len(encode(tokenizer, p["prompt"], p[y])[0]) for y in ("chosen", "rejected"))
     pairs = [p for p in pairs if longest(p) <= args.max_length]
     lora = {"r": args.lora_r, "lora_alpha": args.lora_alpha, "lora_dropout": args.lora_dropout}
     if adapter == "default":
         model = add_lora(model, lora | {"target_modules": ["q_proj", "k_proj", "v_proj", "o_proj"]})
-    else:  # a second adapter (role_adapters, header item 14), the same configuration, trained alone
+    else:  # a second adapter (role_adapters, header item 13), the same configuration, trained alone
         toy.add_role_adapter(model, adapter)
     for p in model.parameters():  # never Adam on bf16 weights: the adapters train in fp32
         p.data = p.data.float() if p.requires_grad else p.data
@@ -814,7 +736,7 @@ def dpo_train(accelerator, model, tokenizer, pairs, args, world, out, adapter="d
     return accelerator.unwrap_model(model), logged + steps
 
 
-# --------------------------------------------------------------------------- 10. evaluation [§4.1, §5]
+# --------------------------------------------------------------------------- 9. evaluation [§4.1, §5]
 def run_record(run, args, upto=None):
     """A question's scores and cost at its end, or after round `upto` of a fixed-depth run."""
     snap = run.snapshots[upto - 1] if upto else {**run.cost, "answer": run.answer}
@@ -848,17 +770,14 @@ def summarize(records, rows):
     return mean(records) | {"groups": {k: {m: v for m, v in mean(g).items() if m in keep} for k, g in groups.items()}}
 
 
-def evaluate(ctx, rows, width, depth, early_exit, predictions=None, system="sparcrag"):
-    """A system on the rows (split over the processes, gathered in order); `predictions`: a json line per question."""
+def evaluate(ctx, rows, width, depth, early_exit, predictions=None):
+    """SPARC-RAG on the rows (split over the processes, gathered in order); `predictions`: a json line per question."""
     start, args = time.time(), ctx["args"]
-    if system == "sparcrag":
-        played = runs.map_shared(lambda part: sparc_rag(part, ctx, width, depth, early_exit, args.seed), rows)
-    else:
-        played = runs.map_shared(lambda part: naive(part, ctx, system, args.naive_n, args.seed), rows)
+    played = runs.map_shared(lambda part: sparc_rag(part, ctx, width, depth, early_exit, args.seed), rows)
     records = [run_record(run, args) for run in played]
     if predictions is not None and PartialState().is_main_process:
         write_jsonl(predictions, [prediction_of(run, rec) for run, rec in zip(played, records)])
-    setting = {"system": system, "width": width, "depth": depth, "early_exit": early_exit}
+    setting = {"width": width, "depth": depth, "early_exit": early_exit}
     return summarize(records, rows) | {"setting": setting, "latency_s": (time.time() - start) / max(len(rows), 1)}
 
 
@@ -875,7 +794,7 @@ def brief(result):
     return " ".join(f"{k}={result[k]:.3f}" for k in (*TABLE, "overlap") if result.get(k) is not None)
 
 
-# --------------------------------------------------------------------------- 11. train / eval / ask
+# --------------------------------------------------------------------------- 10. train / eval / ask
 def frozen_parts(args):
     """The BM25 and dense retrievers [App. A.3], and the frozen LLM of the untrained roles (None: the backbone)."""
     dense = open_retriever(args.dense_index, args.corpus, args.encoder)
@@ -886,11 +805,11 @@ def frozen_parts(args):
 
 
 def load_policy(args, device, model_name=None):
-    """The backbone and tokenizer (a checkpoint's per-role adapters with it: role_adapters, header item 14)."""
+    """The backbone and tokenizer (a checkpoint's per-role adapters with it: role_adapters, header item 13)."""
     # fp32 master weights; without a warm-up only LoRA trains, so a GPU run keeps the frozen base in bf16
     dtype = torch.bfloat16 if device.type == "cuda" and args.sft_steps == 0 else torch.float32
     model, tokenizer = load_model_and_tokenizer(model_name or args.model, dtype=dtype, world=args.world)
-    if args.format_tokens:  # simplification: single-token tags for a model trained from scratch (header item 11)
+    if args.format_tokens:  # simplification: single-token tags for a model trained from scratch (header item 10)
         toy.add_format_tokens(model, tokenizer)
     toy.load_role_adapters(model, model_name or args.model)
     return model.to(device), tokenizer
@@ -911,11 +830,11 @@ def saved_state(args, **state):
 def train(args):
     """Warm-up, the untuned system's evaluations, pairs from its runs, weighted DPO, the tuned evaluation."""
     start, (accelerator, out) = time.time(), runs.start(args, "sparcrag", stages=("sft", "dpo"))
-    train_rows = sample_rows(load_split(args.data_dir, "train", args.question_types), args.n_train, args.seed)
-    test_rows = load_split(args.data_dir, "test", args.question_types)[: args.n_eval]
+    train_rows = sample_rows(load_split(args.data_dir, "train"), args.n_train, args.seed)
+    test_rows = load_split(args.data_dir, "test")[: args.n_eval]
     (retrievers, llm), results, warnings = frozen_parts(args), {}, []
-    world = toy.renaming_world(args)  # simplification: toy renaming (header item 10)
-    # simplification: the toy's untuned start, a warm-up on a teacher (header item 9); the paper's: the model as it is
+    world = toy.renaming_world(args)  # simplification: toy renaming (header item 9)
+    # simplification: the toy's untuned start, a warm-up on a teacher (header item 8); the paper's: the model as it is
     this, parts = sys.modules[__name__], (retrievers, llm)  # this file's rollout and evaluation; its frozen parts
     policy, tokenizer, n_sft = toy.warm_up(this, accelerator, args, out, train_rows, test_rows, parts, world, results)
     policy.name_or_path = str((out / "sft").resolve()) if args.sft_steps else args.model  # the LoRA base
@@ -954,15 +873,15 @@ def train(args):
 
 
 def run_eval(args):
-    """Evaluate --model as one system (--system, --width, --depth, --early_exit) on the test split."""
+    """Evaluate --model (--width, --depth, --early_exit) on the test split."""
     start, (accelerator, out) = time.time(), runs.start_eval(args)
     accelerator.print(f"evaluation folder: {out}")
-    rows = load_split(args.data_dir, "test", args.question_types)[: args.n_eval]  # a bad data file fails first
+    rows = load_split(args.data_dir, "test")[: args.n_eval]  # a bad data file fails first
     policy, tokenizer = load_policy(args, accelerator.device)
     ctx = make_ctx(policy, tokenizer, *frozen_parts(args), args)
     with accelerator.autocast():
         saved = out / "predictions_eval.jsonl"
-        result = evaluate(ctx, rows, args.width, args.depth, args.early_exit, saved, args.system)
+        result = evaluate(ctx, rows, args.width, args.depth, args.early_exit, saved)
     accelerator.print(f"eval {result['setting']} | {brief(result)}")
     record = result_record(args, {"before": result, "warnings": []}, {"sft": 0, "dpo": 0}, time.time() - start)
     runs.write_results(out, record, accelerator.is_main_process, TABLE)

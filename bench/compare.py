@@ -11,10 +11,10 @@ only. Then every checkpoint (ppo/, else dpo/, else sft/) is evaluated here, in o
 `evaluate` (greedy, the paper's inference) on the same test rows (all of them, whatever the method trained on), and
 so are the baselines the papers compare against, which need no training:
   none            the frozen LLM alone (no retrieval)
-  vanilla         single-shot RAG: the question retrieves top-k once, the LLM answers (sparcrag.naive)
+  vanilla         single-shot RAG: the question retrieves top-k once, the LLM answers (`naive` below)
   iterative:R     iterative RAG, R retrievals (IRCoT-style, ours: each later query is the LLM's last <think> step)
-  parallel:N      naive parallel scaling: N answers at T 0.7, majority vote (sparcrag.naive) [SPARC-RAG App. A.5]
-  sequential:N    naive sequential scaling: up to N attempts, retried below confidence 0.7 (sparcrag.naive)
+  parallel:N      naive parallel scaling: N answers at T 0.7, majority vote (`naive`) [SPARC-RAG App. A.5]
+  sequential:N    naive sequential scaling: up to N attempts, retried below confidence 0.7 (`naive`) [App. A.5: 3]
 The baselines use SPARC-RAG's answer prompt, its dense retriever and top-k (toy: TF-IDF, 3) and its token counter.
 Costs per question, the same for all: retrievals (search calls), LLM calls (prompts sent to any language model: the
 trained policy or proxy and the frozen LLM), generated tokens (written by either, counted in the trained model's
@@ -32,6 +32,7 @@ import re
 import subprocess
 import sys
 import time
+from collections import Counter
 from concurrent.futures import ThreadPoolExecutor, as_completed
 from pathlib import Path
 
@@ -43,6 +44,7 @@ from tqdm import tqdm  # noqa: E402
 
 from common import runs  # noqa: E402
 from common.data import load_split  # noqa: E402
+from common.metrics import normalize_answer  # noqa: E402
 
 METHODS = ("smartrag", "c3po", "sparkle", "tearag", "sparcrag")
 TRAIN_MINUTES = {
@@ -219,7 +221,7 @@ def no_retrieval(sp, ctx, rows, seed):
     """The frozen LLM alone, with SPARC-RAG's answer prompt and an empty note."""
     runs_ = [sp.Run(r) for r in rows]
     requests = [sp.req(run, ctx["tpl"]["answer"].format(note="", query=run.row["question"])) for run in runs_]
-    for run, answer in zip(runs_, sp.call_role(ctx, "naive", 1, requests, seed)):
+    for run, answer in zip(runs_, sp.call_role(ctx, "answer", 1, requests, seed)):
         run.answer = answer
     return runs_
 
@@ -254,9 +256,71 @@ def iterative(sp, ctx, llm, rows, rounds, seed):
         sp.req(run, ctx["tpl"]["answer"].format(note=sp.format_passages(seen.values()), query=run.row["question"]))
         for run, seen in zip(runs_, docs)
     ]
-    for run, answer in zip(runs_, sp.call_role(ctx, "naive", rounds, requests, seed)):
+    for run, answer in zip(runs_, sp.call_role(ctx, "answer", rounds, requests, seed)):
         run.answer = answer
     return runs_
+
+
+CONFIDENCE_PROMPTS = {  # ours: the Sequential (Naive) baseline's self-evaluation [SPARC-RAG App. A.5], not printed
+    "paper": """\
+The following are given documents:
+{note}
+Question: {query}
+Answer: {answer}
+How likely is the answer to be correct? Output only a confidence score between 0 and 1. End your response with the \
+literal tag [END].
+Confidence:""",
+    "compact": "give a confidence from 0 to 1 , end with [END] . documents : {note} question : {query} "
+    "answer : {answer} confidence :",  # the toy preset's (sparcrag's header item 10)
+}
+
+
+def with_naive_roles(sp, ctx, policy, tokenizer, llm):
+    """SPARC-RAG's ctx (sparcrag.make_ctx) with the naive baselines' roles [App. A.5]: Parallel's answers at T 0.7,
+    the confidence greedy (ours); Vanilla's and Sequential's answers are the Answer Generator's (App. A.4's T)."""
+    a = ctx["args"]
+    role = (lambda t: sp.policy_role(policy, tokenizer, a, t)) if llm is None else (lambda t: sp.llm_role(llm, a, t))
+    return ctx | {"roles": ctx["roles"] | {"parallel": role(0.7), "confidence": role(0.0)}}
+
+
+def parse_confidence(sp, text):
+    """The first number of a self-evaluation before [END], clipped to [0, 1], else 0 (Sequential (Naive))."""
+    m = re.search(r"\d*\.?\d+", sp.strip_end(text))
+    return min(max(float(m.group(0)), 0.0), 1.0) if m else 0.0
+
+
+def naive(sp, ctx, rows, system, n, seed=0):
+    """SPARC-RAG's naive baselines [App. A.5], a sparcrag.Run per row: Vanilla RAG, Parallel (n answers at T 0.7,
+    majority vote), Sequential (retried below confidence 0.7); the Answer Generator's prompt, passages as notes (ours).
+    `ctx`: with_naive_roles's."""
+    tpl, played = ctx["tpl"], [sp.Run(row, rounds=1) for row in rows]
+    found = sp.retrieve(ctx["retrievers"], [("dense", r["question"]) for r in rows], ctx["args"].top_k)
+    passages = [sp.format_passages(hits) for hits in found]
+    prompts = [tpl["answer"].format(note=p, query=row["question"]) for p, row in zip(passages, rows)]
+    for run, hits in zip(played, found):
+        run.cost["retrievals"] += 1
+        run.retrieved.append((1, [h["id"] for h in hits]))
+    if system != "sequential":
+        copies, role = (n, "parallel") if system == "parallel" else (1, "answer")
+        requests = [sp.req(run, p) for run, p in zip(played, prompts) for _ in range(copies)]
+        answers = sp.call_role(ctx, role, 1, requests, seed, lambda text, info: sp.clean_answer(text))
+        for i, run in enumerate(played):
+            votes = Counter(normalize_answer(a) for a in answers[i * copies : (i + 1) * copies])
+            run.answer = next(a for a in answers[i * copies :] if normalize_answer(a) == votes.most_common(1)[0][0])
+        return played
+    live, best = list(range(len(rows))), [(-1.0, 0, "")] * len(rows)
+    confidence = CONFIDENCE_PROMPTS[ctx["args"].templates]
+    for attempt in range(1, n + 1):
+        answers = sp.call_role(ctx, "answer", attempt, [sp.req(played[i], prompts[i]) for i in live], seed + attempt)
+        fill = lambda i, a: confidence.format(note=passages[i], query=rows[i]["question"], answer=a)
+        requests = [sp.req(played[i], fill(i, a)) for i, a in zip(live, answers)]
+        read = lambda text, info: parse_confidence(sp, text)
+        scores = sp.call_role(ctx, "confidence", attempt, requests, seed + attempt, read)
+        for i, a, c in zip(live, answers, scores):  # the first of the most confident answers
+            best[i] = max(best[i], (c, -attempt, a))
+            played[i].rounds, played[i].answer = attempt, best[i][2]
+        live = [i for i, c in zip(live, scores) if c < 0.7]
+    return played
 
 
 BASELINES = {
@@ -274,7 +338,7 @@ def evaluate_baselines(args, seed, rows, accelerator):
     a = method_args(sp, args, seed, None, "baselines")
     policy, tokenizer = sp.load_policy(a, accelerator.device)  # its tokenizer counts; the toy-lm itself is not called
     retrievers, llm = sp.frozen_parts(a)
-    ctx = sp.make_ctx(policy, tokenizer, retrievers, llm, a)
+    ctx = with_naive_roles(sp, sp.make_ctx(policy, tokenizer, retrievers, llm, a), policy, tokenizer, llm)
     out = {}
     for spec in args.baselines.split(",") if args.baselines else []:
         kind, _, n = spec.partition(":")
@@ -283,7 +347,7 @@ def evaluate_baselines(args, seed, rows, accelerator):
         play = {
             "none": lambda: no_retrieval(sp, ctx, rows, seed),
             "iterative": lambda: iterative(sp, ctx, llm, rows, int(n), seed),
-        }.get(kind, lambda: sp.naive(rows, ctx, kind, int(n or 1), seed))
+        }.get(kind, lambda: naive(sp, ctx, rows, kind, int(n or 1), seed))
         with accelerator.autocast():
             played, s = timed(play)
         r = sp.summarize([sp.run_record(run, a) for run in played], rows)

@@ -16,6 +16,8 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from compare import naive, with_naive_roles  # the naive baselines [App. A.5], beside the other baselines
+
 import sparcrag
 from common import runs
 from common.data import load_split
@@ -61,9 +63,11 @@ def main(argv=None):
     out = Path(args.output_dir)
     out.mkdir(parents=True, exist_ok=True)
     accelerator = runs.make_accelerator()
-    rows = load_split(args.data_dir, "test", args.question_types)[: args.n_eval]
+    rows = load_split(args.data_dir, "test")[: args.n_eval]
     policy, tokenizer = sparcrag.load_policy(args, accelerator.device)
-    ctx = sparcrag.make_ctx(policy, tokenizer, *sparcrag.frozen_parts(args), args)
+    retrievers, llm = sparcrag.frozen_parts(args)
+    ctx = sparcrag.make_ctx(policy, tokenizer, retrievers, llm, args)
+    ctx = with_naive_roles(sparcrag, ctx, policy, tokenizer, llm)
     depths, results = [int(d) for d in grid.grid_depths.split(",")], []
     for width in (int(w) for w in grid.grid_widths.split(",")):
         played = sparcrag.sparc_rag(rows, ctx, width, max(depths), early_exit=False, seed=args.seed)
@@ -72,7 +76,7 @@ def main(argv=None):
             results.append({"system": f"SPARC-RAG W={width} D={depth}", **sparcrag.summarize(records, rows)})
     for spec in grid.naive.split(","):
         system, n = spec.split(":")
-        played = sparcrag.naive(rows, ctx, system, int(n), args.seed)
+        played = naive(sparcrag, ctx, rows, system, int(n), args.seed)
         summary = sparcrag.summarize([sparcrag.run_record(run, args) for run in played], rows)
         results.append({"system": f"{system} (naive) n={n}", **summary})
     (out / "grid.json").write_text(json.dumps(results, indent=1))

@@ -239,7 +239,7 @@ def step_sparcrag(opts, accelerator):
     a = method_args(m, opts, model)
     policy, tokenizer = m.load_policy(a, accelerator.device, str(model) if model else None)
     ctx = m.make_ctx(policy, tokenizer, *m.frozen_parts(a), a)
-    rows = sample_rows(load_split(a.data_dir, "train", a.question_types), opts.questions, 0)
+    rows = sample_rows(load_split(a.data_dir, "train"), opts.questions, 0)
 
     def collect():
         own = m.sparc_rag(rows, ctx, a.width, a.untuned_depth, early_exit=False, seed=1)

@@ -1,11 +1,12 @@
 """SPARC-RAG: hand-worked numbers (parsers, SelectBest mapping, recall and Jaccard, preference pairs with the lambda
 weighting, the weighted DPO loss and its gradient, the masked sequence log-prob), Algorithm 1 with a scripted backbone
 on the paper's Anticimex case (App. C.5: branch isolation, the merge as the only write, STOP / depth cap / fixed depth,
-calls and tokens per round), the naive baselines, the toy teacher, and end-to-end toy runs."""
+calls and tokens per round), the naive baselines (bench/compare.py), the toy teacher, and end-to-end toy runs."""
 
 import itertools
 import json
 import math
+import sys
 from collections import Counter
 from dataclasses import replace
 from pathlib import Path
@@ -19,6 +20,8 @@ from common.toy import sparcrag as toy
 from sparcrag import CONTINUE, STOP
 
 ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT / "bench"))
+import compare  # noqa: E402  (the naive baselines of App. A.5)
 
 
 # ---------------------------------------------------------------- parsing (App. D's output formats)
@@ -96,7 +99,7 @@ def test_strip_end_clean_answer_and_confidence():
     assert sparcrag.strip_end("<think> never closed [END]") == ""
     assert sparcrag.clean_answer("\n  Stockholm \nSweden [END]") == "Stockholm"
     assert sparcrag.clean_answer("tuvia [ end ]") == "tuvia"
-    assert [sparcrag.parse_confidence(t) for t in ("0.85 [END]", "1.0", "7", "sure", ".5")] == [
+    assert [compare.parse_confidence(sparcrag, t) for t in ("0.85 [END]", "1.0", "7", "sure", ".5")] == [
         0.85,
         1.0,
         1.0,
@@ -273,15 +276,15 @@ def test_every_departure_the_code_marks_is_an_item_of_the_header():
     assert cited and cited <= set(items) and list(items) == [str(i) for i in range(1, len(items) + 1)]
     marked = lambda fn, n: re.search(rf"simplification: .*header item {n}\)", inspect.getsource(fn))
     assert (
-        marked(sparcrag.select_best, 6)
-        and marked(sparcrag.merge_notes, 6)
-        and "W = 1" in items["6"]
-        and "Select" in items["6"]
+        marked(sparcrag.select_best, 5)
+        and marked(sparcrag.merge_notes, 5)
+        and "W = 1" in items["5"]
+        and "Select" in items["5"]
     )
-    assert marked(sparcrag.policy_role, 7) and "seed" in items["7"]
+    assert marked(sparcrag.policy_role, 6) and "seed" in items["6"]
     assert marked(sparcrag.dpo_loss, 2) and "TRL 0.23.1" in items["2"] and "App. A.4" in items["2"]
     departures, toy = sparcrag.__doc__.split("Departures from the paper")[1].split("Toy-world adaptations")
-    assert "\n6. W = 1" in departures and "\n7. One seed" in departures and "\n8. " in toy
+    assert "\n5. W = 1" in departures and "\n6. One seed" in departures and "\n7. " in toy
 
 
 @pytest.mark.parametrize("width, per_round", [(1, 4), (2, 9), (3, 12)])
@@ -295,16 +298,10 @@ def test_calls_per_round_are_1_plus_3w_plus_2_when_w_exceeds_1(width, per_round)
         assert "select" not in Counter(r for r, _ in calls) and run.note == "Anticimex is owned by EQT."
 
 
-def test_dense_only_and_the_round_one_bootstrap_variant():
-    calls = []
-    ctx = scripted_ctx(calls, dense_only=True)
+def test_dense_only():
+    ctx = scripted_ctx([], dense_only=True)
     sparcrag.sparc_rag([ROW], ctx, width=2, depth=1)
     assert ctx["retrievers"]["bm25"].queries == [] and len(ctx["retrievers"]["dense"].queries) == 2
-    calls = []
-    ctx = scripted_ctx(calls, bootstrap_with_q0=True)
-    sparcrag.sparc_rag([ROW], ctx, width=2, depth=2, early_exit=False)
-    assert ctx["retrievers"]["dense"].queries[0] == Q0  # round 1: one dense path on q0, no Rewriter call
-    assert [r for r, _ in calls][:4] == ["update", "answer", "evaluate", "rewrite"]
 
 
 def test_bm25_queries_lose_their_wh_words():
@@ -380,11 +377,11 @@ def test_build_pairs_reads_the_traces_of_a_hand_made_run():
         "EV-right": ["<decision>CONTINUE</decision>", "<decision>STOP</decision>", "stop", "continue"],
     }
     asked = []
-    sample = lambda prompts, n, temps: (asked.append((list(prompts), n, temps)), [sampled[p] for p in prompts])[1]
+    sample = lambda prompts, n: (asked.append((list(prompts), n)), [sampled[p] for p in prompts])[1]
     ctx = scripted_ctx([])
-    args = sparcrag.Args(n_samples=4, lam=2.0, correct_by="em", top_k=1, rewrite_pair_temperature=0.5)
+    args = sparcrag.Args(n_samples=4, lam=2.0, correct_by="em", top_k=1)
     pairs = sparcrag.build_pairs([run], ctx, sample, args)
-    assert asked == [(["RW", "EV-wrong", "EV-right"], 4, [0.5, 1.0, 1.0])]  # rewrites at the flag, decisions at 1
+    assert asked == [(["RW", "EV-wrong", "EV-right"], 4)]  # every logged state in one call
     rewrite, wrong, right = pairs
     # recalls 0.5, 1.0, 0 (unparsed: nothing retrieved), 0: the second set over the first zero one
     assert rewrite == {
@@ -410,7 +407,7 @@ def test_build_pairs_reads_the_traces_of_a_hand_made_run():
     }
 
 
-def test_the_sampler_makes_one_call_per_temperature_and_keeps_the_prompt_order(monkeypatch):
+def test_the_sampler_makes_one_call_at_t_1_and_keeps_the_prompt_order(monkeypatch):
     calls = []
 
     def fake_role(model, tokenizer, args, temperature, max_tokens=None):
@@ -422,12 +419,8 @@ def test_the_sampler_makes_one_call_per_temperature_and_keeps_the_prompt_order(m
 
     monkeypatch.setattr(sparcrag, "policy_role", fake_role)
     sample = sparcrag.sampler(None, None, sparcrag.Args())
-    texts = sample(["a", "b", "c"], 2, [0.5, 1.0, 0.5])
-    assert texts == [["a@0.5#0", "a@0.5#1"], ["b@1.0#0", "b@1.0#1"], ["c@0.5#2", "c@0.5#3"]]
-    assert calls == [(0.5, ["a", "a", "c", "c"]), (1.0, ["b", "b"])]
-    calls.clear()
-    assert sample(["a", "b"], 1, [1.0, 1.0]) == [["a@1.0#0"], ["b@1.0#1"]]
-    assert calls == [(1.0, ["a", "b"])]  # one temperature: one call, the behaviour before the flag
+    assert sample(["a", "b", "c"], 2) == [["a@1.0#0", "a@1.0#1"], ["b@1.0#2", "b@1.0#3"], ["c@1.0#4", "c@1.0#5"]]
+    assert calls == [(1.0, ["a", "a", "b", "b", "c", "c"])]
 
 
 # ---------------------------------------------------------------- the weighted DPO loss (§3.4)
@@ -476,43 +469,17 @@ class FixedLogits(torch.nn.Module):
         return type("Out", (), {"logits": self.logits_of(input_ids)})()
 
 
-def test_rpo_alpha_adds_the_chosen_responses_per_token_nll_weighted_as_their_pairs():
-    import contextlib
-
-    def logits_of(ids):  # position 0 scores token 1 uniformly (-ln 3), position 1 gives token 2 -ln 2
-        out = torch.zeros(*ids.shape, 3)
-        out[:, 1] = torch.tensor([0.0, 0.0, math.log(2)])
-        return out
-
-    # chosen 1: response tokens 1, 2 (-ln 3 - ln 2, 2 tokens); chosen 2: token 2 at position 1 (-ln 3, 1 token)
-    ids = torch.tensor([[0, 1, 2], [0, 2, 0], [0, 0, 1], [0, 1, 1]])  # chosen, chosen, rejected, rejected
-    mask = torch.tensor([[0, 1, 1], [0, 1, 0], [0, 0, 1], [0, 1, 1]])  # the rejected of other lengths
-    weights, args = torch.tensor([2.0, 1.0]), sparcrag.Args(rpo_alpha=0.5)
-    batch = (ids, mask, torch.ones_like(ids), weights)
-    loss, margins = sparcrag.pair_loss(FixedLogits(logits_of), *batch, args, contextlib.nullcontext)
-    dpo = 1.5 * math.log(2)  # policy = reference: mean of w * ln 2
-    nll = (2 * math.log(6) / 2 + 1 * math.log(3) / 1) / 2  # mean over pairs of w * (per-token mean NLL)
-    assert nll == pytest.approx(1.445186, abs=1e-6)
-    assert loss.item() == pytest.approx(dpo + 0.5 * nll, abs=1e-6) and loss.item() == pytest.approx(1.762314, abs=1e-6)
-    assert margins.tolist() == [0.0, 0.0]
-    off = sparcrag.pair_loss(FixedLogits(logits_of), *batch, sparcrag.Args(), contextlib.nullcontext)[0]
-    assert off.item() == pytest.approx(dpo, abs=1e-6)  # rpo_alpha 0 (both presets): DPO alone
-
-
-def test_dpo_train_logs_the_rpo_term_from_its_first_step(tmp_path):
+def test_dpo_train_logs_the_weighted_loss_from_its_first_step(tmp_path):
     from common import runs
     from common.toy.lm import load_toy_lm
 
     model, tokenizer = load_toy_lm("toy-lm:layers=1,hidden=16,heads=2,kv_heads=2,intermediate=32")
     pair = {"role": "evaluate", "prompt": "answer : unknown decision :", "weight": 8.0}
     pair |= {"chosen": "<decision>CONTINUE</decision>", "rejected": "<decision>STOP</decision>"}
-    ids, mask = (torch.tensor([x]) for x in sparcrag.encode(tokenizer, pair["prompt"], pair["chosen"]))
-    with torch.no_grad():
-        nll = -sparcrag.sequence_logps(model, ids, mask, torch.ones_like(ids)).item() / (mask.sum().item())
-    args = sparcrag.apply_preset(sparcrag.Args(rpo_alpha=0.25, lora_dropout=0.0, dpo_epochs=1))
+    args = sparcrag.apply_preset(sparcrag.Args(lora_dropout=0.0, dpo_epochs=1))
     sparcrag.dpo_train(runs.make_accelerator(), model, tokenizer, [pair], args, None, tmp_path)
     logged = json.loads((tmp_path / "metrics.jsonl").read_text().splitlines()[0])["losses/dpo"]
-    assert logged == pytest.approx(8.0 * math.log(2) + 0.25 * 8.0 * nll, rel=1e-5)  # the LoRA starts at the reference
+    assert logged == pytest.approx(8.0 * math.log(2), rel=1e-5)  # the LoRA starts at the reference: w * ln 2
 
 
 def test_sequence_logps_uniform_and_padding():
@@ -670,7 +637,7 @@ def test_the_toy_preset_tunes_one_adapter_per_role_the_rewriters_for_one_epoch(t
         assert set(model.peft_config) == adapters and done == steps  # toy: 2 pairs x 1 epoch + 4 pairs x 5 epochs, / 2
 
 
-# ---------------------------------------------------------------- the naive baselines (App. A.5) and the teacher
+# ------------------------------------------------ the naive baselines (App. A.5: bench/compare.py) and the teacher
 def naive_ctx(answers, confidences=None):
     calls = []
 
@@ -678,19 +645,19 @@ def naive_ctx(answers, confidences=None):
         it = iter(replies)
         return lambda requests, seed=0: (calls.extend(name for _ in requests), [next(it) for _ in requests])[1]
 
-    ctx = scripted_ctx([])
-    ctx["roles"] = {name: role(name, answers) for name in ("naive", "parallel")}
+    ctx = scripted_ctx([], templates="paper")
+    ctx["roles"] = {name: role(name, answers) for name in ("answer", "parallel")}
     ctx["roles"]["confidence"] = role("confidence", confidences or [])
     return ctx, calls
 
 
 def test_naive_parallel_majority_vote_and_vanilla():
     ctx, calls = naive_ctx(["EQT", "stockholm", "Stockholm.", "x", "y", "x"])
-    runs = sparcrag.naive([ROW, dict(ROW, id="r")], ctx, "parallel", 3)
+    runs = compare.naive(sparcrag, ctx, [ROW, dict(ROW, id="r")], "parallel", 3)
     assert [r.answer for r in runs] == ["stockholm", "x"] and calls == ["parallel"] * 6
     assert ctx["retrievers"]["dense"].queries == [Q0, Q0]  # one dense retrieval on q0 per question
     ctx, calls = naive_ctx(["a", "b"])
-    assert [r.answer for r in sparcrag.naive([ROW, ROW], ctx, "vanilla", 3)] == ["a", "b"]
+    assert [r.answer for r in compare.naive(sparcrag, ctx, [ROW, ROW], "vanilla", 3)] == ["a", "b"]
 
 
 def test_the_naive_baselines_sample_at_the_papers_temperatures():
@@ -703,20 +670,20 @@ def test_the_naive_baselines_sample_at_the_papers_temperatures():
             asked.append((len(messages), temperature))
             return ["0.9 [END]" if "Confidence" in m[0]["content"] else "Stockholm [END]" for m in messages]
 
-    args = sparcrag.apply_preset(sparcrag.Args(preset="paper", top_k=1))
-    ctx = sparcrag.make_ctx(None, None, scripted_ctx([])["retrievers"], Recording(), args)
-    ctx["count"] = scripted_ctx([])["count"]
+    args, llm = sparcrag.apply_preset(sparcrag.Args(preset="paper", top_k=1)), Recording()
+    ctx = sparcrag.make_ctx(None, None, scripted_ctx([])["retrievers"], llm, args)
+    ctx = compare.with_naive_roles(sparcrag, ctx | {"count": scripted_ctx([])["count"]}, None, None, llm)
     for system, calls in (("vanilla", [(1, 0.5)]), ("parallel", [(3, 0.7)]), ("sequential", [(1, 0.5), (1, 0.0)])):
         asked.clear()
-        sparcrag.naive([ROW], ctx, system, 3)
+        compare.naive(sparcrag, ctx, [ROW], system, 3)
         assert asked == calls, system  # (answers asked, temperature) per call
 
 
 def test_naive_sequential_retries_below_0_7_and_keeps_the_most_confident():
     ctx, calls = naive_ctx(["a1", "b1", "a2", "a3"], ["0.2", "0.9", "0.6", "0.3"])
-    runs = sparcrag.naive([ROW, dict(ROW, id="r")], ctx, "sequential", 3)
+    runs = compare.naive(sparcrag, ctx, [ROW, dict(ROW, id="r")], "sequential", 3)
     assert [(r.answer, r.rounds) for r in runs] == [("a2", 3), ("b1", 1)]
-    assert calls == ["naive", "naive", "confidence", "confidence", "naive", "confidence", "naive", "confidence"]
+    assert calls == ["answer", "answer", "confidence", "confidence", "answer", "confidence", "answer", "confidence"]
 
 
 def test_the_teacher_asks_the_open_facts_and_can_repeat_one():
@@ -814,7 +781,7 @@ def test_toy_train_then_resume_then_eval_and_ask(tmp_path, capsys):
     results = check_contract(out, stdout)
     assert results["train_steps"]["sft"] == 6 and results["train_steps"]["dpo"] >= 1 and results["n_eval"] == 6
     assert {"before_sft", "before", "before_adaptive", "after"} <= set(results)
-    assert results["before"]["setting"] == {"system": "sparcrag", "width": 2, "depth": 2, "early_exit": False}
+    assert results["before"]["setting"] == {"width": 2, "depth": 2, "early_exit": False}
     assert results["after"]["setting"]["early_exit"] and results["pairs"]
     assert results["tokens_per_question"] == results["after"]["tokens"] > results["after"]["generated_tokens"] > 0
     # a role without pairs trains its adapter on nothing: one warning line, kept in results.json
@@ -870,23 +837,16 @@ def test_toy_train_then_resume_then_eval_and_ask(tmp_path, capsys):
     )
 
 
-def test_eval_of_the_naive_baselines_and_a_flashrag_folder_without_metadata(tmp_path, capsys):
+def test_eval_of_a_flashrag_folder_without_metadata(tmp_path, capsys):
     folder = own_questions(tmp_path / "flashrag", 4)
     flags = ["--model", TINY_LM, "--corpus", str(ROOT / "data/toy/corpus.jsonl"), "--data_dir", str(folder)]
     with pytest.raises(SystemExit, match="^--llm toy reads a toy world: pass --world DIR$"):
         sparcrag.main(["--eval", *flags])  # the toy reader and the toy-lm need the world of their vocabulary
-    flags += ["--world", "data/toy"]
-    for system, calls in (("vanilla", 1), ("parallel", 3), ("sequential", None)):
-        out = tmp_path / system
-        stdout = run(["--eval", "--system", system, "--output_dir", str(out), *flags], capsys)
-        results = check_contract(out, stdout)
-        assert results["n_eval"] == 4 and results["after"]["recall"] is None  # no gold paragraphs: no recall
-        assert results["retrievals_per_question"] == 1 and (
-            calls is None or results["llm_calls_per_question"] == calls
-        )
     out = tmp_path / "sparc"
-    stdout = run(["--eval", "--output_dir", str(out), "--depth", "1", *flags], capsys)
-    assert check_contract(out, stdout)["llm_calls_per_question"] == 9
+    stdout = run(["--eval", "--output_dir", str(out), "--depth", "1", "--world", "data/toy", *flags], capsys)
+    results = check_contract(out, stdout)
+    assert results["n_eval"] == 4 and results["after"]["recall"] is None  # no gold paragraphs: no recall
+    assert results["llm_calls_per_question"] == 9
 
 
 def test_own_questions_train_without_a_warm_up_and_the_teacher_names_the_metadata_it_reads(tmp_path, capsys):
@@ -909,7 +869,6 @@ def test_own_questions_train_without_a_warm_up_and_the_teacher_names_the_metadat
     [
         (["--train", "--preset", "nope"], "argument --preset: invalid choice: 'nope' (choose from 'toy', 'paper')"),
         (["--train", "--correct_by", "em"], "unknown flags"),  # a preset-only field (PRESETS) is no flag
-        (["--eval", "--system", "x"], "argument --system: invalid choice: 'x' (choose from 'sparcrag', 'vanilla'"),
         (["--eval", "--width", "0"], "--width 0: must be >= 1"),
         (["--train", "--lam", "0.5"], "--lam 0.5: must be >= 1.0"),
         (["--train", "--n_train", "-5"], "--n_train -5: must be >= 1"),
@@ -927,24 +886,9 @@ def test_a_bad_flag_value_is_one_line_naming_it_and_exit_2(flags, message, capsy
 
 
 def test_every_problem_of_a_flag_combination_in_one_line(tmp_path, monkeypatch):
-    with pytest.raises(SystemExit) as exit_info:  # before any work: nothing is trained
-        flags = [
-            "--system",
-            "vanilla",
-            "--sft_steps",
-            "0",
-            "--n_train",
-            "1",
-            "--n_eval",
-            "1",
-        ]
-        sparcrag.main(["--train", *flags])
-    assert str(exit_info.value) == "--system vanilla is evaluated (--eval), not trained"
+    flags = ["--sft_steps", "0", "--n_train", "1", "--n_eval", "1"]
     with pytest.raises(SystemExit, match="^choose one mode: --train, --eval or --ask"):  # refused as the flags parse
         sparcrag.main(["--train", "--eval", *flags])
-    args = sparcrag.Args(train=True, eval=True, n_train=1, n_eval=1)  # Args built in code: apply_preset's own check
-    with pytest.raises(SystemExit, match="^--train, --eval and --ask are separate modes: choose one"):
-        sparcrag.apply_preset(args)
     with pytest.raises(SystemExit, match="^--resume continues a training run: use it with --train$"):
         sparcrag.main(["--eval", "--resume", "--n_eval", "1"])
     monkeypatch.chdir(tmp_path)

@@ -1,7 +1,7 @@
 """SPARC-RAG's toy world (sparcrag.py reaches it through the toy preset's values and the adapters below): the oracle
 warm-up teacher and its SFT (the untuned start a tiny toy-lm lacks), the compact templates and single-token format
 tags, the entity renaming of SFT examples and DPO pairs, and one LoRA adapter per trained role. sparcrag.py's header
-lists these as its toy-world adaptations (9-14)."""
+lists these as its toy-world adaptations (8-13)."""
 
 import random
 import re
@@ -16,7 +16,7 @@ from common.data import require_metadata
 from common.metrics import exact_match
 from common.toy.world import rename_entities, world_or_none
 
-# the toy preset's templates: the paper set's fields, tags and output formats without the prose (header item 11)
+# the toy preset's templates: the paper set's fields, tags and output formats without the prose (header item 10)
 COMPACT_TEMPLATES = {
     "update": "keep what answers the query , end with [END] . original query : {query} old note : {note} "
     "new information : {new_context} updated note :",
@@ -29,10 +29,8 @@ COMPACT_TEMPLATES = {
     "your response :",
     "evaluate": "decide stop or continue , end with [END] . original query : {query} current query : "
     "{current_query} note : {note} answer : {answer} decision :",
-    "confidence": "give a confidence from 0 to 1 , end with [END] . documents : {note} question : {query} "
-    "answer : {answer} confidence :",
 }
-# the output formats' tags as single tokens of a model trained from scratch (header item 11)
+# the output formats' tags as single tokens of a model trained from scratch (header item 10)
 FORMAT_TOKENS = ["<queries>", "</queries>", "</item>", "<strategy>", "</strategy>", "<query>", "</query>", "[END]"]
 FORMAT_TOKENS += ["<decision>", "</decision>", "<think>", "</think>"] + [f'<item rank="{i}">' for i in range(1, 9)]
 TEACHER_READS = ("type", "entities", "sub_queries", "sub_answers")  # the question metadata the teacher reads
@@ -40,7 +38,7 @@ SFT_SHARES = {"rewrite": 0.75, "evaluate": 0.25}  # each warm-up batch: both tra
 STOP, CONTINUE = "STOP", "CONTINUE"
 
 
-# ---------------------------------------------------------------- the oracle teacher and its warm-up (header item 9)
+# ---------------------------------------------------------------- the oracle teacher and its warm-up (header item 8)
 def oracle_sparcrag(row, note, width, rng, duplicate):
     """SPARC-RAG's warm-up teacher in the toy world, as (strategy, query) items the method renders in its rewrite
     format: by bm25 the sub-queries (metadata) of the facts not yet in the global `note` whose subject the question or
@@ -84,7 +82,7 @@ def teacher_roles(args, render):
 
 
 def warm_up(m, accelerator, args, out, rows, test_rows, parts, world, results):
-    """The untuned start a tiny toy-lm lacks (header item 9): the raw model's evaluation (results["before_sft"]), the
+    """The untuned start a tiny toy-lm lacks (header item 8): the raw model's evaluation (results["before_sft"]), the
     teacher's fixed-depth runs, the rows dealt over the warm-up widths, SFT on the trained roles' calls in them, saved
     to sft/; sft_steps 0 (the paper), none; resumed, sft/ loaded. The model, its tokenizer and the SFT steps. `m`: the
     sparcrag module (its rollout, evaluation, encoding); `parts`: its frozen parts, (retrievers, llm)."""
@@ -138,7 +136,7 @@ def sft(accelerator, model, tokenizer, examples, args, world, out, batch_tensors
     return accelerator.unwrap_model(model)
 
 
-# ---------------------------------------------------------------- renaming (header item 10)
+# ---------------------------------------------------------------- renaming (header item 9)
 def renaming_world(args):
     """The toy world that renames SFT examples and DPO pairs (augment_p), or None (real data)."""
     return world_or_none(args.world) if args.world and args.augment_p else None
@@ -149,7 +147,7 @@ def renamed(texts, world, rng, p):
     return rename_entities(texts, world, rng, popular="keep") if world and rng.random() < p else texts
 
 
-# ---------------------------------------------------------------- format tokens (header item 11)
+# ---------------------------------------------------------------- format tokens (header item 10)
 def add_format_tokens(model, tokenizer):
     """The formats' tags as single tokens of the tokenizer (a toy-lm has no `item`), the embeddings resized."""
     if new := [t for t in FORMAT_TOKENS if t not in tokenizer.get_vocab()]:
@@ -157,7 +155,7 @@ def add_format_tokens(model, tokenizer):
         model.resize_token_embeddings(len(tokenizer), mean_resizing=False)
 
 
-# ---------------------------------------------------------------- one LoRA adapter per trained role (header item 14)
+# ---------------------------------------------------------------- one LoRA adapter per trained role (header item 13)
 def load_role_adapters(model, folder):
     """A checkpoint's second adapter (folder/evaluate: the evaluator's), loaded beside its "default" one."""
     if (second := Path(folder) / "evaluate").is_dir():
