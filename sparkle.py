@@ -92,15 +92,13 @@ class Args:
     alpha: float = arg(0.3, "R = alpha Recall(c_T) + (1 - alpha) F1(y) [§3.2, §D.3: 0.3] (impl: 0.7)", low=0, high=1)
     max_new_tokens: int | None = arg(None, "proxy tokens per action (impl: 160 in training)", low=1)
     max_length: int = arg(2048, "prompt + action tokens, a longer prompt cut [Tab. 5, 6: 2048] (header 9)", low=2)
-    teacher_model: str | None = arg(None, "warm-up teacher: oracle (toy) or an LLM as --llm (empty: --llm) [§D.3]",
-                                    group="warm-up SFT [§D.3, Tab. 5]")  # fmt: skip
+    teacher_model: str | None = arg(None, "oracle or an LLM as --llm (empty: --llm) [§D.3]", group="warm-up [Tab. 5]")
     teacher_llm_model: str = arg("", "served model name when --teacher_model is an endpoint URL")
     sft_steps: int | None = arg(None, "SFT steps (0: one epoch of the warm-up data [Tab. 5])", low=0)
     sft_lr: float | None = arg(None, "SFT learning rate [Tab. 5: 5e-6]", low=0)
     sft_batch_size: int | None = arg(None, "SFT batch size [Tab. 5: 64]", low=1)
     micro_batch_size: int | None = arg(None, "sequences per forward pass, SFT and PPO (gradient accumulation)", low=1)
-    ppo_iterations: int | None = arg(None, "PPO updates [App. E.1: rewards converge after about 60]", low=0,
-                                     group="PPO [§3, App. C, Tab. 6]")  # fmt: skip
+    ppo_iterations: int | None = arg(None, "PPO updates [App. E.1: ~60 to converge]", low=0, group="PPO [§3, Tab. 6]")
     rollout_batch: int | None = arg(None, "questions (trees) per PPO update, over all processes (impl: 64)", low=1)
     ppo_batch_size: int | None = arg(None, "operation samples per minibatch, over all processes [Tab. 6: 1024]", low=1)
     policy_lr: float | None = arg(None, "policy learning rate [Tab. 6: 5e-7]", low=0)
@@ -1020,8 +1018,8 @@ def warm_up(accelerator, args, out, train_rows, test_rows, env, world, record):
     before_sft = evaluate_stage(accelerator, out, "raw", policy, tokenizer, env, test_rows, args)
     rows = toy.warmup_rows(train_rows, args.warmup_types)  # simplification: header 11
     served = {"model": args.teacher_llm_model} if args.teacher_llm_model else {}  # [§D.3] the teacher apart from --llm
-    own = args.teacher_model not in ("oracle", "")  # empty: the frozen --llm plays the proxy roles
-    teacher = make_llm(args.teacher_model, **served) if own else env.llm
+    # empty: the frozen --llm plays the proxy roles; oracle: teacher_actor never asks it
+    teacher = env.llm if args.teacher_model in ("oracle", "") else make_llm(args.teacher_model, **served)
     examples, solved = build_warmup(rows, teacher, env, args)
     accelerator.print(f"warm-up: {dict(Counter(e['agent'] for e in examples))}; {solved:.2f} of the questions solved")
     if not examples:  # the raw proxy goes on to PPO
