@@ -59,9 +59,7 @@ TABLE = ("em", "f1", "acc", "reward", "recall", "retrievals", "steps", "llm_call
 
 @dataclass
 class Args:
-    preset: str = arg(
-        "toy", "toy (built-in toy world, tiny proxy, CPU) or paper", choices=["toy", "paper"], group="run"
-    )
+    preset: str = arg("toy", "toy (toy world, tiny proxy, CPU) or paper", choices=["toy", "paper"], group="run")
     train: bool = arg(False, "teacher warm-up data, SFT, PPO, evaluation")
     eval: bool = arg(False, "evaluate --model (a checkpoint or the untrained start)")
     ask: str = arg("", "answer one question with --model and print the trajectory")
@@ -86,9 +84,7 @@ class Args:
     n_train: int | None = arg(None, "training questions (None: all) [§D.3: 7,500]", low=1)
     n_eval: int | None = arg(None, "test questions evaluated (None: all) [§4.1: 1,000]", low=1)
     question_types: str = arg("", "comma-separated metadata types to keep (empty: all)")
-    top_k: int | None = arg(
-        None, "documents per retrieval [§D.3: 10]", low=1, group="agents and tree rollout [§2.2, §3.1]"
-    )
+    top_k: int | None = arg(None, "documents per retrieval [§D.3: 10]", low=1, group="agents and rollout [§2.2, §3.1]")
     n_triples: int | None = arg(None, "candidate triples for KI [§D.3: 20] (impl: 25)", low=1)
     tree_depth: int | None = arg(None, "L: steps with both RD branches [§3.1, §D.3: 4]", low=0)
     standard_rollout: bool = arg(False, "the w/ Standard Rollout ablation: RD sampled from the first step [Tab. 4]")
@@ -96,59 +92,42 @@ class Args:
     alpha: float = arg(0.3, "R = alpha Recall(c_T) + (1 - alpha) F1(y) [§3.2, §D.3: 0.3] (impl: 0.7)", low=0, high=1)
     max_new_tokens: int | None = arg(None, "proxy tokens per action (impl: 160 in training)", low=1)
     max_length: int = arg(2048, "prompt + action tokens, a longer prompt cut [Tab. 5, 6: 2048] (header 9)", low=2)
-    teacher_model: str | None = arg(
-        None,
-        "the warm-up teacher: oracle (the toy world's) or an LLM spec as --llm "
-        "(empty: --llm) [§D.3: Qwen2.5-72B-Instruct]",
-        group="warm-up SFT [§D.3, Tab. 5]",
-    )
+    teacher_model: str | None = arg(None, "oracle or an LLM as --llm (empty: --llm) [§D.3]", group="warm-up [Tab. 5]")
     teacher_llm_model: str = arg("", "served model name when --teacher_model is an endpoint URL")
-    sft_steps: int | None = arg(None, "SFT steps (0: sft_epochs epochs of the warm-up data [Tab. 5: 1 epoch])", low=0)
+    sft_steps: int | None = arg(None, "SFT steps (0: one epoch of the warm-up data [Tab. 5])", low=0)
     sft_lr: float | None = arg(None, "SFT learning rate [Tab. 5: 5e-6]", low=0)
     sft_batch_size: int | None = arg(None, "SFT batch size [Tab. 5: 64]", low=1)
     micro_batch_size: int | None = arg(None, "sequences per forward pass, SFT and PPO (gradient accumulation)", low=1)
-    ppo_iterations: int | None = arg(None, "PPO updates [App. E.1: rewards converge after about 60]", low=0,
-                                     group="PPO [§3, App. C, Tab. 6]")  # fmt: skip
+    ppo_iterations: int | None = arg(None, "PPO updates [App. E.1: ~60 to converge]", low=0, group="PPO [§3, Tab. 6]")
     rollout_batch: int | None = arg(None, "questions (trees) per PPO update, over all processes (impl: 64)", low=1)
     ppo_batch_size: int | None = arg(None, "operation samples per minibatch, over all processes [Tab. 6: 1024]", low=1)
     policy_lr: float | None = arg(None, "policy learning rate [Tab. 6: 5e-7]", low=0)
     value_lr: float | None = arg(None, "value model learning rate [Tab. 6: 5e-6]", low=0)
     kl_coef: float = arg(0.002, "KL coefficient beta, a per-token penalty in the reward [Tab. 6: 0.002]", low=0)
     # ---- set by the presets only (no flags): the authors' code's constants, the toy world's tuning (PRESETS)
-    max_context: int = arg(
-        5, "documents in the context, the best new ones, oldest out (impl: 5; header 8)", flag=False
-    )
+    max_context: int = arg(5, "documents in the context, oldest out (impl: 5; header 8)", flag=False)
     max_steps: int = arg(12, "LLM reasoning steps in training (impl: 12)", flag=False)
     max_steps_eval: int = arg(20, "LLM reasoning steps at test (impl: 20)", flag=False)
     max_retrievals: int = arg(5, "retrievals per trajectory (impl: 5)", flag=False)
     max_rd_calls: int = arg(8, "RD calls per trajectory in training (impl: 8; at test: the step cap)", flag=False)
     llm_max_tokens: int = arg(256, "LLM tokens per step (impl: 256; header 7)", flag=False)
-    prune: str = arg("context", "context (prune retrieval branches that leave c_t unchanged [§3.1]) or no", flag=False)
-    samples_per_question: int = arg(1, "trees per question and update (impl: 1)", flag=False)
     gen_batch_size: int = arg(512, "prompts per proxy generate call (memory only: 512)", flag=False)
     templates: str | None = arg(None, "the App. A figures (paper), or compact ones (header 13)", flag=False)
     teacher_temperature: float = arg(0.6, "LLM teacher sampling temperature (ours: 0.6)", flag=False)
-    teacher_noise: float = arg(
-        0.2, "the toy oracle teacher's probability of a wrong decision (0.2; header 10)", flag=False
-    )
+    teacher_noise: float = arg(0.2, "the toy oracle's probability of a wrong decision (header 10)", flag=False)
     warmup_keep: int = arg(4, "teacher trajectories per question, the successful ones kept (ours: 4)", flag=False)
     warmup_select: str | None = arg(None, "uniform: every success [§D.3]; cheapest (header 11)", flag=False)
     warmup_types: str | None = arg(None, "question types of the warm-up data, comma-separated (header 11)", flag=False)
-    sft_epochs: float = arg(1.0, "SFT epochs when sft_steps is 0 [Tab. 5: 1]", flag=False)
     augment_p: float | None = arg(None, "entity-renaming probability of an SFT example (header 12)", flag=False)
     rl_augment_p: float = arg(0.0, "renaming probability of a not-popular PPO tree (0: off; header 12)", flag=False)
-    ppo_epochs: int = arg(1, "epochs over each rollout (impl: 1)", flag=False)
     gamma: float = arg(1.0, "GAE gamma within an operation (impl: 1)", flag=False)
     lam: float = arg(0.95, "GAE lambda (impl: 0.95)", flag=False)
     clip: float = arg(0.2, "PPO clip epsilon (impl: 0.2)", flag=False)
     vf_coef: float = arg(0.5, "value loss coefficient (impl: 0.5)", flag=False)
-    value_clip: float = arg(0.2, "value clip around the old values, 0: plain MSE (impl: 0.2; header 5)", flag=False)
+    value_clip: float = arg(0.2, "value clip around the old values, 0: none (impl: 0.2; header 5)", flag=False)
     max_grad_norm: float = arg(1.0, "gradient clipping (impl: 1.0)", flag=False)
     critic_init: str | None = arg(None, "the critic's backbone: base (impl) or sft (header 14)", flag=False)
     code_shaping: bool | None = arg(None, "Eq. 2 credits shaped as in the authors' code (impl; header 14)", flag=False)
-    rd_subsample: bool = arg(
-        False, "RD subsampled per tree to #QF + #KI as in the authors' code (impl; off)", flag=False
-    )
     forced_weight: float | None = arg(None, "policy-loss weight of Eq. 1's forced RD answers (header 14)", flag=False)
 
 
@@ -440,19 +419,6 @@ def leaf_credits(nodes):
     return [t / c if c else None for t, c in zip(total, count)]
 
 
-def code_shaping(nodes, credit, pruned=0.1, final=0.05):
-    """The authors' code's shaping of the Eq. 2 credits (impl; not in the paper), on a copy of `credit`."""
-    credit, last = list(credit), []  # last[i]: the nearest RD node at or above node i
-    for i, n in enumerate(nodes):  # a parent before its children, a decision's Yes before its No (rd_requests)
-        if n.get("pruned") and n["kind"] == "rd":  # a pruned Yes: its No's credit - 0.1, that No + 0.1
-            no = next(j for j, m in enumerate(nodes) if m["parent"] == n["parent"] and m["kind"] == "rd" and j != i)
-            credit[i], credit[no] = credit[no] - pruned, credit[no] + pruned
-        last.append(i if n["kind"] == "rd" else None if n["parent"] is None else last[n["parent"]])
-        if n["kind"] == "leaf" and last[i] is not None:  # a leaf's last RD operation: -0.05 if Yes, +0.05 if No
-            credit[last[i]] += -final if parse_rd(nodes[last[i]]["text"]) else final
-    return credit
-
-
 # --------------------------------------------------------------------------- 4. rollout [§3.1, Eq. 1, Alg. 1]
 class KGRetriever:
     """The retriever with the KG corpus G: hits carry their triples [Alg. 1 L11]; the encoder that ranks them."""
@@ -668,9 +634,9 @@ def integrate(run, paths, step):
 def prune(run, updates, step):
     """[§3.1, Fig. 11] c_{t+1} for every path; in the first L steps a retrieval branch that leaves c_t unchanged is
     pruned: its Yes node marked, no leaf below it (its operations get no credit). Returns the paths that go on."""
-    kept, pruning = [], step < run.depth and run.args.prune == "context"
+    kept = []
     for path, docs in updates:
-        if pruning and [d["id"] for d in docs] == [d["id"] for d in path.docs]:
+        if step < run.depth and [d["id"] for d in docs] == [d["id"] for d in path.docs]:
             path.tree["nodes"][path.branch]["pruned"] = True
         else:
             kept.append(replace(path, docs=docs))
@@ -789,7 +755,7 @@ def sft_batch(examples, tokenizer, args, world):
 def sft(accelerator, model, tokenizer, examples, args, world, out):
     """Cross-entropy on the warm-up pairs' outputs (runs.sft_step, own shares); Adam (0.9, 0.95), warm-up, cosine."""
     rng = random.Random(args.seed)  # the order, the same on every process
-    steps = args.sft_steps or math.ceil(args.sft_epochs * len(examples) / args.sft_batch_size)
+    steps = args.sft_steps or math.ceil(len(examples) / args.sft_batch_size)  # [Tab. 5] one epoch
     optimizer = torch.optim.Adam(model.parameters(), lr=args.sft_lr, betas=(0.9, 0.95))  # impl: OpenRLHF
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: cosine(s, steps, max(1, int(0.03 * steps))))
     model, optimizer = accelerator.prepare(model, optimizer)
@@ -824,21 +790,17 @@ class ValueModel(torch.nn.Module):
         return self.head(hidden.to(self.head.weight.dtype)).squeeze(-1)  # (B, T)
 
 
-def op_samples(trees, canonical=None, shaping=False, rng=None):
+def op_samples(trees, canonical=None, shaping=False):
     """One PPO sample per operation, pooled [App. C]: loss_mask = 1 on the action; canonical: RD as its Yes/No ids."""
     samples = []
     for tree in trees:
-        credits, ops = leaf_credits(tree["nodes"]), []  # [Eq. 2]
-        for n, credit in zip(tree["nodes"], code_shaping(tree["nodes"], credits) if shaping else credits):
+        credits = leaf_credits(tree["nodes"])  # [Eq. 2]
+        credits = toy.code_shaping(tree["nodes"], credits, parse_rd) if shaping else credits  # header 14
+        for n, credit in zip(tree["nodes"], credits):
             if n["kind"] in AGENTS and n["action_ids"] and credit is not None:
                 action = canonical[parse_rd(n["text"])] if canonical and n["kind"] == "rd" else n["action_ids"]
                 mask, ids = [0] * len(n["prompt_ids"]) + [1] * len(action), n["prompt_ids"] + action
-                ops.append(dict(ids=ids, credit=credit, agent=n["kind"], loss_mask=mask, forced=bool(n["fixed"])))
-        # rng: the authors' code's subsampling (impl, not in the paper): every QF and KI sample, RD ones drawn
-        # without replacement down to #QF + #KI per tree (all kept when fewer, or without QF and KI samples)
-        rd = [i for i, s in enumerate(ops) if s["agent"] == "rd"]
-        keep = set(rng.sample(rd, len(ops) - len(rd)) if rng and 0 < len(ops) - len(rd) < len(rd) else rd)
-        samples += [s for i, s in enumerate(ops) if s["agent"] != "rd" or i in keep]
+                samples.append(dict(ids=ids, credit=credit, agent=n["kind"], loss_mask=mask, forced=bool(n["fixed"])))
     return samples
 
 
@@ -935,25 +897,24 @@ def ppo_update(accelerator, policy, value, ref, optimizers, schedulers, samples,
             sums[key] += term.sum().item() * weight
         return pg.sum() * scale  # all agents' operations, a mean over them
 
-    for _ in range(args.ppo_epochs):
-        order = rng.sample(range(len(samples)), len(samples))
-        for b in range(n_mb):
-            mb = sorted(order[b::n_mb], key=lengths.__getitem__)  # length-sorted micro-batches: less padding
-            own, weight = runs.own_share(mb, accelerator)  # a process without a row: a stand-in of weight 0
-            scale = weight * accelerator.num_processes / len(mb)  # DDP averages over the processes
-            for opt in optimizers:
-                opt.zero_grad()
-            for model, critic in ((policy, False), (value, True)):  # one all-reduce each (runs.micro_backward)
-                part = lambda rows: loss_of(own[rows], scale, weight, critic)
-                runs.micro_backward(accelerator, model, len(own), args.micro_batch_size, part)
-            for model, opt in zip((policy, value), optimizers):
-                accelerator.clip_grad_norm_(model.parameters(), args.max_grad_norm)
-                opt.step()
+    order = rng.sample(range(len(samples)), len(samples))  # one epoch over the rollout (impl)
+    for b in range(n_mb):
+        mb = sorted(order[b::n_mb], key=lengths.__getitem__)  # length-sorted micro-batches: less padding
+        own, weight = runs.own_share(mb, accelerator)  # a process without a row: a stand-in of weight 0
+        scale = weight * accelerator.num_processes / len(mb)  # DDP averages over the processes
+        for opt in optimizers:
+            opt.zero_grad()
+        for model, critic in ((policy, False), (value, True)):  # one all-reduce each (runs.micro_backward)
+            part = lambda rows: loss_of(own[rows], scale, weight, critic)
+            runs.micro_backward(accelerator, model, len(own), args.micro_batch_size, part)
+        for model, opt in zip((policy, value), optimizers):
+            accelerator.clip_grad_norm_(model.parameters(), args.max_grad_norm)
+            opt.step()
     for sched in schedulers:  # one scheduler step per PPO update (per rollout)
         sched.step()
-    keys = ("policy", "value", "clipped", "k3", "tokens")  # summed over the processes: each sample once an epoch
+    keys = ("policy", "value", "clipped", "k3", "tokens")  # summed over the processes: each sample once
     total = dict(zip(keys, runs.global_sum(accelerator, torch.tensor([sums[k] for k in keys])).tolist()))
-    out = {f"losses/{k}": total[k] / (len(samples) * args.ppo_epochs) for k in ("policy", "value")}
+    out = {f"losses/{k}": total[k] / len(samples) for k in ("policy", "value")}
     out |= {"losses/clipfrac": total["clipped"] / total["tokens"], "losses/approx_kl": total["k3"] / total["tokens"]}
     kl = [o - r for s in samples for o, r in zip(s["old"], s["ref"])]
     ret, val = returns[mask.bool()].cpu(), old_values[mask.bool()].cpu()
@@ -1057,8 +1018,8 @@ def warm_up(accelerator, args, out, train_rows, test_rows, env, world, record):
     before_sft = evaluate_stage(accelerator, out, "raw", policy, tokenizer, env, test_rows, args)
     rows = toy.warmup_rows(train_rows, args.warmup_types)  # simplification: header 11
     served = {"model": args.teacher_llm_model} if args.teacher_llm_model else {}  # [§D.3] the teacher apart from --llm
-    own = args.teacher_model not in ("oracle", "")  # empty: the frozen --llm plays the proxy roles
-    teacher = make_llm(args.teacher_model, **served) if own else env.llm
+    # empty: the frozen --llm plays the proxy roles; oracle: teacher_actor never asks it
+    teacher = env.llm if args.teacher_model in ("oracle", "") else make_llm(args.teacher_model, **served)
     examples, solved = build_warmup(rows, teacher, env, args)
     accelerator.print(f"warm-up: {dict(Counter(e['agent'] for e in examples))}; {solved:.2f} of the questions solved")
     if not examples:  # the raw proxy goes on to PPO
@@ -1103,11 +1064,10 @@ def train(args):
         share = len(range(accelerator.process_index, args.rollout_batch, accelerator.num_processes))
         rows = rng.sample(train_rows, min(share, len(train_rows)))  # this process's share of the rollout
         rows = toy.rename_rows(rows, world, rng, args.rl_augment_p)  # simplification: renamed trees (header 12)
-        rows = [r for r in rows for _ in range(args.samples_per_question)]
         actor = proxy_actor(accelerator.unwrap_model(policy), tokenizer, args, greedy=False)
         with accelerator.autocast():
             trees = rollout(rows, actor, env, args, mode, args.seed * 100_003 + it * 7919 + accelerator.process_index)
-        samples = op_samples(trees, canonical, args.code_shaping, rng if args.rd_subsample else None)
+        samples = op_samples(trees, canonical, args.code_shaping)
         if not (update := ppo_update(accelerator, policy, value, ref, optimizers, schedulers, samples,
                                      tokenizer.pad_token_id, args)):  # fmt: skip
             runs.nothing_to_train(accelerator, record["warnings"], f"ppo update {it + 1}", "no credited operation")

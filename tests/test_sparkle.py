@@ -6,7 +6,6 @@ toy reader's think mode and the toy oracle teacher, every ablation, and end-to-e
 
 import copy
 import json
-import random
 from pathlib import Path
 from types import SimpleNamespace
 
@@ -89,7 +88,7 @@ def test_the_authors_code_shaping_on_the_hand_built_tree():
         n["text"] = "no" if n["name"].startswith("N") else "yes"
     nodes[[n["name"] for n in nodes].index("Y2b")]["pruned"] = True
     plain = sparkle.leaf_credits(nodes)
-    credit = {n["name"]: c for n, c in zip(nodes, sparkle.code_shaping(nodes, plain))}
+    credit = {n["name"]: c for n, c in zip(nodes, sparkle.toy.code_shaping(nodes, plain, sparkle.parse_rd))}
     assert credit["Y2b"] == pytest.approx(-0.1) and credit["N2b"] == pytest.approx(0.15)  # D's last RD: N2b, +0.05
     assert credit["Y2a"] == pytest.approx(0.95) and credit["N2a"] == pytest.approx(0.55)  # A's and B's last RD ops
     assert credit["Y1"] == pytest.approx(0.75) and credit["N1"] == pytest.approx(0.0)  # not a leaf's last: unchanged
@@ -102,33 +101,6 @@ def test_the_authors_code_shaping_on_the_hand_built_tree():
 
 def Counter_of(samples):
     return {a: sum(s["agent"] == a for s in samples) for a in sparkle.AGENTS}
-
-
-def flat_tree(n_rd, n_qf, n_ki):
-    """A root with one agent operation per child, each above its own leaf (credit k / 100)."""
-    nodes = [dict(kind="root", parent=None)]
-    for k, kind in enumerate(["rd"] * n_rd + ["qf"] * n_qf + ["ki"] * n_ki):
-        nodes.append(dict(kind=kind, parent=0, text="yes", prompt_ids=[1], action_ids=[100 + k], fixed=None))
-        nodes.append(dict(kind="leaf", parent=len(nodes) - 1, reward=k / 100))
-    return dict(nodes=nodes)
-
-
-def test_rd_subsampling_of_the_authors_code_per_tree():
-    # the authors' code's subsampling (impl): 30 RD, 15 QF, 15 KI -> all kept; 40 RD, 5 QF, 5 KI -> 10 RD
-    # sampled; 7 RD, no QF/KI -> all 7
-    rng, counts = random.Random(0), lambda trees, rng=None: Counter_of(sparkle.op_samples(trees, rng=rng))
-    assert counts([flat_tree(30, 15, 15)], rng) == {"rd": 30, "qf": 15, "ki": 15}
-    assert counts([flat_tree(40, 5, 5)], rng) == {"rd": 10, "qf": 5, "ki": 5}
-    assert counts([flat_tree(7, 0, 0)], rng) == {"rd": 7, "qf": 0, "ki": 0}
-    assert counts([flat_tree(40, 5, 5), flat_tree(7, 0, 0)], rng) == {"rd": 17, "qf": 5, "ki": 5}  # per tree
-    assert counts([flat_tree(40, 5, 5)]) == {"rd": 40, "qf": 5, "ki": 5}  # off (the paper): every operation
-    tree, drawn = flat_tree(40, 5, 5), set()
-    full = {s["ids"][-1]: s["credit"] for s in sparkle.op_samples([tree])}
-    for _ in range(40):
-        kept = sparkle.op_samples([tree], rng=rng)
-        assert all(full[s["ids"][-1]] == s["credit"] for s in kept)  # the kept samples, unchanged
-        drawn |= {s["ids"][-1] for s in kept if s["agent"] == "rd"}
-    assert drawn == set(range(100, 140))  # drawn at random from all 40, not the first 10
 
 
 def test_credit_is_a_mean_over_leaves_not_over_child_means():
@@ -501,7 +473,7 @@ ROW = dict(id="q", question="what is b ?", golden_answers=["b"], metadata={"supp
 
 @pytest.mark.parametrize("depth", [0, 1, 2, 3])
 def test_binary_tree_has_two_to_the_L_leaves_and_its_op_counts(depth):
-    args = args_for(tree_depth=depth, prune="no")
+    args = args_for(tree_depth=depth)
     log = []
     (tree,) = sparkle.rollout([ROW], scripted(log=log), FakeEnv(answer_at=depth + 1), args, "tree")
     leaves = [n for n in tree["nodes"] if n["kind"] == "leaf"]
@@ -527,7 +499,7 @@ def test_pruning_removes_retrieval_branches_that_leave_the_context_unchanged():
 
 
 def test_standard_rollout_after_L_and_rd_sampled_throughout():
-    args = args_for(tree_depth=1, prune="no")
+    args = args_for(tree_depth=1)
     (tree,) = sparkle.rollout([ROW], scripted(rd="yes"), FakeEnv(answer_at=3), args, "tree")
     assert len([n for n in tree["nodes"] if n["kind"] == "leaf"]) == 2  # binary at step 1 only, then one path each
     rd = [n for n in tree["nodes"] if n["kind"] == "rd"]
@@ -836,20 +808,15 @@ def outcome(result):
     return [{k: v for k, v in r.items() if k not in ("latency_s", "sampled")} for r in (result, result["sampled"])]
 
 
-@pytest.mark.parametrize(
-    "fields, shaped, subsampled",
-    [({}, True, False), ({"code_shaping": False}, False, False), ({"rd_subsample": True}, True, True)],
-)
-def test_train_hands_the_code_fields_to_the_samples(tmp_path, capsys, monkeypatch, fields, shaped, subsampled):
-    # the toy preset shapes the Eq. 2 credits (header 14), a preset can turn it off; RD subsampling is off unless set
+@pytest.mark.parametrize("fields, shaped", [({}, True), ({"code_shaping": False}, False)])
+def test_train_hands_the_code_shaping_to_the_samples(tmp_path, capsys, monkeypatch, fields, shaped):
+    # the toy preset shapes the Eq. 2 credits (header 14), a preset can turn it off
     seen, op_samples = [], sparkle.op_samples
-    spy = lambda trees, canonical, shaping, rng: (
-        seen.append((shaping, rng is not None)) or op_samples(trees, canonical, shaping, rng)
-    )
+    spy = lambda trees, canonical, shaping: seen.append(shaping) or op_samples(trees, canonical, shaping)
     monkeypatch.setattr(sparkle, "op_samples", spy)
     preset_fields(monkeypatch, **fields)
     run(["--train", "--output_dir", str(tmp_path / "run"), *TINY], capsys)
-    assert seen == [(shaped, subsampled)] * 2  # one rollout per PPO update (TINY: 2)
+    assert seen == [shaped] * 2  # one rollout per PPO update (TINY: 2)
 
 
 def own_questions(folder, splits=("test",), n=4):
@@ -1030,7 +997,7 @@ def test_extract_triples_with_any_llm(tmp_path, monkeypatch, capsys):
 
 
 def test_paper_templates_and_standard_rollout_run_a_few_steps(tmp_path, capsys, monkeypatch):
-    preset_fields(monkeypatch, templates="paper", samples_per_question=2)
+    preset_fields(monkeypatch, templates="paper")
     stdout = run(["--train", "--output_dir", str(tmp_path / "p"), "--standard_rollout", *TINY, "--n_eval", "2",
                   "--max_new_tokens", "8"], capsys)  # fmt: skip
     results = check_contract(tmp_path / "p", stdout)

@@ -1,7 +1,8 @@
 """SPARKLE's toy world, reached from sparkle.py through --teacher_model oracle and the toy preset's fields (header
-items 10-12): the oracle teacher that plays the proxy's three agents in the warm-up, in place of the paper's
+items 10-14): the oracle teacher that plays the proxy's three agents in the warm-up, in place of the paper's
 Qwen2.5-72B-Instruct; the warm-up's choice of question types and of the cheapest successes; the entity renaming of
-SFT examples and PPO questions (the toy proxy copies facts from the context instead of memorising them)."""
+SFT examples and PPO questions (the toy proxy copies facts from the context instead of memorising them); the
+authors' code's shaping of the PPO credits (item 14)."""
 
 import random
 import re
@@ -54,6 +55,21 @@ def cheapest(paths):
     """The successful paths (each leaf to root) with the fewest QF and KI operations, then the fewest steps."""
     cost = lambda path: (sum(n["kind"] in ("qf", "ki") for n in path), path[0]["depth"])
     return [p for p in paths if cost(p) == min(map(cost, paths))]
+
+
+# ---------------------------------------------------------------- PPO credit shaping (header 14)
+def code_shaping(nodes, credit, is_yes, pruned=0.1, final=0.05):
+    """The authors' code's shaping of sparkle.leaf_credits' Eq. 2 credits (impl; not in the paper; the toy preset's
+    code_shaping, header 14), on a copy of `credit`; is_yes: sparkle.parse_rd."""
+    credit, last = list(credit), []  # last[i]: the nearest RD node at or above node i
+    for i, n in enumerate(nodes):  # a parent before its children, a decision's Yes before its No (rd_requests)
+        if n.get("pruned") and n["kind"] == "rd":  # a pruned Yes: its No's credit - 0.1, that No + 0.1
+            no = next(j for j, m in enumerate(nodes) if m["parent"] == n["parent"] and m["kind"] == "rd" and j != i)
+            credit[i], credit[no] = credit[no] - pruned, credit[no] + pruned
+        last.append(i if n["kind"] == "rd" else None if n["parent"] is None else last[n["parent"]])
+        if n["kind"] == "leaf" and last[i] is not None:  # a leaf's last RD operation: -0.05 if Yes, +0.05 if No
+            credit[last[i]] += -final if is_yes(nodes[last[i]]["text"]) else final
+    return credit
 
 
 # ---------------------------------------------------------------- the oracle teacher (header 10)
