@@ -232,13 +232,28 @@ def question_in(text):
     return max(found, key=len) if found else None
 
 
-def known(text, question):
-    """(hops found, the answer if the prompt shows it else the last sub-answer found or "unknown", the next
-    sub-query): what the prompt outside its question says."""
+def progress(text, question):
+    """(hops whose answer the prompt shows outside its question, the answer it shows: the question's if there, else
+    the last sub-answer found, else "unknown")."""
     seen, (hops, answer) = text.replace(question, " "), QA[question]
     k = next((i for i, (_, a) in enumerate(hops) if a not in seen), len(hops))
-    said = answer if answer in seen else hops[k - 1][1] if k else "unknown"
-    return k, said, hops[min(k, len(hops) - 1)][0]
+    return k, answer if answer in seen else hops[k - 1][1] if k else "unknown"
+
+
+def answer(text, q):
+    """What the prompt answers (progress)."""
+    return progress(text, q)[1]
+
+
+def solved(text, q):
+    """Whether the prompt shows the question's answer."""
+    return answer(text, q) == QA[q][1]
+
+
+def next_query(text, q):
+    """The sub-query of the first hop whose answer the prompt does not show (the last one once all are shown)."""
+    hops = QA[q][0]
+    return hops[min(progress(text, q)[0], len(hops) - 1)][0]
 
 
 def section(text, start, end=None):
@@ -261,27 +276,57 @@ def extract(text, _):
     return ", ".join(f"<{r['head']}; {r['relation']}; {r['tail']}>" for r in facts) or "None"
 
 
+def probe(text, q):
+    """SmartRAG's Table 7 output: `[Answer] y` when the prompt shows the answer, else `[Search] query`."""
+    return f"[Answer] {answer(text, q)}" if solved(text, q) else f"[Search] {next_query(text, q)}"
+
+
 def filter_docs(text, q):
-    """C-3PO's Information Filter: the documents that name a sub-answer."""
+    """C-3PO's Information Filter: `Thought: ... Action: [ids]` keeping the documents that name a sub-answer."""
     docs = re.findall(r"Document (\d+) \(Title: [^)]*\): (.*)", text)
-    keep = [i for i, body in docs if any(a in body for _, a in QA[q][0])]
-    return f"Thought: {'Documents ' + ', '.join(keep) + ' hold' if keep else 'No document holds'} a needed fact.\n" \
-           f"Action: [{', '.join(keep)}]"  # fmt: skip
+    keep = ", ".join(i for i, body in docs if any(a in body for _, a in QA[q][0]))
+    return f"Thought: {f'Documents {keep} hold' if keep else 'No document holds'} a needed fact.\nAction: [{keep}]"
 
 
 def decide(text, q):
-    """C-3PO's Decision Maker: the LLM when the documents hold the answer, else a retrieval of the next hop."""
-    k, said, query = known(text, q)
-    if said == QA[q][1]:
-        return f"Thought: The documents say {said}, which answers the question.\nAction: [LLM]"
-    return f"Thought: The documents do not answer the question yet.\nAction: [Retrieval] {query}"
+    """C-3PO's Decision Maker: [LLM] when the documents hold the answer, else [Retrieval] of the next hop."""
+    if solved(text, q):
+        return f"Thought: The documents say {answer(text, q)}, which answers the question.\nAction: [LLM]"
+    return f"Thought: The documents do not answer the question yet.\nAction: [Retrieval] {next_query(text, q)}"
+
+
+def plan(text, q):
+    """C-3PO's roadmap [App. D.1]: one step a hop."""
+    return "".join(f"Step {i}: {query}\n" for i, (query, _) in enumerate(QA[q][0], 1))
+
+
+def think(text, q):
+    """SPARKLE's frozen LLM [Fig. 6]: the answer once its context shows it, else one <think> step naming the gap."""
+    context = section(text, "Context:", "Question:")
+    if solved(context, q):
+        return f"<answer> {answer(context, q)} </answer>"
+    return f"<think> To answer this I need to know: {next_query(context, q)} </think>"
+
+
+def retrieval_decision(text, q):
+    """SPARKLE's Retrieval Decision [Fig. 4]: No once the retrieved context shows the answer."""
+    done = solved(section(text, "Retrieved Context:", "Question:"), q)
+    return "No (retrieval is not required)" if done else "Yes (retrieval is required)"
+
+
+def formulate(text, q):
+    """SPARKLE's Query Formulation in Tab. 8's format: the chain of the hops answered so far and the gap."""
+    k, hops, query = progress(text, q)[0], QA[q][0], next_query(text, q)
+    chain = ", ".join([f"<{sub}; answer; {a}>" for sub, a in hops[:k]] + [f"<{query}; answer; [unknown]>"])
+    gap = f"To continue answering the question, we need to know: {query}"
+    return f"Step 1: Reasoning Chain: {chain}\nStep 2: Knowledge Gaps: {gap}\nStep 3: Retrieval Query: **{query}**"
 
 
 def pick_triple(text, q):
     """SPARKLE's Knowledge Integration: the candidate triple naming the next sub-answer, else the first."""
-    k, _, _ = known(section(text, "Reasoning Chain:"), q)
+    k, hops = progress(section(text, "Reasoning Chain:"), q)[0], QA[q][0]
     candidates = re.findall(r"<[^<>]*;[^<>]*>", section(text, "Candidate Triples:", "Question:"))
-    target = QA[q][0][min(k, len(QA[q][0]) - 1)][1]
+    target = hops[min(k, len(hops) - 1)][1]
     return next((c for c in candidates if target in c), candidates[0] if candidates else "None")
 
 
@@ -307,61 +352,35 @@ def merge(text, _):
     return " ".join(dict.fromkeys(notes)) + " [END]"
 
 
-# the first rule whose phrase is in the conversation answers (a phrase of each method's paper prompt); None: no
-# question needed
+# (a phrase of a method's paper prompt, the rule that answers it): the first rule whose phrase the conversation holds
 RULES = [
     ("precise answer validator", judge),  # c3po [App. D.2]
-    ("knowledge graph constructor", extract),  # sparkle (impl prompt)
-    # smartrag [App. A.2]: the rewriter; [Tab. 7]: the knowledge probe
-    ("professional retrieval model", lambda t, q: known(t, q)[2]),
-    (
-        "Bing search engine",
-        lambda t, q: f"[Answer] {s}" if (s := known(t, q)[1]) == QA[q][1] else f"[Search] {known(t, q)[2]}",
-    ),  # fmt: skip
-    # c3po [App. B.1, D.1]
-    ("requires further information through retrieval", lambda t, q: f"[Retrieval] {known(t, q)[2]}"),
-    ("analyzing the retrieved documents", filter_docs),
+    ("knowledge graph constructor", extract),  # sparkle (impl prompt) [§D.3]
+    ("professional retrieval model", next_query),  # smartrag's warm-up rewriter [App. A.2]
+    ("Bing search engine", probe),  # smartrag's knowledge probe [Tab. 7]
+    ("requires further information through retrieval", lambda t, q: f"[Retrieval] {next_query(t, q)}"),  # c3po
+    ("analyzing the retrieved documents", filter_docs),  # c3po [App. B.1]
     ("assigned to analyze useful information", lambda t, q: "Thought: The documents are enough.\nAction: [LLM]"),
-    ("determining the next appropriate action", decide),
-    ("formulating a detailed plan", lambda t, q: "".join(f"Step {i}: {s}\n" for i, (s, _) in enumerate(QA[q][0], 1))),
-    ("You are a knowledgeable assistant", lambda t, q: known(t, q)[1]),
-    ("Based on your knowledge, answer", lambda t, q: known(t, q)[1]),
-    # sparkle [App. A.1-A.4]
-    (
-        "whether external information retrieval is required",
-        lambda t, q: (
-            "No (retrieval is not required)"
-            if known(section(t, "Retrieved Context:", "Question:"), q)[1] == QA[q][1]
-            else "Yes (retrieval is required)"
-        ),
-    ),
-    (
-        "generating a high-quality retrieval query",
-        lambda t, q: (
-            f"Step 1: Reasoning Chain: <{q}; [unknown]>\n"
-            f"Step 2: Knowledge Gaps: To continue answering the question, we need to know: {known(t, q)[2]}\n"
-            f"Step 3: Retrieval Query: **{known(t, q)[2]}**"
-        ),
-    ),  # fmt: skip
-    ("select the most useful knowledge triple", pick_triple),
-    (
-        "Each thought should be put inside <think>",
-        lambda t, q: (
-            f"<answer> {s} </answer>"
-            if (s := known(section(t, "Context:", "Question:"), q)[1]) == QA[q][1]
-            else f"<think> To answer this I need to know: {known(section(t, 'Context:', 'Question:'), q)[2]} </think>"
-        ),
-    ),
-    # sparc-rag [App. D]
-    ("Act as the context manager", note),
-    ("Answer the question based on the given notes", lambda t, q: f"{known(t, q)[1]} [END]"),
-    ("select the best answer", select),
-    ("expert at combining contexts", merge),
+    ("determining the next appropriate action", decide),  # c3po [App. B.1]
+    ("formulating a detailed plan", plan),  # c3po [App. D.1]
+    ("You are a knowledgeable assistant", answer),  # c3po's answer with documents
+    ("Based on your knowledge, answer", answer),  # c3po's answer without documents
+    ("whether external information retrieval is required", retrieval_decision),  # sparkle [App. A.1]
+    ("generating a high-quality retrieval query", formulate),  # sparkle [App. A.2]
+    ("select the most useful knowledge triple", pick_triple),  # sparkle [App. A.3]
+    ("Each thought should be put inside <think>", think),  # sparkle [App. A.4]
+    ("Act as the context manager", note),  # sparc-rag [App. D]
+    ("Answer the question based on the given notes", lambda t, q: f"{answer(t, q)} [END]"),  # sparc-rag [App. D]
+    ("select the best answer", select),  # sparc-rag [App. D]
+    ("expert at combining contexts", merge),  # sparc-rag [App. D]
 ]
+NO_QUESTION = (judge, extract, merge)  # the rules that need no known question in the prompt
 
 
 class ChatStub:
-    """The endpoint's state: its URL and how often each rule answered (`calls`, keyed by the rule's phrase)."""
+    """The endpoint's state: its URL and how often each rule answered (`calls`, keyed by the rule's phrase). It reads
+    the messages and `stop` (cut before the first stop string, as a server does); sampling and max_tokens do not change
+    a reply."""
 
     def __init__(self):
         self.calls, lock = Counter(), threading.Lock()
@@ -373,7 +392,7 @@ class ChatStub:
                 text = "\n".join(m["content"] for m in body["messages"])
                 phrase, rule = next(((p, r) for p, r in RULES if p in text), ("no rule", None))
                 q = question_in(text)
-                reply = rule(text, q) if rule and (q or rule in (judge, extract, merge)) else "I do not know."
+                reply = rule(text, q) if rule and (q or rule in NO_QUESTION) else "I do not know."
                 for stop in body.get("stop") or []:  # as a server does: cut before the first stop string
                     reply = reply.split(stop, 1)[0]
                 with lock:

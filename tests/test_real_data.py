@@ -14,6 +14,7 @@ import real_data
 import test_paper_presets as presets
 from conftest import check_contract
 
+from common import retrieval
 from common.retrieval import load_corpus
 
 tiny_models = presets.tiny_models  # the fixture: tiny random Qwen2 and Llama folders
@@ -36,6 +37,16 @@ def minilm():
     return str(package.get_model_path())
 
 
+@pytest.fixture(scope="module")
+def indexes(folder, minilm, tmp_path_factory):
+    """The folder's corpus indexed once, as data/README.md builds wiki-18's: dense with MiniLM, and BM25."""
+    out = tmp_path_factory.mktemp("indexes")
+    for name, encoder in (("dense", minilm), ("bm25", "bm25")):
+        retrieval.main(["build", "--corpus", str(folder[0] / "corpus.jsonl"), "--encoder", encoder,
+                        "--out", str(out / name)])  # fmt: skip
+    return {"dense": str(out / "dense"), "bm25": str(out / "bm25"), "encoder": minilm}
+
+
 def spy(monkeypatch, module, name):
     """Wrap module.name: each call's (args, result) is appended to the list returned."""
     calls, real = [], getattr(module, name)
@@ -48,11 +59,16 @@ def spy(monkeypatch, module, name):
     return calls
 
 
-def train(method, folder, minilm, tiny_models, tmp_path, capsys, *flags):
-    """`<method>.py --train --preset paper` in process on the folder, with MiniLM; the result contract checked."""
+def train(method, folder, indexes, tiny_models, tmp_path, capsys, *flags):
+    """`<method>.py --train --preset paper` in process on the folder and its MiniLM index; the result contract
+    checked."""
     capsys.readouterr()
+    index = ["--index", indexes["dense"]]
+    index = ["--dense_index", indexes["dense"], "--bm25_index", indexes["bm25"]] if method == "sparcrag" else index
+    # tearag's entity index is built with --encoder even when --index is given (RetrievalSystem.__init__)
+    index += ["--encoder", indexes["encoder"]] if method == "tearag" else []
     importlib.import_module(method).main(
-        ["--train", "--preset", "paper", "--data_dir", str(folder), "--encoder", minilm,
+        ["--train", "--preset", "paper", "--data_dir", str(folder), *index,
          "--model", str(tiny_models / presets.FAMILY[method]), "--output_dir", str(tmp_path / "run"), "--n_eval", "4",
          "--seed", "0", *flags]
     )  # fmt: skip
@@ -82,7 +98,7 @@ def test_the_evidence_step_matches_the_real_format_rows(folder):
     )
 
 
-def test_smartrag(folder, minilm, tiny_models, tmp_path, capsys, monkeypatch):
+def test_smartrag(folder, indexes, tiny_models, tmp_path, capsys, monkeypatch):
     """The warm-up's queries by the paper's rewriter prompt on the endpoint [App. A.2]; the knowledge probe is a local
     transformers model (hf:, the preset's form), since an endpoint cannot play it (the next test)."""
     import smartrag
@@ -91,10 +107,11 @@ def test_smartrag(folder, minilm, tiny_models, tmp_path, capsys, monkeypatch):
     rollouts = spy(monkeypatch, smartrag, "collect_rollout")
     rewards = spy(monkeypatch, smartrag, "step_reward")
     with real_data.chat_stub() as stub:
-        train("smartrag", folder[0], minilm, tiny_models, tmp_path, capsys, "--rewriter", stub.url, "--rewriter_model",
-              "stub", "--base_llm", f"hf:{tiny_models / 'llama'}", "--n_train", "4", "--sft_batch_size", "4",
-              "--sft_steps", "2", "--ppo_iterations", "1", "--rollout_batch", "2", "--rollout_tokens", "0",
-              "--ppo_batch_size", "4", "--max_new_tokens", "8", "--num_beams", "1")  # fmt: skip
+        train("smartrag", folder[0], indexes, tiny_models, tmp_path, capsys, "--rewriter", stub.url,
+              "--rewriter_model", "stub", "--base_llm", f"hf:{tiny_models / 'llama'}", "--n_train", "4",
+              "--sft_batch_size", "4", "--sft_steps", "2", "--ppo_iterations", "1", "--rollout_batch", "2",
+              "--rollout_tokens", "0", "--ppo_batch_size", "4", "--max_new_tokens", "8",
+              "--num_beams", "1")  # fmt: skip
     assert stub.calls == {"professional retrieval model": 4}  # one rewrite per training question
     (examples, _), = [result for _, result in warmup]  # fmt: skip
     queries = [e["text"] for e in examples if e["tag"] == "retrieve"]
@@ -120,7 +137,7 @@ def test_smartrag_knowledge_probe_on_an_endpoint(folder):
         assert smartrag.probe_knowledge(rows, args) == [False, False]  # the probe searches: nothing known
 
 
-def test_c3po(folder, minilm, tiny_models, tmp_path, capsys, monkeypatch):
+def test_c3po(folder, indexes, tiny_models, tmp_path, capsys, monkeypatch):
     """The endpoint as the frozen LLM (roadmaps, answers), the App. D.2 judge and the warm-up teacher (the proxy's
     three agents, zero-shot)."""
     import c3po
@@ -128,7 +145,7 @@ def test_c3po(folder, minilm, tiny_models, tmp_path, capsys, monkeypatch):
     warmup = spy(monkeypatch, c3po, "build_warmup")
     rollouts = spy(monkeypatch, c3po, "rollout")
     with real_data.chat_stub() as stub:
-        train("c3po", folder[0], minilm, tiny_models, tmp_path, capsys, "--llm", stub.url, "--llm_model", "stub",
+        train("c3po", folder[0], indexes, tiny_models, tmp_path, capsys, "--llm", stub.url, "--llm_model", "stub",
               "--n_train", "4", "--sft_batch_size", "4", "--sft_epochs", "1", "--ppo_iterations", "1",
               "--rollout_batch", "2", "--ppo_batch_size", "8", "--max_new_tokens", "16")  # fmt: skip
     for phrase in ("requires further information", "analyzing the retrieved", "next appropriate action",
@@ -143,7 +160,7 @@ def test_c3po(folder, minilm, tiny_models, tmp_path, capsys, monkeypatch):
     assert any(leaves(trees) for trees in by_actor("proxy_actor")) and ppo  # the PPO tree rollout
 
 
-def test_sparkle(folder, minilm, tiny_models, tmp_path, capsys, monkeypatch):
+def test_sparkle(folder, indexes, tiny_models, tmp_path, capsys, monkeypatch):
     """The KG corpus extracted by the endpoint (--extract_triples, §D.3), the endpoint as the frozen reasoning LLM and
     the warm-up teacher; R's Recall(c_T) term non-zero on the teacher's trajectories, since the rows carry
     supporting_doc_ids."""
@@ -157,7 +174,7 @@ def test_sparkle(folder, minilm, tiny_models, tmp_path, capsys, monkeypatch):
         sparkle.main(["--extract_triples", "--preset", "paper", "--data_dir", str(folder[0]), "--llm", stub.url,
                       "--llm_model", "stub", "--triples", str(triples)])  # fmt: skip
         assert len(real_data.data.read_jsonl(triples)) == 72  # every passage's facts: 2 a passage that names them
-        train("sparkle", folder[0], minilm, tiny_models, tmp_path, capsys, "--llm", stub.url, "--llm_model", "stub",
+        train("sparkle", folder[0], indexes, tiny_models, tmp_path, capsys, "--llm", stub.url, "--llm_model", "stub",
               "--teacher_model", stub.url, "--teacher_llm_model", "stub", "--triples", str(triples), "--n_train",
               "4", "--sft_batch_size", "4", "--ppo_iterations", "1", "--rollout_batch", "2", "--ppo_batch_size", "8",
               "--max_new_tokens", "16")  # fmt: skip
@@ -167,7 +184,7 @@ def test_sparkle(folder, minilm, tiny_models, tmp_path, capsys, monkeypatch):
     assert [trees for (_, _, _, _, mode, *_), trees in rollouts if mode == "tree"]  # the PPO tree rollout
 
 
-def test_tearag(folder, minilm, tiny_models, tmp_path, capsys, monkeypatch):
+def test_tearag(folder, indexes, tiny_models, tmp_path, capsys, monkeypatch):
     """SFT on the MuSiQue rows' decompositions and supporting passages, IP-DPO's rewards with golden evidence. The
     knowledge graph is triples.jsonl written from the invented facts (the method has no §4.1 extraction yet); a random
     policy writes no correct path, so its rounds pair each question's first two paths as tests/test_paper_presets.py
@@ -183,7 +200,7 @@ def test_tearag(folder, minilm, tiny_models, tmp_path, capsys, monkeypatch):
         return real_pairs(scores, single_hop) or [(0, 1, "format")]
 
     monkeypatch.setattr(tearag, "build_pairs", build_pairs)
-    train("tearag", folder[0], minilm, tiny_models, tmp_path, capsys, "--reranker", "lexical", "--n_dpo", "4",
+    train("tearag", folder[0], indexes, tiny_models, tmp_path, capsys, "--reranker", "lexical", "--n_dpo", "4",
           "--sft_batch_size", "4", "--sft_steps", "2", "--rollout_batch", "4", "--max_new_tokens", "16",
           "--dpo_epochs", "1,1,1")  # fmt: skip
     (_, paths), = examples  # fmt: skip
@@ -208,7 +225,7 @@ def test_tearag_golden_evidence_of_hotpotqa_rows(folder):
     assert all(len(tearag.golden_evidence(r, docs)) == 2 for r in rows if "supporting_doc_ids" in r["metadata"])
 
 
-def test_sparcrag(folder, minilm, tiny_models, tmp_path, capsys, monkeypatch):
+def test_sparcrag(folder, indexes, tiny_models, tmp_path, capsys, monkeypatch):
     """The endpoint as the untrained roles (Context Manager, Answer Generator, Selection, Merging); the rewrite pairs'
     paragraph recall against the rows' supporting_doc_ids. A random backbone writes no parsable rewrite set, so its
     samples tie at recall 0 and give no rewrite pair; the evaluator pairs are there."""
@@ -217,9 +234,9 @@ def test_sparcrag(folder, minilm, tiny_models, tmp_path, capsys, monkeypatch):
     pairs = spy(monkeypatch, sparcrag, "build_pairs")
     recalls = spy(monkeypatch, sparcrag, "rewrite_pair")
     with real_data.chat_stub() as stub:
-        results = train("sparcrag", folder[0], minilm, tiny_models, tmp_path, capsys, "--llm", stub.url, "--llm_model",
-                        "stub", "--synthesize_missing", "--n_train", "4", "--max_new_tokens", "16", "--depth", "2",
-                        "--untuned_depth", "2")  # fmt: skip
+        results = train("sparcrag", folder[0], indexes, tiny_models, tmp_path, capsys, "--llm", stub.url,
+                        "--llm_model", "stub", "--synthesize_missing", "--n_train", "4", "--max_new_tokens", "16",
+                        "--depth", "2", "--untuned_depth", "2")  # fmt: skip
     assert {"Act as the context manager", "Answer the question based on the given notes", "select the best answer",
             "expert at combining contexts"} <= set(stub.calls)  # fmt: skip
     (_, found), = pairs  # fmt: skip
