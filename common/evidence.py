@@ -5,15 +5,15 @@ HotpotQA, 2WikiMultihopQA and MuSiQue rows, written into the rows' metadata (dat
 
 `supporting_doc_ids`: corpus ids in the order of the dataset's facts (MuSiQue's decomposition: hop order), no id twice;
 where the dataset has them, `sub_queries`, `sub_answers`, `hops` (MuSiQue's question_decomposition; 2Wiki's evidence
-triples, whose objects are the sub-answers); HotpotQA has none. A fact matches by its article's title, then by its text
-(a HotpotQA or 2Wiki sentence, a MuSiQue paragraph) inside that title's passages (wiki-18 cuts an article into 100-word
-passages), both normalised (one kind of quote and dash, NFKC, single spaces, case folded): the text's sentences are
-looked up in the title's passages joined in corpus order; when those found hold more than half of its characters, the
-passage holding the most of them is the match (a sentence straddling two passages counts for each the characters it
-has there; the earlier passage on a tie). Nothing is guessed: a row is written only when all its facts matched
-(--partial: when one did); each fact not matched goes to <out>.unmatched.jsonl with the reason. A row that holds
-supporting_doc_ids is left as it is (--overwrite: found again, replaced where found). The corpus is read once, keeping
-only the passages of the titles the rows need.
+triples, whose objects are the sub-answers; HotpotQA: `hops` alone, its supporting articles). A fact matches by its
+article's title, then by its text (a HotpotQA or 2Wiki sentence, a MuSiQue paragraph) inside that title's passages
+(wiki-18 cuts an article into 100-word passages), both normalised (one kind of quote and dash, NFKC, single spaces,
+case folded): the text's sentences are looked up in the title's passages joined in corpus order; when those found hold
+more than half of its characters, the passage holding the most of them is the match (a sentence straddling two passages
+counts for each the characters it has there; the earlier passage on a tie). Nothing is guessed: a row is written only
+when all its facts matched (--partial: when one did); each fact not matched goes to <out>.unmatched.jsonl with the
+reason. A row that holds supporting_doc_ids is left as it is (--overwrite: found again, replaced where found). The
+corpus is read once, keeping only the passages of the titles the rows need.
 
 FlashRAG's metadata layouts (the hub's `datasets` layout, a dict of lists; the original files' lists are read too):
 - hotpotqa: supporting_facts {title: [...], sent_id: [...]}, context {title: [...], sentences: [[...], ...]}
@@ -83,7 +83,9 @@ def facts_of(meta, where):
     triples = (
         columns(meta["evidences"], ("fact", "relation", "entity"), where, "evidences") if "evidences" in meta else []
     )
+    # HotpotQA's hops: its question's supporting articles (two for every bridge and comparison question)
     hops = {"sub_answers": [o for _, _, o in triples], "hops": len(triples)} if triples else {}
+    hops = hops or {"hops": len(dict.fromkeys(title for title, _ in facts))}
     return ("2wikimultihopqa" if key == "content" or "evidences" in meta else "hotpotqa"), facts, hops
 
 

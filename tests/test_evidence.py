@@ -109,7 +109,7 @@ def test_the_supporting_passages_hop_fields_match_rate_and_what_did_not_match(fi
     assert list(by_id) == ["train_0", "train_1", "train_2", "train_9", "nq_0", "dev_0", "2hop__460946_294723"]
     # A0 in its article's first passage; F0 straddles "2" and "3" with more in "3"; F2 in "3" too: no id twice
     assert by_id["train_0"]["supporting_doc_ids"] == ["0", "3"]
-    assert not {"sub_queries", "sub_answers", "hops"} & set(by_id["train_0"])  # HotpotQA has none
+    assert by_id["train_0"]["hops"] == 2 and not {"sub_queries", "sub_answers"} & set(by_id["train_0"])  # 2 titles
     assert "supporting_doc_ids" not in by_id["train_1"] and "supporting_doc_ids" not in by_id["train_2"]  # partly
     assert by_id["train_9"]["supporting_doc_ids"] == ["99"] and by_id["nq_0"] is None  # as they were
     assert by_id["dev_0"] == WIKI["metadata"] | {
@@ -165,7 +165,8 @@ def test_the_original_files_layouts_give_the_same_facts():
     meta = HOTPOT[0]["metadata"]
     pairs = {"supporting_facts": [["Arthur's Magazine", 0], ["First for Women", 2]],
              "context": [[t, s] for t, s in CONTEXT.items()]}  # fmt: skip
-    assert facts_of(pairs, "f:1") == ("hotpotqa", [("Arthur's Magazine", A0), ("First for Women", " " + F2)], {})
+    facts = [("Arthur's Magazine", A0), ("First for Women", " " + F2)]
+    assert facts_of(pairs, "f:1") == ("hotpotqa", facts, {"hops": 2})
     assert facts_of(meta, "f:1")[1][2] == ("First for Women", " " + F2)
     steps = MUSIQUE["metadata"]["question_decomposition"]
     paragraphs = [s["support_paragraph"] for s in steps] + [{"idx": 0, "title": "Other", "paragraph_text": "x"}]

@@ -210,15 +210,9 @@ def test_tearag(folder, indexes, tiny_models, tmp_path, capsys, monkeypatch):
     assert len(rewards) == 3 * 4 and all(len(r) == 8 for r in rewards)  # 3 rounds x 4 questions x 8 paths
 
 
-HOTPOT_HOPS = (  # a finding: HotpotQA's rows get no process reward
-    "tearag.golden_evidence needs metadata hops >= 2, which the evidence step writes for 2Wiki and MuSiQue only: "
-    "HotpotQA's rows (bridge and comparison, multi-hop with supporting_doc_ids) are scored single-hop, without the "
-    "process reward that §4.3.2 gives them"
-)
-
-
-@pytest.mark.xfail(strict=True, raises=AssertionError, reason=HOTPOT_HOPS)
 def test_tearag_golden_evidence_of_hotpotqa_rows(folder):
+    """HotpotQA's rows are multi-hop (the evidence step writes their hops: the supporting articles), so TeaRAG's
+    process reward (§4.3.2) scores them against their two golden passages."""
     import tearag
 
     docs = {p["id"]: p for p in load_corpus(folder[0] / "corpus.jsonl")}
