@@ -75,8 +75,9 @@ def plot(args, runs, path):
     rows = summarize(runs, min(len(u) for u in runs))
     x = [r[0] for r in rows]
     fig, ax = plt.subplots(figsize=(5, 3))
-    ax.plot(x, [r[1] for r in rows], label=f"mean of {len(runs)} runs")
-    ax.fill_between(x, [r[2] for r in rows], [r[3] for r in rows], alpha=0.3, label="min-max")
+    ax.plot(x, [r[1] for r in rows], label=f"mean of {len(runs)} runs" if len(runs) > 1 else "one run")
+    if len(runs) > 1:
+        ax.fill_between(x, [r[2] for r in rows], [r[3] for r in rows], alpha=0.3, label="min-max")
     ax.set_xlabel("update")
     ax.set_ylabel(args.key)
     ax.legend()
