@@ -91,7 +91,7 @@ class Args:
     )
     rewriter: str | None = arg(None, "warm-up queries: oracle (toy metadata) or an LLM spec [App. A.2: gpt-3.5]")
     rewriter_model: str = arg("", "model name when --rewriter is an endpoint URL")
-    base_llm: str | None = arg(None, "LLM spec that plays the base model's knowledge probe")
+    base_llm: str | None = arg(None, "LLM spec of the base model's knowledge probe (an endpoint serves --model)")
     know_f1: float = arg(0.2, "the base model 'knows' x if its direct-answer F1 >= this [App. A.2: 0.2]", flag=False)
     probe_tokens: int = arg(32, "tokens of the knowledge probe's reply (ours: 32; more for <think>)", flag=False)
     base_pretrain_steps: int | None = arg(None, "steps teaching the raw toy base model the popular facts", flag=False)
@@ -303,7 +303,8 @@ def direct_answer(reply):
 
 def probe_knowledge(rows, args):
     """Which training questions the base model answers directly (F1 >= know_f1), asked with the direct template."""
-    llm = make_llm(args.base_llm)  # simplification: the toy reader in the toy world (header 12)
+    served = {"model": args.model} if str(args.base_llm).startswith(("http://", "https://")) else {}  # the base model
+    llm = make_llm(args.base_llm, **served)  # simplification: the toy reader in the toy world (header 12)
     prompts = [[{"role": "user", "content": render_state(r["question"], [], args.templates)}] for r in rows]
     replies = llm.chat(prompts, temperature=0.0, max_tokens=args.probe_tokens)
     if cut := sum("<think>" in reply and "</think>" not in reply for reply in replies):

@@ -378,12 +378,12 @@ NO_QUESTION = (judge, extract, merge)  # the rules that need no known question i
 
 
 class ChatStub:
-    """The endpoint's state: its URL and how often each rule answered (`calls`, keyed by the rule's phrase). It reads
-    the messages and `stop` (cut before the first stop string, as a server does); sampling and max_tokens do not change
-    a reply."""
+    """The endpoint's state: its URL, how often each rule answered (`calls`, keyed by the rule's phrase) and the
+    model names asked for (`models`). It reads the messages and `stop` (cut before the first stop string, as a
+    server does); sampling and max_tokens do not change a reply."""
 
     def __init__(self):
-        self.calls, lock = Counter(), threading.Lock()
+        self.calls, self.models, lock = Counter(), set(), threading.Lock()
         stub = self
 
         class Handler(BaseHTTPRequestHandler):
@@ -397,6 +397,7 @@ class ChatStub:
                     reply = reply.split(stop, 1)[0]
                 with lock:
                     stub.calls[phrase] += 1
+                    stub.models.add(body.get("model"))
                 payload = {"choices": [{"index": 0, "message": {"role": "assistant", "content": reply}}]}
                 encoded = json.dumps(payload).encode()
                 self.send_response(200)

@@ -120,14 +120,8 @@ def test_smartrag(folder, indexes, tiny_models, tmp_path, capsys, monkeypatch):
     assert sum(len(episodes) for _, (episodes, _) in rollouts) > 0 and rewards
 
 
-PROBE = (  # a finding: the knowledge probe cannot be an endpoint
-    "smartrag.probe_knowledge: make_llm(args.base_llm) passes no model name (no flag gives one), so an endpoint (the "
-    "paper's Llama-2-7b-chat, served) cannot be the knowledge probe of --initial_policy filtered"
-)
-
-
-@pytest.mark.xfail(strict=True, raises=ValueError, reason=PROBE)
 def test_smartrag_knowledge_probe_on_an_endpoint(folder):
+    """The paper's base model served at an endpoint is the knowledge probe (App. A.2), asked by its name, --model."""
     import smartrag
 
     rows = real_data.data.read_jsonl(folder[0] / "train.jsonl")[:2]
@@ -135,6 +129,7 @@ def test_smartrag_knowledge_probe_on_an_endpoint(folder):
         flags = ["--preset", "paper", "--data_dir", str(folder[0]), "--base_llm", stub.url]
         args = smartrag.apply_preset(smartrag.runs.parse_flags(smartrag.Args, flags, smartrag.PRESETS))
         assert smartrag.probe_knowledge(rows, args) == [False, False]  # the probe searches: nothing known
+        assert stub.models == {"meta-llama/Llama-2-7b-chat-hf"}  # the paper preset's --model, by name
 
 
 def test_c3po(folder, indexes, tiny_models, tmp_path, capsys, monkeypatch):
