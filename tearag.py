@@ -4,12 +4,10 @@
 
 Each step names its important entities, writes a subquery and emits `<Reference>`; the environment retrieves chunks
 (dense + reranker) and knowledge-graph triplets (entities first, then their one-hop triplets), links them in a
-Knowledge Association Graph (co-occurrence edges of weight 1, relevance edges from the reranker) and keeps the top
-k_f chunk/triplet nodes by Personalized PageRank; the agent summarises them, then takes another step or writes
-`Final answer:`. SFT teaches the format on paths built from question decompositions (retrieved text masked).
-Iterative Process-aware DPO then samples R paths per question, scores them with outcome (F1), format and process
-rewards (entity consistency and knowledge matching against the golden evidence, divided by the step count so that
-extra steps cost), builds chosen/rejected pairs and trains DPO + eta SFT against the previous round's model, 3 rounds.
+Knowledge Association Graph and keeps the top k_f nodes by Personalized PageRank; the agent summarises them, then
+takes another step or writes `Final answer:`. SFT teaches the format on paths built from question decompositions.
+Iterative Process-aware DPO samples R paths per question, scores them (outcome F1, format, and a process reward against
+the golden evidence divided by the step count), pairs them and trains DPO + eta SFT on the previous round's model.
 
     accelerate launch tearag.py --train                      # toy world, tiny model, CPU: SFT, 3 IP-DPO rounds, eval
     python tearag.py --eval --model runs/<run_name>/dpo      # evaluate a checkpoint (--retrieval semantic: Table 7)
@@ -147,8 +145,7 @@ PRESETS = {  # field: (toy, paper), for the fields left at None; any flag overri
 
 
 def apply_preset(args):
-    """The preset's column for the fields left at None, derived paths, per-round lists cut to --rounds; every problem
-    of the flags at once, in one line."""
+    """The preset's column for the fields left at None, derived paths, per-round lists cut; all problems, one line."""
     for key, values in PRESETS.items():
         if getattr(args, key) is None:
             setattr(args, key, values[args.preset == "paper"])
@@ -202,10 +199,11 @@ SUMMARIES = (
 FORMAT_WORDS = "Step Important entity Subquery Summary Final answer Evidence Title Text Triplet " + " ".join(SUMMARIES)
 
 
-def messages(question, templates):
-    """The chat of a question: the instruction I as the system turn (paper), or the question alone (compact)."""
-    user = {"role": "user", "content": QUESTION.format(question=question)}
-    return [{"role": "system", "content": INSTRUCTION}, user] if templates == "paper" else [user]
+def encode_prompts(tokenizer, questions, templates):
+    """Token ids of the questions' chats: the instruction I as system turn (paper), or the question alone (compact)."""
+    system = [{"role": "system", "content": INSTRUCTION}] if templates == "paper" else []
+    chats = [system + [{"role": "user", "content": QUESTION.format(question=q)}] for q in questions]
+    return tokenizer(chat_prompts(tokenizer, chats), add_special_tokens=False)["input_ids"]
 
 
 def step_header(i, entities, subquery):
@@ -296,11 +294,8 @@ class KnowledgeGraph:
 
     def __init__(self, path):
         # simplification: the graph is read from a file and held in memory (header item 1)
-        rows = read_jsonl(path, ("doc_id", "head", "relation", "tail"))
-        self.triplets = [
-            {"kind": "triplet", "id": i, **{k: str(r[k]) for k in ("head", "relation", "tail", "doc_id")}}
-            for i, r in enumerate(rows)
-        ]
+        keys, rows = ("head", "relation", "tail", "doc_id"), read_jsonl(path, ("doc_id", "head", "relation", "tail"))
+        self.triplets = [{"kind": "triplet", "id": i, **{k: str(r[k]) for k in keys}} for i, r in enumerate(rows)]
         self.by_entity, self.by_doc = defaultdict(list), defaultdict(list)
         for t in self.triplets:
             self.by_entity[norm_name(t["head"])].append(t["id"])
@@ -320,10 +315,9 @@ class RetrievalSystem:
         build = lambda: DenseRetriever.build(names, make_encoder(args.encoder))
         self.entities = load_retriever(args.entity_index) if args.entity_index else build()
         self.docs = {str(d["id"]): d for d in self.chunks.corpus}
-        if args.reranker == "lexical":  # simplification: the toy's cross-scorer for BGE-reranker-v2 (header item 9)
-            self.rerank = toy.LexicalReranker([d["contents"] for d in self.chunks.corpus])
-        else:
-            self.rerank = CrossEncoderReranker(args.reranker, device)
+        lexical = lambda: toy.LexicalReranker([d["contents"] for d in self.chunks.corpus])
+        # simplification: the toy's cross-scorer for BGE-reranker-v2 (header item 9)
+        self.rerank = lexical() if args.reranker == "lexical" else CrossEncoderReranker(args.reranker, device)
 
     def sim(self, golds, texts):
         """sim_theta(g, x) = sigmoid(reranker logit of (g, x)), (len(golds), len(texts)) [Eq. 9-11]."""
@@ -555,15 +549,8 @@ def add_format_tokens(model, tokenizer):
     return [tokenizer.convert_tokens_to_ids(t.content) for t in new]
 
 
-def encode_prompts(tokenizer, questions, templates):
-    """Token ids of the chat prompts (I, q) of the questions."""
-    texts = chat_prompts(tokenizer, [messages(q, templates) for q in questions])
-    return tokenizer(texts, add_special_tokens=False)["input_ids"]
-
-
 def cut_step(ids, tokenizer):
-    """At the step cap [§5.1.3: k <= 5]: the new turn's ids and text before the step header that opens a 6th step, its
-    last "Step i:" (before its <Reference> when no header is there); ours."""
+    """At the step cap [§5.1.3: k <= 5] (ours): the turn's ids and text before its last "Step i:" (or <Reference>)."""
     decode = lambda part: tokenizer.decode(part, skip_special_tokens=True)
     text = decode(ids)
     end = ([m.start() for m in STEP_START.finditer(text)] or [text.rfind(REF_OPEN)])[-1]
@@ -572,9 +559,8 @@ def cut_step(ids, tokenizer):
 
 
 def model_turn(p, ids, text, tokenizer, args):
-    """The model's turn in path p [§4.2.1-4.2.2, Fig. 3]: the summary of the last context, then a step header ending
-    in <Reference> (returned: the environment retrieves for it) or the final answer (the path is done: None). At the
-    step cap [§5.1.3: k <= 5] a 6th header is cut and the environment writes "Final answer:" (ours)."""
+    """The model's turn in path p [§4.2.1-4.2.2, Fig. 3]: a summary, then a step header to retrieve for (returned) or
+    the final answer (None). At the step cap [§5.1.3: k <= 5] a 6th header is cut, "Final answer:" forced (ours)."""
     p.calls += 1
     capped = not p.forced and len(p.contexts) == args.max_steps and text.rstrip().endswith(REF_OPEN)
     if capped:
@@ -948,9 +934,8 @@ def train(args):
         runs.save_training(accelerator, out / "dpo", model, tokenizer, saved(rnd + 1), {})
     stages["after"] = evaluate_stage(accelerator, out, "dpo", model, tokenizer, system, test_rows, args, args.rounds)
     accelerator.end_training()
-    results = runs.result_record(
-        "tearag", args, stages.get("before_sft"), stages["before"], stages["after"], steps, time.time() - start
-    )
+    wall, before_sft = time.time() - start, stages.get("before_sft")
+    results = runs.result_record("tearag", args, before_sft, stages["before"], stages["after"], steps, wall)
     results |= {"rounds": stages.get("rounds", []), "warnings": stages["warnings"]}
     runs.write_results(out, results, accelerator.is_main_process, rows=ROWS)
 
@@ -981,8 +966,7 @@ def ask(args):
 
 def main(argv=None):
     """Parse the flags, fill the preset, dispatch on the mode."""
-    args = runs.parse_args(Args, argv, "tearag's is runs/<run_name>/dpo", "tearag", PRESETS)
-    args = apply_preset(args)
+    args = apply_preset(runs.parse_args(Args, argv, "tearag's is runs/<run_name>/dpo", "tearag", PRESETS))
     (runs.dry_run if args.dry_run else train if args.train else run_eval if args.eval else ask)(args)
 
 
