@@ -250,8 +250,7 @@ def parse_header(text):
 
 
 def step_is_valid(i, header, summary, last):
-    """The format of step i [Eq. 6]: its header "Step i:" with entities and a subquery, then after the Reference block
-    a non-empty summary (SUMMARY's match) followed by the next step header, or by the final answer when `last`."""
+    """The format of step i [Eq. 6]: "Step i:" with entities and a subquery, a summary, the next step or the answer."""
     if header is None or summary is None or header.number != i:
         return False
     if not (header.entities and header.subquery and summary[1].strip()):
@@ -587,8 +586,7 @@ def add_context(p, context, tokenizer):
 
 
 def rollout(model, tokenizer, system, rows, args, n_samples=1, greedy=True, seed=0):
-    """n_samples reasoning paths per question [§4.2, Fig. 3]: one generate call per turn for every live path
-    (model_turn), then one retrieval for every path stopped at <Reference> (add_context); every path parsed at last."""
+    """n_samples reasoning paths per question [§4.2, Fig. 3], each turn one generate call and one retrieval for all."""
     prompts = encode_prompts(tokenizer, [r["question"] for r in rows], args.templates)
     paths = [ReasoningPath(r, p) for r, p in zip(rows, prompts) for _ in range(n_samples)]
     sampling = {"do_sample": not greedy, "temperature": args.temperature, "stop": [REF_OPEN]}
