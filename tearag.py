@@ -4,12 +4,10 @@
 
 Each step names its important entities, writes a subquery and emits `<Reference>`; the environment retrieves chunks
 (dense + reranker) and knowledge-graph triplets (entities first, then their one-hop triplets), links them in a
-Knowledge Association Graph (co-occurrence edges of weight 1, relevance edges from the reranker) and keeps the top
-k_f chunk/triplet nodes by Personalized PageRank; the agent summarises them, then takes another step or writes
-`Final answer:`. SFT teaches the format on paths built from question decompositions (retrieved text masked).
-Iterative Process-aware DPO then samples R paths per question, scores them with outcome (F1), format and process
-rewards (entity consistency and knowledge matching against the golden evidence, divided by the step count so that
-extra steps cost), builds chosen/rejected pairs and trains DPO + eta SFT against the previous round's model, 3 rounds.
+Knowledge Association Graph and keeps the top k_f nodes by Personalized PageRank; the agent summarises them, then
+takes another step or writes `Final answer:`. SFT teaches the format on paths built from question decompositions.
+Iterative Process-aware DPO samples R paths per question, scores them (outcome F1, format, and a process reward against
+the golden evidence divided by the step count), pairs them and trains DPO + eta SFT on the previous round's model.
 
     accelerate launch tearag.py --train                      # toy world, tiny model, CPU: SFT, 3 IP-DPO rounds, eval
     python tearag.py --eval --model runs/<run_name>/dpo      # evaluate a checkpoint (--retrieval semantic: Table 7)
@@ -23,19 +21,16 @@ Departures from the paper, in both presets (each marked `# simplification:` wher
 2. SFT subqueries are the decomposition's as written, not rewritten into fluent questions by Qwen2.5-72B.
 3. SFT supporting triplets: the step passage's triplets whose head or tail is its answer (paper: Qwen2.5-72B picks).
 4. SFT important entities: the supporting triplets' entities that the subquery names (paper: all their entities).
-5. Option (off): preset field sft_summaries 1 writes every SFT summary with one template, not the "diverse" ones.
-6. `</Reference>` is written by the environment and masked like the evidence between the tags.
-7. The SFT losses are token means (SFT: over a batch's loss tokens, IP-DPO: its chosen paths'), not Eq. 4/15's sums.
-8. One LoRA adapter is trained through SFT and all rounds (Theta_p starts from Theta_{p-1}, nothing merged).
-9. Golden evidence: a multi-hop question's supporting passages, HotpotQA's too (paper: its evidence sentences).
-10. Option (off): preset field evidence "sentence": a hop's evidence is the sentence holding its sub-answer.
+5. `</Reference>` is written by the environment and masked like the evidence between the tags.
+6. The SFT losses are token means (SFT: over a batch's loss tokens, IP-DPO: its chosen paths'), not Eq. 4/15's sums.
+7. One LoRA adapter is trained through SFT and all rounds (Theta_p starts from Theta_{p-1}, nothing merged).
+8. Golden evidence: a multi-hop question's supporting passages, HotpotQA's too (paper: its evidence sentences).
 
 Toy-world adaptations (the toy preset's values, PRESETS; the toy machinery lives in common/toy/tearag.py):
-11. Toy retrieval system: a TF-IDF bi-encoder and a lexical cross-scorer stand in for E5-base-v2 and BGE-reranker-v2.
-12. Toy preset: full fine-tuning of a 0.6M model; SFT by steps on all types (sft_single_steps off), sft_distractors.
-13. Toy preset: the compact templates, the question without the instruction (the paper's: the system turn).
-14. Toy world only: SFT paths are entity-renamed (augment_p) so that the tiny model reads instead of memorising.
-15. Toy option (off): sft_redundant_p of the one-hop SFT paths repeat their step: a start that over-decomposes.
+9. Toy retrieval system: a TF-IDF bi-encoder and a lexical cross-scorer stand in for E5-base-v2 and BGE-reranker-v2.
+10. Toy preset: full fine-tuning of a 0.6M model; SFT by steps on all types (sft_single_steps off), sft_distractors.
+11. Toy preset: the compact templates, the question without the instruction (the paper's: the system turn).
+12. Toy world only: SFT paths are entity-renamed (augment_p) so that the tiny model reads instead of memorising.
 """
 
 import math
@@ -58,7 +53,7 @@ from common.data import UserError, load_split, read_jsonl, sample_rows, write_js
 from common.llm import add_lora, chat_prompts, generate, right_pad, unknown_words
 from common.metrics import answer_scores, f1_score, summarize
 from common.models import load_model_and_tokenizer
-from common.retrieval import DenseRetriever, load_retriever, make_encoder, open_retriever
+from common.retrieval import CrossEncoderReranker, DenseRetriever, load_retriever, make_encoder, open_retriever
 from common.runs import arg
 from common.toy import load_world
 from common.toy import tearag as toy
@@ -112,8 +107,6 @@ class Args:
     sft_batch_size: int | None = arg(None, "SFT batch size [§5.1.3: 128]", low=1)
     sft_single_steps: bool | None = arg(None, "each SFT step also as a 1-hop question [§4.3.1, Tab. 1]", flag=False)
     sft_distractors: int | None = arg(None, "retrieved items added to each SFT context (ours)", low=0, flag=False)
-    sft_redundant_p: float | None = arg(None, "toy: share of 1-hop SFT paths repeating a step", low=0.0, flag=False)
-    sft_summaries: int = arg(3, "SFT summary templates: the first N [§4.3.1 (5): all 3]", low=1, high=3, flag=False)
     weight_decay: float = arg(0.001, "AdamW weight decay of SFT and DPO [§5.1.3: 0.001]", low=0.0, flag=False)
     micro_batch_size: int | None = arg(None, "SFT paths or DPO pairs per forward pass", low=1)
     augment_p: float | None = arg(None, "toy world: entity-renaming probability of an SFT path", low=0.0, flag=False)
@@ -126,16 +119,15 @@ class Args:
     dpo_lr: float | None = arg(None, "IP-DPO learning rate [§5.1.3: 1e-4]")
     dpo_batch_size: int = arg(16, "pairs per IP-DPO step [§5.1.3: 16]", low=1)
     rollout_batch: int | None = arg(None, "questions per batched rollout (times R paths)", low=1)
-    evidence: str = arg("passage", "golden evidence g_t: passage or sentence (ours) [Eq. 9-11, §4.3.2]", flag=False)
 
 
 PRESETS = {  # field: (toy, paper), for the fields left at None; any flag overrides them
     "data_dir": ("data/toy", "data/tearag"),
-    "encoder": ("tfidf", "intfloat/e5-base-v2"),  # simplification: the toy's TF-IDF (header item 11)
+    "encoder": ("tfidf", "intfloat/e5-base-v2"),  # simplification: the toy's TF-IDF (header item 9)
     "reranker": ("lexical", "BAAI/bge-reranker-v2-m3"),  # toy: common/toy/tearag.py's cross-scorer
-    "model": ("toy-lm", "meta-llama/Meta-Llama-3-8B-Instruct"),  # simplification: a tiny model (header item 12)
+    "model": ("toy-lm", "meta-llama/Meta-Llama-3-8B-Instruct"),  # simplification: a tiny model (header item 10)
     "lora_r": (0, 8),  # the toy model: full fine-tuning
-    "templates": ("compact", "paper"),  # simplification: the question without the instruction (header item 13)
+    "templates": ("compact", "paper"),  # simplification: the question without the instruction (header item 11)
     "n_dpo": (96, None),  # a toy round: 96 questions
     "n_eval": (200, None),
     "max_new_tokens": (40, 512),  # a toy step is a few words
@@ -143,10 +135,9 @@ PRESETS = {  # field: (toy, paper), for the fields left at None; any flag overri
     "sft_lr": (2e-3, 5e-4),
     "sft_batch_size": (16, 128),
     "sft_single_steps": (False, True),  # toy: the paper's SFT mix left IP-DPO few pairs (docs/log.md)
-    "sft_distractors": (3, 0),  # ours: 3 retrieved items beside the golden ones (header item 12)
-    "sft_redundant_p": (0.0, 0.0),  # 0.6 removes steps on data/toy but lost EM on world seed 5 (docs/log.md)
+    "sft_distractors": (3, 0),  # ours: 3 retrieved items beside the golden ones (header item 10)
     "micro_batch_size": (64, 2),  # memory only: every loss is the same for any micro-batch
-    "augment_p": (1.0, 0.0),  # toy world only: every SFT path renamed (header item 14)
+    "augment_p": (1.0, 0.0),  # toy world only: every SFT path renamed (header item 12)
     "dpo_epochs": ("1,1,1", "2,2,1"),  # toy: one epoch a round
     "dpo_lr": (2e-4, 1e-4),
     "rollout_batch": (96, 64),  # throughput only
@@ -154,8 +145,7 @@ PRESETS = {  # field: (toy, paper), for the fields left at None; any flag overri
 
 
 def apply_preset(args):
-    """The preset's column for the fields left at None, derived paths, per-round lists cut to --rounds; every problem
-    of the flags at once, in one line."""
+    """The preset's column for the fields left at None, derived paths, per-round lists cut; all problems, one line."""
     for key, values in PRESETS.items():
         if getattr(args, key) is None:
             setattr(args, key, values[args.preset == "paper"])
@@ -209,10 +199,11 @@ SUMMARIES = (
 FORMAT_WORDS = "Step Important entity Subquery Summary Final answer Evidence Title Text Triplet " + " ".join(SUMMARIES)
 
 
-def messages(question, templates):
-    """The chat of a question: the instruction I as the system turn (paper), or the question alone (compact)."""
-    user = {"role": "user", "content": QUESTION.format(question=question)}
-    return [{"role": "system", "content": INSTRUCTION}, user] if templates == "paper" else [user]
+def encode_prompts(tokenizer, questions, templates):
+    """Token ids of the questions' chats: the instruction I as system turn (paper), or the question alone (compact)."""
+    system = [{"role": "system", "content": INSTRUCTION}] if templates == "paper" else []
+    chats = [system + [{"role": "user", "content": QUESTION.format(question=q)}] for q in questions]
+    return tokenizer(chat_prompts(tokenizer, chats), add_special_tokens=False)["input_ids"]
 
 
 def step_header(i, entities, subquery):
@@ -259,8 +250,7 @@ def parse_header(text):
 
 
 def step_is_valid(i, header, summary, last):
-    """The format of step i [Eq. 6]: its header "Step i:" with entities and a subquery, then after the Reference block
-    a non-empty summary (SUMMARY's match) followed by the next step header, or by the final answer when `last`."""
+    """The format of step i [Eq. 6]: "Step i:" with entities and a subquery, a summary, the next step or the answer."""
     if header is None or summary is None or header.number != i:
         return False
     if not (header.entities and header.subquery and summary[1].strip()):
@@ -289,25 +279,6 @@ def parse_path(text):
 
 
 # --------------------------------------------------------------------------- 3. the retrieval system R [§4.2.3-4.2.5]
-class CrossEncoderReranker:
-    """A sequence-classification cross-encoder (BGE-reranker-v2): one relevance logit per (query, passage) pair."""
-
-    def __init__(self, name, device, batch_size=64):
-        from transformers import AutoModelForSequenceClassification, AutoTokenizer
-
-        self.tokenizer, self.batch_size = AutoTokenizer.from_pretrained(name), batch_size
-        self.model = AutoModelForSequenceClassification.from_pretrained(name).to(device).eval()
-
-    @torch.no_grad()
-    def __call__(self, pairs):
-        out = [np.zeros(0)]
-        for i in range(0, len(pairs), self.batch_size):
-            batch = [list(p) for p in pairs[i : i + self.batch_size]]
-            enc = self.tokenizer(batch, padding=True, truncation=True, max_length=512, return_tensors="pt")
-            out.append(self.model(**enc.to(self.model.device)).logits.view(-1).double().cpu().numpy())  # (b,)
-        return np.concatenate(out)
-
-
 def sigmoid(x):
     return 1.0 / (1.0 + np.exp(-np.asarray(x, dtype=np.float64)))
 
@@ -322,11 +293,8 @@ class KnowledgeGraph:
 
     def __init__(self, path):
         # simplification: the graph is read from a file and held in memory (header item 1)
-        rows = read_jsonl(path, ("doc_id", "head", "relation", "tail"))
-        self.triplets = [
-            {"kind": "triplet", "id": i, **{k: str(r[k]) for k in ("head", "relation", "tail", "doc_id")}}
-            for i, r in enumerate(rows)
-        ]
+        keys, rows = ("head", "relation", "tail", "doc_id"), read_jsonl(path, ("doc_id", "head", "relation", "tail"))
+        self.triplets = [{"kind": "triplet", "id": i, **{k: str(r[k]) for k in keys}} for i, r in enumerate(rows)]
         self.by_entity, self.by_doc = defaultdict(list), defaultdict(list)
         for t in self.triplets:
             self.by_entity[norm_name(t["head"])].append(t["id"])
@@ -346,10 +314,9 @@ class RetrievalSystem:
         build = lambda: DenseRetriever.build(names, make_encoder(args.encoder))
         self.entities = load_retriever(args.entity_index) if args.entity_index else build()
         self.docs = {str(d["id"]): d for d in self.chunks.corpus}
-        if args.reranker == "lexical":  # simplification: the toy's cross-scorer for BGE-reranker-v2 (header item 11)
-            self.rerank = toy.LexicalReranker([d["contents"] for d in self.chunks.corpus])
-        else:
-            self.rerank = CrossEncoderReranker(args.reranker, device)
+        lexical = lambda: toy.LexicalReranker([d["contents"] for d in self.chunks.corpus])
+        # simplification: the toy's cross-scorer for BGE-reranker-v2 (header item 9)
+        self.rerank = lexical() if args.reranker == "lexical" else CrossEncoderReranker(args.reranker, device)
 
     def sim(self, golds, texts):
         """sim_theta(g, x) = sigmoid(reranker logit of (g, x)), (len(golds), len(texts)) [Eq. 9-11]."""
@@ -495,21 +462,13 @@ def path_rewards(path, evidence, sim):
     return r_format, r_outcome, process_reward(cem, sim_q, sim(evidence, items), sim_s)
 
 
-def golden_evidence(row, docs, unit="passage"):
-    """G = [g_1..g_l] of a multi-hop question ([] for a single-hop one) [§4.3.2]: its supporting passages found in the
-    corpus, or with unit "sentence" the sentence of each that holds its hop's sub-answer (HotpotQA's evidence)."""
+def golden_evidence(row, docs):
+    """G = [g_1..g_l] [§4.3.2]: a multi-hop question's supporting passages in the corpus ([] for a single-hop one)."""
     meta = row.get("metadata") or {}
     if int(meta.get("hops") or 1) < 2:
         return []
-    # simplification: supporting passages, HotpotQA's too (the paper: its evidence sentences) (header item 9)
-    ids, answers = [str(i) for i in meta.get("supporting_doc_ids") or []], meta.get("sub_answers")
-    gold, answers = [], [norm_name(a) for a in answers or []]
-    for t, i in [(t, i) for t, i in enumerate(ids) if i in docs]:  # hop t's passage, if the corpus holds it
-        sentences = re.split(r"(?<=[.!?])\s+", docs[i]["text"])
-        hits = [s for s in sentences if t < len(answers) and f" {answers[t]} " in f" {norm_name(s)} "]
-        # simplification: the sentence holding the hop's sub-answer stands in for annotated facts (header item 10)
-        gold.append(hits[0] if unit == "sentence" and hits else item_text(docs[i]))  # none found: the passage
-    return gold
+    # simplification: supporting passages, HotpotQA's too (the paper: its evidence sentences) (header item 8)
+    return [item_text(docs[i]) for i in map(str, meta.get("supporting_doc_ids") or []) if i in docs]
 
 
 # --------------------------------------------------------------------------- 5. preference pairs [Eq. 14]
@@ -589,15 +548,8 @@ def add_format_tokens(model, tokenizer):
     return [tokenizer.convert_tokens_to_ids(t.content) for t in new]
 
 
-def encode_prompts(tokenizer, questions, templates):
-    """Token ids of the chat prompts (I, q) of the questions."""
-    texts = chat_prompts(tokenizer, [messages(q, templates) for q in questions])
-    return tokenizer(texts, add_special_tokens=False)["input_ids"]
-
-
 def cut_step(ids, tokenizer):
-    """At the step cap [§5.1.3: k <= 5]: the new turn's ids and text before the step header that opens a 6th step, its
-    last "Step i:" (before its <Reference> when no header is there); ours."""
+    """At the step cap [§5.1.3: k <= 5] (ours): the turn's ids and text before its last "Step i:" (or <Reference>)."""
     decode = lambda part: tokenizer.decode(part, skip_special_tokens=True)
     text = decode(ids)
     end = ([m.start() for m in STEP_START.finditer(text)] or [text.rfind(REF_OPEN)])[-1]
@@ -606,9 +558,8 @@ def cut_step(ids, tokenizer):
 
 
 def model_turn(p, ids, text, tokenizer, args):
-    """The model's turn in path p [§4.2.1-4.2.2, Fig. 3]: the summary of the last context, then a step header ending
-    in <Reference> (returned: the environment retrieves for it) or the final answer (the path is done: None). At the
-    step cap [§5.1.3: k <= 5] a 6th header is cut and the environment writes "Final answer:" (ours)."""
+    """The model's turn in path p [§4.2.1-4.2.2, Fig. 3]: a summary, then a step header to retrieve for (returned) or
+    the final answer (None). At the step cap [§5.1.3: k <= 5] a 6th header is cut, "Final answer:" forced (ours)."""
     p.calls += 1
     capped = not p.forced and len(p.contexts) == args.max_steps and text.rstrip().endswith(REF_OPEN)
     if capped:
@@ -629,14 +580,13 @@ def add_context(p, context, tokenizer):
     """The environment's turn [§4.2.5, Fig. 4a]: the context C_q retrieved for p's step as its Reference block."""
     block = reference_block(context)
     block_ids = tokenizer(block, add_special_tokens=False)["input_ids"]
-    p.append(block_ids, block, trained=False)  # simplification: </Reference> masked too (header item 6)
+    p.append(block_ids, block, trained=False)  # simplification: </Reference> masked too (header item 5)
     p.contexts.append(context)
     p.retrieved += len(block_ids)
 
 
 def rollout(model, tokenizer, system, rows, args, n_samples=1, greedy=True, seed=0):
-    """n_samples reasoning paths per question [§4.2, Fig. 3]: one generate call per turn for every live path
-    (model_turn), then one retrieval for every path stopped at <Reference> (add_context); every path parsed at last."""
+    """n_samples reasoning paths per question [§4.2, Fig. 3], each turn one generate call and one retrieval for all."""
     prompts = encode_prompts(tokenizer, [r["question"] for r in rows], args.templates)
     paths = [ReasoningPath(r, p) for r, p in zip(rows, prompts) for _ in range(n_samples)]
     sampling = {"do_sample": not greedy, "temperature": args.temperature, "stop": [REF_OPEN]}
@@ -685,8 +635,7 @@ def sft_steps(row, system, rng):
         for t in support + others:  # (4) the golden paragraph, triplets (and distractors) at random places
             context.insert(rng.randint(0, len(context)), t)
         facts = " and ".join(item_text(t) for t in support)
-        # simplification: sft_summaries < 3 (a preset field) narrows the "diverse templates" (header item 5)
-        summary = rng.choice(SUMMARIES[: system.args.sft_summaries]).format(facts=facts, answer=answer)  # (5)
+        summary = rng.choice(SUMMARIES).format(facts=facts, answer=answer)  # (5)
         steps.append({"entities": entities, "subquery": sub, "context": context, "summary": summary, "answer": answer})
     return steps
 
@@ -698,8 +647,7 @@ def sft_examples(rows, system, args, rng):
         steps = sft_steps(row, system, rng)
         if not steps:
             continue
-        path = toy.redundant_step(steps, args.sft_redundant_p, rng)  # toy option, off (header item 15)
-        items = [(row["question"], path, row["golden_answers"][0])]
+        items = [(row["question"], steps, row["golden_answers"][0])]
         if args.sft_single_steps and len(steps) > 1:
             items += [(s["subquery"], [s], s["answer"]) for s in steps]
         for question, path, answer in items:
@@ -715,7 +663,7 @@ def sft_sequence(example, tokenizer, args, rng, world):
     """(ids, loss_mask) of an SFT path: 0 on the prompt and the Reference blocks, 1 on the model's text and EOS."""
     question, segments = example
     texts = [question] + [text for text, _ in segments]
-    texts = toy.renamed(texts, world, rng, args.augment_p)  # toy world only (header item 14)
+    texts = toy.renamed(texts, world, rng, args.augment_p)  # toy world only (header item 12)
     ids = encode_prompts(tokenizer, texts[:1], args.templates)[0]
     mask = [0] * len(ids)
     for text, (_, trained) in zip(texts[1:], segments):
@@ -743,7 +691,7 @@ def dpo_loss(pi_chosen, pi_rejected, ref_chosen, ref_rejected, beta):
 
 def sft_nll(logp_sums, n_tokens):
     """L_SFT [Eq. 15] of chosen paths: minus their summed log-probs over `n_tokens`, the whole batch's loss tokens."""
-    # simplification: a token mean, not Eq. 15's sum per path, so that eta weighs it like a mean (header item 7)
+    # simplification: a token mean, not Eq. 15's sum per path, so that eta weighs it like a mean (header item 6)
     return -logp_sums.sum() / n_tokens
 
 
@@ -781,7 +729,7 @@ def sft(accelerator, model, tokenizer, examples, args, world, out):
         labels = right_pad([[t if m else -100 for t, m in zip(x, mask)] for x, mask in seqs], -100)  # mask 0: -100
         attention = right_pad([[1] * len(x) for x, _ in seqs], 0)  # (B, T)
         # [Eq. 4] in micro-batches, no gradient clipping (the paper states none); simplification: the token mean over
-        # the batch, not a sum (header item 7)
+        # the batch, not a sum (header item 6)
         loss = runs.sft_step(accelerator, model, optimizer, scheduler, ids, labels, attention, mb, math.inf, weight)
         losses.append(loss)
         bar.set_postfix(loss=f"{sum(losses[-20:]) / len(losses[-20:]):.3f}", refresh=False)
@@ -801,7 +749,7 @@ def sample_round(model, tokenizer, system, rows, args, seed, name):
         batch = rollout(model, tokenizer, system, part, args, args.n_rollouts, False, seed + i)
         for q in range(0, len(batch), args.n_rollouts):
             group = batch[q : q + args.n_rollouts]
-            evidence = golden_evidence(group[0].row, system.docs, args.evidence)
+            evidence = golden_evidence(group[0].row, system.docs)
             for p in group:
                 p.rewards = path_rewards(p, evidence, system.sim)
             for c, r, kind in build_pairs([p.rewards for p in group], single_hop=not evidence):
@@ -916,7 +864,7 @@ def load_policy(args, device):
     if args.lora_r and not hasattr(model, "peft_config"):
         lora = {"r": args.lora_r, "lora_alpha": 32, "lora_dropout": 0.1, "target_modules": ["q_proj", "k_proj"]}
         lora["target_modules"] += ["v_proj", "o_proj"]  # [§5.1.3]
-        # simplification: one adapter through SFT and every round, never merged (header item 8); new token rows trained
+        # simplification: one adapter through SFT and every round, never merged (header item 7); new token rows trained
         model = add_lora(model, lora | ({"trainable_token_indices": new_ids} if new_ids else {}))
     for p in model.parameters():  # never Adam on bf16 weights
         if p.requires_grad:
@@ -958,7 +906,7 @@ def train(args):
         model, tokenizer = load_policy(args, accelerator.device)
         stages["before_sft"] = evaluate_stage(accelerator, out, "raw", model, tokenizer, system, test_rows, args)
         accelerator.print(f"SFT: {len(examples)} paths from {len(sft_rows)} questions")
-        # simplification: toy renaming (header item 14)
+        # simplification: toy renaming (header item 12)
         world = load_world(args.world) if args.augment_p and args.world else None
         model, steps["sft"] = sft(accelerator, model, tokenizer, examples, args, world, out)
         stages["before"] = evaluate_stage(accelerator, out, "sft", model, tokenizer, system, test_rows, args, 0)
@@ -984,9 +932,8 @@ def train(args):
         runs.save_training(accelerator, out / "dpo", model, tokenizer, saved(rnd + 1), {})
     stages["after"] = evaluate_stage(accelerator, out, "dpo", model, tokenizer, system, test_rows, args, args.rounds)
     accelerator.end_training()
-    results = runs.result_record(
-        "tearag", args, stages.get("before_sft"), stages["before"], stages["after"], steps, time.time() - start
-    )
+    wall, before_sft = time.time() - start, stages.get("before_sft")
+    results = runs.result_record("tearag", args, before_sft, stages["before"], stages["after"], steps, wall)
     results |= {"rounds": stages.get("rounds", []), "warnings": stages["warnings"]}
     runs.write_results(out, results, accelerator.is_main_process, rows=ROWS)
 
@@ -1017,8 +964,7 @@ def ask(args):
 
 def main(argv=None):
     """Parse the flags, fill the preset, dispatch on the mode."""
-    args = runs.parse_args(Args, argv, "tearag's is runs/<run_name>/dpo", "tearag", PRESETS)
-    args = apply_preset(args)
+    args = apply_preset(runs.parse_args(Args, argv, "tearag's is runs/<run_name>/dpo", "tearag", PRESETS))
     (runs.dry_run if args.dry_run else train if args.train else run_eval if args.eval else ask)(args)
 
 

@@ -229,6 +229,27 @@ class HFEncoder:
         }
 
 
+class CrossEncoderReranker:
+    """A sequence-classification cross-encoder (BGE-reranker-v2): one relevance logit per (query, passage) pair."""
+
+    def __init__(self, name, device, batch_size=64):
+        from transformers import AutoModelForSequenceClassification, AutoTokenizer
+
+        self.tokenizer, self.batch_size = AutoTokenizer.from_pretrained(name), batch_size
+        self.model = AutoModelForSequenceClassification.from_pretrained(name).to(device).eval()
+
+    def __call__(self, pairs):
+        import torch
+
+        out = [np.zeros(0)]
+        for i in range(0, len(pairs), self.batch_size):
+            batch = [list(p) for p in pairs[i : i + self.batch_size]]
+            enc = self.tokenizer(batch, padding=True, truncation=True, max_length=512, return_tensors="pt")
+            with torch.no_grad():
+                out.append(self.model(**enc.to(self.model.device)).logits.view(-1).double().cpu().numpy())  # (b,)
+        return np.concatenate(out)
+
+
 def encoder_preset(name):
     """Pooling and prefixes documented for E5 / BGE / Contriever, looked up from the model name; else mean, none."""
     lowered = str(name).lower()

@@ -588,7 +588,6 @@ TEARAG_PAPER = {  # flag: value under --preset paper, and where the paper gives 
     "weight_decay": 0.001,  # §5.1.3
     "sft_single_steps": True,  # §4.3.1, Tab. 1: each step also as a single-hop question
     "sft_distractors": 0,  # §4.3.1 (4): the golden paragraphs and the evidence triplets
-    "sft_summaries": 3,  # §4.3.1 (5): diverse templates (all three of ours)
     "micro_batch_size": 2,  # §5.1.3: per-device batch size 2 (IP-DPO; SFT's 16): memory only, the loss is the same
     "rounds": 3,  # §5.4.3, Fig. 8: TeaRAG-1..3
     "n_rollouts": 8,  # §5.1.3: R = 8
@@ -599,13 +598,11 @@ TEARAG_PAPER = {  # flag: value under --preset paper, and where the paper gives 
     "dpo_batch_size": 16,  # §5.1.3: overall batch size 16
     "n_dpo": None,  # Tab. 2: the whole IP-DPO split (10,000 questions)
     "n_eval": None,  # §5.1.1: the whole test sets
-    "evidence": "passage",  # §4.3.2: MuSiQue's paragraphs; departure for HotpotQA's sentences (header item 9)
     "data_dir": "data/tearag",  # not in the paper: where the data is
     "max_new_tokens": 512,  # not in the paper (ours)
     "temperature": 1.0,  # not in the paper (ours; Fig. 13 evaluates 0.2-1.0)
     "rollout_batch": 64,  # not in the paper: questions per batched rollout (throughput)
     "augment_p": 0.0,  # toy world only: off
-    "sft_redundant_p": 0.0,  # toy option: off
 }
 
 

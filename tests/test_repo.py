@@ -85,8 +85,9 @@ def test_common_plumbing_stays_small():
     # count and micro-batch size (own_share, global_sum, micro_backward, map_shared); +150: what a user reads and
     # trusts, the same for every method (the run's end table and short RESULT line, grouped --help with the presets'
     # values, one-line flag errors with declared ranges, evaluation folders, checkpoints refused across methods); +20:
-    # the toy world a run reads (--world), refused flag combinations as one line and exit 2
-    assert sum(sizes.values()) <= 1420, sizes
+    # the toy world a run reads (--world), refused flag combinations as one line and exit 2; +15: the cross-encoder
+    # reranker
+    assert sum(sizes.values()) <= 1435, sizes
 
 
 def test_the_index_builder_stays_small():

@@ -567,30 +567,21 @@ def test_lexical_reranker_logit_is_8_f1_minus_4_of_idf_weighted_content_words(sy
     assert T.sigmoid(logits).min() > 0.017 and T.sigmoid(logits).max() < 0.983
 
 
-def test_golden_evidence_is_the_supporting_passage_or_the_sentence_holding_the_sub_answer(system):
+def test_golden_evidence_is_the_supporting_passages():
     docs = {"1": {"title": "dites", "text": "dites was born in makux . dites was born in 1952 ."},
             "2": {"title": "makux", "text": "makux is a city in rusu ."}}  # fmt: skip
     meta = {"hops": 2, "supporting_doc_ids": ["1", "2"], "sub_answers": ["makux", "vopa"]}
     row = {"question": "in which country was dites born ?", "metadata": meta}
     passages = ["dites dites was born in makux . dites was born in 1952 .", "makux makux is a city in rusu ."]
     assert T.golden_evidence(row, docs) == passages
-    # doc 1: the sentence with "makux" (not the 1952 one); doc 2 holds no "vopa": its passage
-    assert T.golden_evidence(row, docs, "sentence") == ["dites was born in makux .", passages[1]]
-    assert T.golden_evidence({**row, "metadata": {**meta, "hops": 1}}, docs, "sentence") == []  # single-hop rule
-    # a summary stating the fact matches the sentence fully (logit 8 * 1 - 4) and the passage less (1952 unmatched)
-    idf, s = system.rerank.idf, "dites was born in makux"
-    d, b, m, y = idf["dites"], idf["born"], idf["makux"], idf["1952"]
-    logits = system.rerank([("dites was born in makux .", s), (passages[0], s)])
-    assert logits == pytest.approx([4.0, 8 * 2 * (d + b + m) / (2 * (d + b + m) + y) - 4])
+    assert T.golden_evidence({**row, "metadata": {**meta, "hops": 1}}, docs) == []  # single-hop rule
 
 
-def test_golden_evidence_keeps_each_hop_with_its_own_sub_answer_when_a_passage_is_missing():
+def test_golden_evidence_skips_a_supporting_passage_missing_from_the_corpus():
     docs = {"1": {"title": "makux", "text": "voben was born in makux . makux is a city in rusu ."},
             "2": {"title": "rusu", "text": "rusu is a country . the capital of rusu is kovik ."}}  # fmt: skip
     meta = {"hops": 3, "supporting_doc_ids": ["0", "1", "2"], "sub_answers": ["makux", "rusu", "kovik"]}
-    # hop 1's passage "0" is not in the corpus: doc 1 is hop 2's (sub-answer rusu), doc 2 hop 3's (kovik)
-    assert T.golden_evidence({"metadata": meta}, docs, "sentence") == ["makux is a city in rusu .",
-                                                                       "the capital of rusu is kovik ."]  # fmt: skip
+    # hop 1's passage "0" is not in the corpus: hops 2 and 3 keep theirs
     assert T.golden_evidence({"metadata": meta}, docs) == [T.item_text(docs["1"]), T.item_text(docs["2"])]
 
 
@@ -617,48 +608,18 @@ def test_sft_paths_follow_the_decomposition(system):
         assert s["summary"].endswith(f"{answer}.") and all(
             f"{T.item_text(t)}" in s["summary"] for t in gold if t["kind"] == "triplet"
         )
-    args = SimpleNamespace(sft_single_steps=True, sft_redundant_p=1.0)  # a multi-hop path is never repeated
+    args = SimpleNamespace(sft_single_steps=True)
     examples = T.sft_examples([row], system, args, __import__("random").Random(0))
     assert [e[0] for e in examples] == [row["question"], *m["sub_queries"]]  # the path, then each step as 1-hop
     assert [text[:7] for text, _ in examples[0][1]].count("Step 3:") == 0 and len(examples[0][1]) == 7
 
 
-def test_redundant_sft_paths_repeat_the_step_of_a_share_of_the_one_hop_questions(system):
-    """Toy sft_redundant_p (common.toy.tearag.redundant_step): a one-hop path retrieves its step twice (same entities,
-    subquery, evidence, summary)."""
-    rows = [json.loads(line) for line in (WORLD / "train.jsonl").open()][:240]
-    one_hop = [r for r in rows if r["metadata"]["type"] == "one_hop"]
-    rng = lambda: __import__("random").Random(0)
-    path = lambda p, row: T.sft_examples(
-        [row], system, SimpleNamespace(sft_single_steps=False, sft_redundant_p=p), rng()
-    )
-    ((question, once),) = path(0.0, one_hop[0])
-    ((_, twice),) = path(1.0, one_hop[0])
-    texts = lambda segments: [text for text, _ in segments]
-    assert (
-        question == one_hop[0]["question"]
-        and texts(once).count("Final answer: " + one_hop[0]["golden_answers"][0]) == 1
-    )
-    assert len(once) == 4 and len(twice) == 7 and twice[-1] == once[-1]
-    assert twice[0][0].startswith("Step 1:") and twice[3][0] == twice[0][0].replace("Step 1:", "Step 2:")
-    assert twice[1:3] == twice[4:6] == once[1:3]  # the same evidence block (masked) and summary (trained)
-    examples = T.sft_examples(one_hop, system, SimpleNamespace(sft_single_steps=False, sft_redundant_p=0.6), rng())
-    share = sum(len(segments) == 7 for _, segments in examples) / len(examples)
-    assert len(examples) >= 50 and 0.45 < share < 0.75
-
-
-def test_sft_summaries_come_from_the_first_n_templates(system, monkeypatch):
-    """Preset field sft_summaries N: the SFT summaries use SUMMARIES[:N] (3: all, the paper's "diverse templates"; 1:
-    one)."""
+def test_sft_summaries_use_every_template(system):
+    """§4.3.1 (5): the SFT summaries are drawn from all of SUMMARIES (the paper's "diverse templates")."""
     rows = [json.loads(line) for line in (WORLD / "train.jsonl").open()][:60]
     opening = lambda summary: next(i for i, t in enumerate(T.SUMMARIES) if summary.startswith(t.split("{")[0]))
-    used = {}
-    for n in (3, 1):
-        monkeypatch.setattr(system.args, "sft_summaries", n)
-        steps = [s for row in rows for s in (T.sft_steps(row, system, __import__("random").Random(0)) or [])]
-        used[n] = {opening(s["summary"]) for s in steps}
-        assert len(steps) >= 30
-    assert used == {3: {0, 1, 2}, 1: {0}}
+    steps = [s for row in rows for s in (T.sft_steps(row, system, __import__("random").Random(0)) or [])]
+    assert len(steps) >= 30 and {opening(s["summary"]) for s in steps} == {0, 1, 2}
 
 
 # --------------------------------------------------------------------------- departures from the paper, marked

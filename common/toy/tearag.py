@@ -1,6 +1,6 @@
 """TeaRAG's toy-world machinery, reached from tearag.py through values and two adapters: the lexical cross-scorer
-(--reranker lexical, standing in for BGE-reranker-v2), the SFT paths' toy augmentations (entity renaming, a
-redundant step) and the oracle agent that writes the paper's step format from a question's metadata (the policy of
+(--reranker lexical, standing in for BGE-reranker-v2), the SFT paths' toy augmentation (entity renaming) and the
+oracle agent that writes the paper's step format from a question's metadata (the policy of
 tests/test_paper_rehearsal.py)."""
 
 import math
@@ -38,15 +38,7 @@ class LexicalReranker:
         return np.array(out, dtype=np.float64)
 
 
-# ---------------------------------------------------------------- the SFT paths' augmentations (toy world only)
-def redundant_step(steps, p, rng):
-    """A one-hop SFT path that, with probability p (rng), retrieves its step twice: the redundant retrieval of agents
-    trained on outcomes (TeaRAG §1, Fig. 2b) that the toy start lacks (sft_redundant_p); other paths as they are."""
-    if len(steps) == 1 and p and rng.random() < p:
-        return steps + [dict(steps[0])]
-    return steps
-
-
+# ---------------------------------------------------------------- the SFT paths' augmentation (toy world only)
 def renamed(texts, world, rng, p):
     """An SFT path's texts (question first) entity-renamed with probability p (rng), so that the tiny model reads its
     evidence instead of memorising the world's facts (augment_p); no world: as they are."""
