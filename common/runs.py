@@ -147,6 +147,7 @@ def flag_parser(args_classes, presets=None):
             if f.metadata.get("flag") is False:  # set by the presets only: in the namespace, not on the command line
                 self.set_defaults(**{f.name: f.default})
                 values = " (toy: {!r}, paper: {!r})".format(*presets[f.name]) if f.name in (presets or {}) else ""
+                values = values or f" (value: {f.default!r})"
                 self.epilog = (self.epilog or "set by --preset only (PRESETS in the file), not flags:") + (
                     f"\n  {f.name}: {f.metadata['help']}{values}"
                 )

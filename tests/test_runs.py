@@ -950,6 +950,7 @@ def test_a_preset_only_field_is_no_flag_and_help_lists_its_values(capsys):
     class Args:
         seed: int = runs.arg(0, "the seed")
         rename_p: float | None = runs.arg(None, "entity-renaming probability", flag=False)
+        lam: float = runs.arg(0.95, "GAE lambda", flag=False)
 
     presets = {"rename_p": (0.5, 0.0)}
     assert runs.parse_flags(Args, ["--seed", "3"], presets=presets) == Args(seed=3, rename_p=None)  # the preset fills
@@ -960,6 +961,7 @@ def test_a_preset_only_field_is_no_flag_and_help_lists_its_values(capsys):
         runs.parse_flags(Args, ["--help"], presets=presets)
     text = capsys.readouterr().out
     assert "--rename_p" not in text and "rename_p: entity-renaming probability (toy: 0.5, paper: 0.0)" in text
+    assert "lam: GAE lambda (value: 0.95)" in text  # a fixed value, no preset entry
 
 
 def test_off_a_terminal_the_libraries_bars_stay_silent(monkeypatch):
