@@ -3,7 +3,8 @@
 `write_folder(path)` writes invented but coherent facts (16 films, their directors, where and when each was born) as
 FlashRAG holds HotpotQA, 2WikiMultihopQA and MuSiQue rows (the metadata layouts common/evidence.py reads), a corpus
 cut as wiki-18 cuts an article (100-word passages) with distractor articles, the splits mixed with `common.data`
-and given their evidence by `common.evidence`, and a triples file (TeaRAG's graph, one source passage a triplet).
+and given their evidence by `common.evidence`. `triples(corpus)`: the invented facts as the triplets a knowledge graph
+holds (one source passage a triplet), what the endpoint's extraction rules answer.
 `chat_stub()` serves an OpenAI-compatible /v1/chat/completions on 127.0.0.1 whose replies are a function of the
 prompt: each rule, keyed by a phrase of a method's paper prompt, answers in the format that method's parser reads.
 """
@@ -175,8 +176,8 @@ def passages():
 
 
 def triples(corpus):
-    """TeaRAG's graph from the invented facts: each triplet linked to the first passage of its head's article that
-    names its tail (the method reads {doc_id, head, relation, tail}; its §4.1 LLM extraction is not here)."""
+    """The invented facts as {doc_id, head, relation, tail}: each triplet linked to the first passage of its head's
+    article that names its tail (what SPARKLE's and TeaRAG's extractions find there)."""
     by_title = {}
     for p in corpus:
         by_title.setdefault(p["contents"].split("\n")[0].strip('"'), []).append(p)
@@ -193,7 +194,8 @@ def triples(corpus):
 
 def write_folder(path):
     """The folder a method's --data_dir reads: flashrag/<dataset>/{train,dev}.jsonl as downloaded, train.jsonl and
-    test.jsonl mixed from them (common.data) and given their evidence (common.evidence), corpus.jsonl, triples.jsonl.
+    test.jsonl mixed from them (common.data) and given their evidence (common.evidence), corpus.jsonl (the methods
+    extract their knowledge graphs from it: tests/test_real_data.py).
     Returns {split: the match-rate lines the evidence step printed}."""
     path = Path(path)
     by_file = {}
@@ -205,7 +207,6 @@ def write_folder(path):
         data.write_jsonl(file, rows)
     corpus = passages()
     data.write_jsonl(path / "corpus.jsonl", corpus)
-    data.write_jsonl(path / "triples.jsonl", triples(corpus))
     rates = {}
     for split, source in (("train", "train"), ("test", "dev")):
         files = sorted(str(f) for f in by_file if f.stem == source)
@@ -274,6 +275,15 @@ def extract(text, _):
     title, body = section(text, "Title:", "\n").strip(), section(text, "Text:")
     facts = [r for r in triples(passages()) if r["head"] == title and r["tail"] in body]
     return ", ".join(f"<{r['head']}; {r['relation']}; {r['tail']}>" for r in facts) or "None"
+
+
+def triplets(text, _):
+    """TeaRAG's triplet extraction (§4.1, tearag.py's instruction): the facts `extract` finds, written as a chat model
+    may: a <think> block, numbered, the first repeated in other case and spacing, a line with two parts."""
+    facts = re.findall(r"<([^<>]*)>", extract(text, _))
+    lines = [f"{i}. <{f}>" for i, f in enumerate(facts, 1)]
+    repeat = ["- < " + "  ; ".join(p.upper() for p in facts[0].split("; ")) + " >"] if facts else []
+    return "\n".join(["<think>The passage states these facts.</think>", *lines, *repeat, "<Saltmarsh; drama>"])
 
 
 def probe(text, q):
@@ -356,6 +366,7 @@ def merge(text, _):
 RULES = [
     ("precise answer validator", judge),  # c3po [App. D.2]
     ("knowledge graph constructor", extract),  # sparkle (impl prompt) [§D.3]
+    ("Extract the knowledge triplets", triplets),  # tearag (its instruction) [§4.1]
     ("professional retrieval model", next_query),  # smartrag's warm-up rewriter [App. A.2]
     ("Bing search engine", probe),  # smartrag's knowledge probe [Tab. 7]
     ("requires further information through retrieval", lambda t, q: f"[Retrieval] {next_query(t, q)}"),  # c3po
@@ -374,7 +385,7 @@ RULES = [
     ("select the best answer", select),  # sparc-rag [App. D]
     ("expert at combining contexts", merge),  # sparc-rag [App. D]
 ]
-NO_QUESTION = (judge, extract, merge)  # the rules that need no known question in the prompt
+NO_QUESTION = (judge, extract, triplets, merge)  # the rules that need no known question in the prompt
 
 
 class ChatStub:

@@ -117,6 +117,30 @@ def test_tearag_paper_preset_trains_in_two_processes_on_a_short_last_batch(tmp_p
     assert (tmp_path / "runs" / "paper" / "dpo" / "adapter_config.json").is_file()  # LoRA [§5.1.3]
 
 
+def test_tearag_extraction_splits_the_chunks_over_two_processes(tmp_path):
+    """tearag.py --extract_triples (§4.1) under two processes on the endpoint of tests/real_data.py, resuming the part
+    an earlier launch of more processes left (chunk 0 done): every other chunk asked once, one graph written, each
+    invented fact once, with the chunk that states it."""
+    import real_data
+
+    real_data.write_folder(tmp_path)
+    facts, out = real_data.triples(real_data.passages()), tmp_path / "graph.jsonl"
+    seeded = [[r["head"], r["relation"], r["tail"]] for r in facts if r["doc_id"] == "0"]
+    (tmp_path / "graph.jsonl.part7").write_text(json.dumps({"doc_id": "0", "triplets": seeded}) + "\n")
+    env = os.environ | {"HF_HUB_OFFLINE": "1", "OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT)}
+    launch = [sys.executable, "-m", "accelerate.commands.launch", "--num_processes", "2", "--mixed_precision", "no"]
+    launch += ["--multi_gpu", "--num_machines", "1", "--dynamo_backend", "no", "--main_process_port", free_port()]
+    with real_data.chat_stub() as stub:
+        flags = ["--extract_triples", stub.url, "--model", "stub", "--data_dir", str(tmp_path), "--triples", str(out)]
+        done = subprocess.run(launch + [str(ROOT / "tearag.py"), *flags], cwd=tmp_path, capture_output=True, text=True,
+                              env=env, timeout=600)  # fmt: skip
+    assert done.returncode == 0 and "triplets (process 1)" in done.stderr, done.stderr[-3000:]
+    assert stub.calls == {"Extract the knowledge triplets": len(real_data.passages()) - 1}
+    key = lambda row: tuple(row.values())
+    assert sorted(real_data.data.read_jsonl(out), key=key) == sorted(facts, key=key)
+    assert done.stdout.count("triplets of") == 1 and sorted(p.name for p in tmp_path.glob("graph*")) == ["graph.jsonl"]
+
+
 def test_smartrag_paper_preset_trains_in_two_processes_on_short_batches(tmp_path):
     """smartrag's --preset paper (a tiny random Llama, its LM head untied as Llama-2's, LoRA; the toy reader as the
     probed base model, the oracle rewriter) in two processes on counts that leave short batches: SFT batches of one

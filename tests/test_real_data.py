@@ -181,10 +181,10 @@ def test_sparkle(folder, indexes, tiny_models, tmp_path, capsys, monkeypatch):
 
 
 def test_tearag(folder, indexes, tiny_models, tmp_path, capsys, monkeypatch):
-    """SFT on the MuSiQue rows' decompositions and supporting passages, IP-DPO's rewards with golden evidence. The
-    knowledge graph is triples.jsonl written from the invented facts (the method has no §4.1 extraction yet); a random
-    policy writes no correct path, so its rounds pair each question's first two paths as tests/test_paper_presets.py
-    does, after the paper's pair rule ran on the rewards (and found none)."""
+    """The knowledge graph extracted by the endpoint (--extract_triples, §4.1), SFT on the MuSiQue rows'
+    decompositions and supporting passages, IP-DPO's rewards with golden evidence. A random policy writes no correct
+    path, so its rounds pair each question's first two paths as tests/test_paper_presets.py does, after the paper's
+    pair rule ran on the rewards (and found none)."""
     import tearag
 
     examples = spy(monkeypatch, tearag, "sft_examples")
@@ -196,9 +196,15 @@ def test_tearag(folder, indexes, tiny_models, tmp_path, capsys, monkeypatch):
         return real_pairs(scores, single_hop) or [(0, 1, "format")]
 
     monkeypatch.setattr(tearag, "build_pairs", build_pairs)
+    triples, graphs = tmp_path / "triples.jsonl", spy(monkeypatch, tearag, "KnowledgeGraph")
+    with real_data.chat_stub() as stub:
+        tearag.main(["--extract_triples", stub.url, "--model", "stub", "--preset", "paper", "--data_dir",
+                     str(folder[0]), "--triples", str(triples)])  # fmt: skip
+    assert len(real_data.data.read_jsonl(triples)) == 72  # each invented fact once, from the passage naming it
     train("tearag", folder[0], indexes, tiny_models, tmp_path, capsys, "--reranker", "lexical", "--n_dpo", "4",
           "--sft_batch_size", "4", "--sft_steps", "2", "--rollout_batch", "4", "--max_new_tokens", "16",
-          "--dpo_epochs", "1,1,1")  # fmt: skip
+          "--dpo_epochs", "1,1,1", "--triples", str(triples))  # fmt: skip
+    assert graphs and all(len(graph.triplets) == 72 for _, graph in graphs)  # the retrieval system's graph
     (_, paths), = examples  # fmt: skip
     assert len(paths) == 24  # the 8 MuSiQue rows' 2-step paths and each step as a one-hop question [§4.3.1]
     assert any(len(gold) == 2 for _, gold in evidence)  # a multi-hop row's two supporting passages [§4.3.2]

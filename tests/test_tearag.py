@@ -622,6 +622,96 @@ def test_sft_summaries_use_every_template(system):
     assert len(steps) >= 30 and {opening(s["summary"]) for s in steps} == {0, 1, 2}
 
 
+# --------------------------------------------------------------------------- the knowledge graph's triplets [§4.1]
+def test_parse_triplets_reads_what_a_chat_model_writes():
+    """After the <think> block (its "x; y; z" is no triplet), numbered or bulleted lines with or without <>, two on
+    a line; a repeat in other case and spacing kept once as first written; two parts, the echoed format: dropped."""
+    reply = """<think>The passage says x; y; z about the film.</think>
+Here are the triplets:
+1. <Sutisek; directed by; Fukix>
+- < sutisek ;  Directed   by ; FUKIX >
+* Bipes; released in; 1973
+2) <Pudus; born in>
+<head entity; relation; tail entity>
+<Pudus; born in; Sokor> <Pudus; born in; 1947>"""
+    assert T.parse_triplets(reply) == [("Sutisek", "directed by", "Fukix"), ("Bipes", "released in", "1973"),
+                                       ("Pudus", "born in", "Sokor"), ("Pudus", "born in", "1947")]  # fmt: skip
+    assert T.parse_triplets("<think>cut short: <a; b; c>") == []  # a reply cut inside its thinking
+    assert T.parse_triplets("a;b;c\n\n**x ; y ; z**") == [("a", "b", "c"), ("x", "y", "z")]
+
+
+class Extractor:
+    """A frozen LLM that names each chunk it is asked about, and breaks down (a kill) on call `fail_at`."""
+
+    def __init__(self, fail_at=None):
+        self.asked, self.calls, self.fail_at = [], 0, fail_at
+
+    def chat(self, chats, temperature, max_tokens):
+        self.calls += 1
+        if self.calls == self.fail_at:
+            raise KeyboardInterrupt
+        titles = [re.search(r"^Title: (.*)$", c[-1]["content"], re.M)[1] for c in chats]
+        self.asked += titles
+        return [
+            f"<think>one fact</think>\n1. <{t}; title of; chunk>\n2. <{t.upper()}; title  of; Chunk>" for t in titles
+        ]
+
+
+def test_extraction_keeps_each_chunk_id_and_resumes_after_a_kill(tmp_path, monkeypatch):
+    """Batches of 2 over 5 chunks: killed in its second batch, the run leaves the first batch in the part file (and a
+    torn line); the rerun asks only the 3 chunks left, writes one triplet a chunk in corpus order with the chunk's
+    id, removes the parts, and the graph loads it."""
+    corpus, out = tmp_path / "corpus.jsonl", tmp_path / "kg" / "triples.jsonl"
+    out.parent.mkdir()
+    docs = [{"id": str(10 + i), "contents": f'"chunk {i}"\nchunk {i} says something.'} for i in range(5)]
+    corpus.write_text("".join(json.dumps(d) + "\n" for d in docs))
+    flags = ["--extract_triples", "hf:any", "--corpus", str(corpus), "--triples", str(out), "--data_dir", str(WORLD)]
+    first, second = Extractor(fail_at=2), Extractor()
+    for llm in (first, second):
+        monkeypatch.setattr(T, "make_llm", lambda spec, **kw: llm)
+        try:
+            T.extract_triples(runs.parse_flags(T.Args, flags, T.PRESETS), batch_size=2)
+        except KeyboardInterrupt:
+            assert not out.exists() and [p.name for p in out.parent.iterdir()] == ["triples.jsonl.part0"]
+            with (out.parent / "triples.jsonl.part0").open("a") as f:
+                f.write('\n{"doc_id": "12", "trip')  # a line the kill tore
+    assert first.asked == ["chunk 0", "chunk 1"] and second.asked == ["chunk 2", "chunk 3", "chunk 4"]  # each once
+    rows = T.read_jsonl(out)
+    assert rows == [{"doc_id": str(10 + i), "head": f"chunk {i}", "relation": "title of", "tail": "chunk"}
+                    for i in range(5)]  # fmt: skip
+    assert [p.name for p in out.parent.iterdir()] == ["triples.jsonl"]
+    kg = T.KnowledgeGraph(out)
+    assert [t["id"] for t in kg.by_doc["12"]] == [2] and kg.by_entity["chunk"] == [0, 1, 2, 3, 4]
+
+
+def test_extraction_through_an_endpoint_gives_the_graph_tearag_loads(tmp_path):
+    """--extract_triples on the endpoint of tests/real_data.py (a <think> block, numbering, a repeat, a malformed line
+    in each reply): every chunk asked once, each invented fact once, from the chunk that states it."""
+    sys.path.insert(0, str(ROOT / "tests"))
+    import real_data
+
+    real_data.write_folder(tmp_path)
+    out = tmp_path / "graph.jsonl"
+    with real_data.chat_stub() as stub:
+        T.main(["--extract_triples", stub.url, "--model", "Qwen/Qwen2.5-14B-Instruct", "--preset", "paper",
+                "--data_dir", str(tmp_path), "--triples", str(out)])  # fmt: skip
+    chunks = T.read_jsonl(tmp_path / "corpus.jsonl")
+    assert stub.calls == {"Extract the knowledge triplets": len(chunks)} and stub.models == {
+        "Qwen/Qwen2.5-14B-Instruct"
+    }
+    key = lambda row: tuple(row.values())
+    assert sorted(T.read_jsonl(out), key=key) == sorted(real_data.triples(chunks), key=key)  # as written by hand
+    assert len(T.KnowledgeGraph(out).triplets) == 72
+
+
+@pytest.mark.parametrize(
+    "spec,needle", [("toy", "toy: data/toy ships its graph"), ("http://127.0.0.1:9/v1", "--model")]
+)
+def test_extraction_refuses_the_toy_reader_and_an_unnamed_endpoint_in_one_line(spec, needle):
+    with pytest.raises(T.UserError, match=re.escape(needle)):
+        T.main(["--extract_triples", spec])
+
+
 # --------------------------------------------------------------------------- departures from the paper, marked
 def test_every_departure_is_listed_in_the_header_and_marked_where_it_lives():
     """Each numbered header item is cited by a `(header item N)` mark, and every mark names a listed item; the
@@ -788,7 +878,7 @@ def test_a_checkpoint_of_another_method_is_refused_in_one_line(tmp_path):
 def test_every_progress_bar_is_a_runs_progress_bar():
     """runs.progress writes a line every 30 s at most to a log; a bare tqdm would write one per step."""
     source = (ROOT / "tearag.py").read_text()
-    assert "tqdm" not in source and source.count("runs.progress(") == 3
+    assert "tqdm" not in source and source.count("runs.progress(") == 4
     assert "refresh=False" in source  # set_postfix would redraw the bar every step
 
 
