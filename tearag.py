@@ -339,23 +339,24 @@ def extracted(out):
 
 
 def extract_triples(flags, batch_size=64):
-    """G = (V, E) [§4.1]: the triplets of each --corpus chunk by the frozen LLM --extract_triples (greedy), with their
-    chunk's id. The chunks left are split over the processes (chunk i to process i mod N), each appending its finished
-    batches to <triples>.part<rank>, which a restarted run skips; the main process then writes --triples atomically."""
+    """G = (V, E) [§4.1]: each --corpus chunk's triplets by the frozen LLM --extract_triples, with its chunk id, into
+    --triples; the chunks left are split over the processes, each appends its batches to <triples>.part<rank>."""
     served, args = flags.model, apply_preset(flags)  # --model: the endpoint's served model name
-    spec, out, endpoint = args.extract_triples, Path(args.triples), args.extract_triples.startswith("http")
-    if not spec.startswith(("hf:", "http")) or (endpoint and not served):
+    spec, out = args.extract_triples, Path(args.triples)
+    endpoint = spec.startswith(("http://", "https://"))
+    if not (spec.startswith("hf:") or endpoint) or (endpoint and not served):
         raise UserError(f"--extract_triples {spec}: hf:<model>, or a URL with --model (toy: data/toy ships its graph)")
     state, docs, done = PartialState(cpu=not torch.cuda.is_available()), retrieval.load_corpus(args.corpus), {}
     done = extracted(out)
     state.wait_for_everyone()  # every process has read the parts before any appends to them
+    out.parent.mkdir(parents=True, exist_ok=True)
     todo = [d for d in docs if str(d["id"]) not in done][state.process_index :: state.num_processes]
     llm = make_llm(spec, **({"model": served} if endpoint else {}))
     with out.with_name(f"{out.name}.part{state.process_index}").open("a", encoding="utf-8", buffering=1) as f:
         for s in runs.progress(range(0, len(todo), batch_size), f"triplets (process {state.process_index})"):
             chats = [[{"role": "user", "content": EXTRACTION.format(**d)}] for d in todo[s : s + batch_size]]
-            replies = llm.chat(chats, temperature=0.0, max_tokens=512)  # ours: greedy, up to 512 tokens
-            for d, reply in zip(todo[s : s + batch_size], replies):
+            # ours: greedy, up to 512 tokens a reply
+            for d, reply in zip(todo[s : s + batch_size], llm.chat(chats, temperature=0.0, max_tokens=512)):
                 # a line of its own, flushed: never written onto a line that a kill tore
                 f.write("\n" + json.dumps({"doc_id": str(d["id"]), "triplets": parse_triplets(reply)}))
     state.wait_for_everyone()
