@@ -346,7 +346,7 @@ def extract_triples(flags, batch_size=64):
     endpoint = spec.startswith(("http://", "https://"))
     if not (spec.startswith("hf:") or endpoint) or (endpoint and not served):
         raise UserError(f"--extract_triples {spec}: hf:<model>, or a URL with --model (toy: data/toy ships its graph)")
-    state, docs, done = PartialState(cpu=not torch.cuda.is_available()), retrieval.load_corpus(args.corpus), {}
+    state, docs = PartialState(cpu=not torch.cuda.is_available()), retrieval.load_corpus(args.corpus)
     done = extracted(out)
     state.wait_for_everyone()  # every process has read the parts before any appends to them
     out.parent.mkdir(parents=True, exist_ok=True)
