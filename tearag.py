@@ -1031,6 +1031,8 @@ def ask(args):
 def main(argv=None):
     """Parse the flags, fill the preset, dispatch on the mode."""
     if (flags := runs.parse_flags(Args, argv, PRESETS)).extract_triples:  # the knowledge graph [§4.1]
+        if flags.train or flags.eval or flags.ask:
+            raise SystemExit("--extract_triples is a mode of its own: run it apart from --train, --eval and --ask")
         return extract_triples(flags)
     args = apply_preset(runs.parse_args(Args, argv, "tearag's is runs/<run_name>/dpo", "tearag", PRESETS))
     (runs.dry_run if args.dry_run else train if args.train else run_eval if args.eval else ask)(args)

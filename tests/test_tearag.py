@@ -712,6 +712,11 @@ def test_extraction_refuses_the_toy_reader_and_an_unnamed_endpoint_in_one_line(s
         T.main(["--extract_triples", spec])
 
 
+def test_extraction_is_a_mode_of_its_own():
+    with pytest.raises(SystemExit, match="--extract_triples is a mode of its own"):
+        T.main(["--extract_triples", "hf:some/model", "--train"])
+
+
 # --------------------------------------------------------------------------- departures from the paper, marked
 def test_every_departure_is_listed_in_the_header_and_marked_where_it_lives():
     """Each numbered header item is cited by a `(header item N)` mark, and every mark names a listed item; the
