@@ -31,7 +31,7 @@ Toy-world adaptations, the toy preset only (PRESETS; the machinery in common/toy
 10. SFT retrieval pairs and not-popular PPO episodes are entity-renamed (augment_p, rl_augment_p).
 11. The raw toy-lm knows nothing, so the toy base first learns the popular facts (base_pretrain_steps).
 12. The knowledge probe is the toy reader, whose parametric memory is exactly the `popular` flag (base_llm).
-13. One-hop questions, compact template, greedy decoding after the threshold, smaller PPO (question_types, templates).
+13. Compact template, greedy decoding after the threshold, smaller PPO (templates).
 14. The plain warm-up pi_0 and a fixed KL coefficient 0.1 (initial_policy, kl_init, kl_adaptive; impl: adaptive).
 """
 
@@ -50,7 +50,7 @@ from accelerate.utils import broadcast, gather_object
 
 from common import runs
 from common.data import load_split, sample_rows, write_jsonl
-from common.llm import backbone_of, chat_prompts, generate, left_pad, right_pad, unknown_words
+from common.llm import backbone_of, chat_prompts, evaluation, generate, left_pad, right_pad, unknown_words
 from common.metrics import answer_scores, cover_em, f1_score, summarize
 from common.models import is_toy_lm, load_model_and_tokenizer, make_llm
 from common.retrieval import open_retriever
@@ -129,7 +129,7 @@ PRESETS = {  # field: (toy, paper), for the fields left at None; any flag overri
     "lora_r": (0, 16),  # LoRA [App. A.3]; the rank is ours (the paper gives none)
     "gradient_checkpointing": (False, True),  # a 7B policy, value model and reference on one 80 GB GPU
     "templates": ("compact", "paper"),  # simplification: header 13
-    "question_types": ("one_hop", ""),  # toy: one-hop questions (header 13)
+    "question_types": ("", ""),  # every type: the paper's mix holds HotpotQA [§4]
     "top_k": (1, 4),  # [App. A.3]
     "rewriter": ("oracle", ""),  # simplification: header 9; paper: --rewriter <an LLM spec for gpt-3.5>
     "base_llm": ("toy", "hf:meta-llama/Llama-2-7b-chat-hf"),  # simplification: header 12
@@ -733,7 +733,7 @@ def save_ppo(accelerator, folder, model, optimizer, tokenizer, beta, iteration, 
     runs.save_training(accelerator, folder, unwrapped.policy, tokenizer, state, objects, rng)
 
 
-def ppo(accelerator, out, policy, tokenizer, tag_ids, env, rows, args, world):
+def ppo(accelerator, out, policy, tokenizer, tag_ids, env, rows, args, world, curve):
     """PPO [§3.2] from the warm-up policy: policy and value model trained, the reference frozen; per iteration a
     sampled rollout, one ppo_iteration and beta's adaptive update (impl). --resume continues from out/ppo. Returns
     the policy and its iteration count."""
@@ -755,6 +755,7 @@ def ppo(accelerator, out, policy, tokenizer, tag_ids, env, rows, args, world):
         stats |= {"iteration": it + 1, **rollout_stats(accelerator, episodes, tokens), "charts/kl_coef": beta}
         runs.log_update(accelerator, out, stats | {"charts/seconds": time.time() - t0}, step=it + 1)
         if (it + 1) % args.eval_every == 0 or it + 1 == args.ppo_iterations:
+            runs.curve_point(accelerator, out, args, it + 1, curve)  # the policy trained here (the model's .policy)
             save_ppo(accelerator, folder, model, optimizer, tokenizer, beta, it + 1, args, rng)
     return accelerator.unwrap_model(model).policy, max(done, args.ppo_iterations)
 
@@ -772,7 +773,10 @@ def train(args):
         accelerator, args, out, train_rows, test_rows, env, world, warnings
     )
     before = evaluate_stage(accelerator, out, "sft", policy, tokenizer, env, test_rows, args, tag_ids, step=0)
-    policy, ppo_steps = ppo(accelerator, out, policy, tokenizer, tag_ids, env, train_rows, args, world)
+    curve = lambda rows: evaluate(policy, tokenizer, env, rows, args, tag_ids, greedy=True)[0]  # greedy [§4.1]
+    if not runs.load_state(out / "ppo"):  # the curve's start: the SFT model
+        runs.curve_point(accelerator, out, args, 0, curve)
+    policy, ppo_steps = ppo(accelerator, out, policy, tokenizer, tag_ids, env, train_rows, args, world, curve)
     after = evaluate_stage(accelerator, out, "ppo", policy, tokenizer, env, test_rows, args, tag_ids, step=ppo_steps)
     accelerator.end_training()
     steps, seconds = {"sft": sft_steps, "ppo": ppo_steps}, time.time() - start
@@ -792,6 +796,7 @@ def episode_record(e):
     return record | ({"hit": cover_em(e["observations"][0], golds)} if e["observations"] else {})
 
 
+@evaluation
 def evaluate(model, tokenizer, env, rows, args, tag_ids, greedy, seed=0, batch=256):
     """EM, F1, return (gamma = 1), retrieval rate and hit, overall and by metadata group; and the episodes."""
     model.eval()

@@ -50,7 +50,7 @@ from accelerate.utils import gather_object
 
 from common import runs
 from common.data import load_split, sample_rows, write_jsonl
-from common.llm import add_lora, chat_prompts, generate, right_pad, unknown_words
+from common.llm import add_lora, chat_prompts, evaluation, generate, right_pad, unknown_words
 from common.metrics import answer_scores, exact_match, f1_score, normalize_answer, sub_exact_match
 from common.models import load_model_and_tokenizer, make_llm
 from common.retrieval import open_retriever
@@ -770,6 +770,7 @@ def summarize(records, rows):
     return mean(records) | {"groups": {k: {m: v for m, v in mean(g).items() if m in keep} for k, g in groups.items()}}
 
 
+@evaluation
 def evaluate(ctx, rows, width, depth, early_exit, predictions=None):
     """SPARC-RAG on the rows (split over the processes, gathered in order); `predictions`: a json line per question."""
     start, args = time.time(), ctx["args"]
@@ -844,9 +845,11 @@ def train(args):
         results["before"] = evaluate(ctx, test_rows, args.width, args.untuned_depth, False, fixed)
         results["before_adaptive"] = evaluate(ctx, test_rows, args.width, args.depth, True)
     accelerator.print("\n".join(f"untuned, {k} | {brief(results[k])}" for k in ("before", "before_adaptive")))
+    curve = lambda rows: evaluate(ctx, rows, args.width, args.depth, True)  # the tuned system's inference [§4.5]
     if (state := runs.load_state(out / "dpo")) is not None:  # resume: tuned
         policy, tokenizer = load_policy(args, accelerator.device, str(out / "dpo"))
     else:
+        runs.curve_point(accelerator, out, args, 0, curve)  # the curve's start: the untuned (warm-up) model
         with accelerator.autocast():  # the base model's own runs on training questions [§3.4]
             mine = train_rows[accelerator.process_index :: accelerator.num_processes]
             own = sparc_rag(mine, ctx, args.width, args.untuned_depth, early_exit=False, seed=args.seed)
@@ -864,6 +867,7 @@ def train(args):
     with accelerator.autocast():  # the tuned system: adaptive depth, capped at D_max [§4.5]
         ctx = make_ctx(policy, tokenizer, retrievers, llm, args)
         results["after"] = evaluate(ctx, test_rows, args.width, args.depth, True, out / "predictions_dpo.jsonl")
+    runs.curve_point(accelerator, out, args, state["steps"], curve)  # one offline DPO stage [§3.4]: its end
     evaluations = {"stage": "eval"} | {k: results[k] for k in ("before", "before_adaptive", "after")}
     runs.append_metrics(out / "metrics.jsonl", evaluations, accelerator.is_main_process)
     accelerator.end_training()
@@ -880,8 +884,7 @@ def run_eval(args):
     policy, tokenizer = load_policy(args, accelerator.device)
     ctx = make_ctx(policy, tokenizer, *frozen_parts(args), args)
     with accelerator.autocast():
-        saved = out / "predictions_eval.jsonl"
-        result = evaluate(ctx, rows, args.width, args.depth, args.early_exit, saved)
+        result = evaluate(ctx, rows, args.width, args.depth, args.early_exit, out / "predictions_eval.jsonl")
     accelerator.print(f"eval {result['setting']} | {brief(result)}")
     record = result_record(args, {"before": result, "warnings": []}, {"sft": 0, "dpo": 0}, time.time() - start)
     runs.write_results(out, record, accelerator.is_main_process, TABLE)

@@ -27,7 +27,7 @@ Toy-world adaptations, the toy preset only (numbered on; preset-only fields, the
 10. The warm-up teacher is an oracle (teacher_model oracle) reading the question's metadata, wrong at teacher_noise.
 11. The warm-up keeps the cheapest successes (warmup_select) of one- and two-hop questions (warmup_types).
 12. SFT examples are entity-renamed for the proxy (augment_p; not-popular PPO trees with rl_augment_p, 0).
-13. toy-lm proxy, toy reader, compact templates, top-3 documents, 5 triples, L = 2, 128 trees, PPO minibatches of 32.
+13. toy-lm proxy, toy reader, compact templates, top-3 documents, 5 triples, L = 2, PPO minibatches of 32.
 14. PPO: forced RD answers' loss x forced_weight 0.1, the code's credit shaping (code_shaping), critic_init sft.
 """
 
@@ -46,7 +46,7 @@ from accelerate.utils import gather_object
 
 from common import runs
 from common.data import DataError, load_split, read_jsonl, require_metadata, sample_rows, write_jsonl
-from common.llm import backbone_of, chat_prompts, generate, right_pad, unknown_words
+from common.llm import backbone_of, chat_prompts, evaluation, generate, right_pad, unknown_words
 from common.metrics import answer_scores, doc_recall, f1_score, summarize
 from common.models import is_toy_lm, load_model_and_tokenizer, make_llm
 from common.retrieval import TfidfEncoder, load_corpus, open_retriever
@@ -70,7 +70,7 @@ class Args:
     dry_run: bool = arg(False, "print the resolved configuration, check its paths and models, load nothing")
     report_to: str = arg("none", "tracker beside metrics.jsonl", choices=["none", "tensorboard", "wandb"])
     seed: int = arg(0, "seed of models, sampling and data order")
-    eval_every: int = arg(10, "checkpoint every this many PPO updates", low=1)
+    eval_every: int | None = arg(None, "checkpoint and learning-curve point every this many PPO updates", low=1)
     data_dir: str | None = arg(None, "folder with train/test jsonl (FlashRAG QA)", group="data and models")
     world: str | None = arg(None, runs.WORLD_HELP)
     corpus: str | None = arg(None, "FlashRAG corpus jsonl (default: data_dir/corpus.jsonl)")
@@ -146,7 +146,8 @@ PRESETS = {  # field: (toy, paper), for the fields left at None; a flag override
     "sft_batch_size": (32, 64),  # [Tab. 5]
     "micro_batch_size": (8, 4),  # impl
     "ppo_iterations": (10, 120),  # impl: one episode of 7,500 questions, 64 per rollout
-    "rollout_batch": (128, 64),  # impl: 64 (header 13)
+    "rollout_batch": (64, 64),  # impl: 64
+    "eval_every": (2, 10),  # a learning-curve point and a checkpoint every 2 of the toy's 10 updates
     "ppo_batch_size": (32, 1024),  # [Tab. 6]
     "policy_lr": (1e-4, 5e-7),  # [Tab. 6]
     "value_lr": (1e-3, 5e-6),  # [Tab. 6]
@@ -955,6 +956,7 @@ def prediction_of(tree, record, decoding):
                 prediction=leaf["answer"], context=leaf["docs"], trajectory=path, **record)  # fmt: skip
 
 
+@evaluation
 def evaluate(model, tokenizer, env, rows, args, greedy=True, seed=0, batch=256, predictions=None):
     """Alg. 1 on the rows (greedy [App. C] or T = 1), batched; a list `predictions` gets each question's path."""
     start, records, trees = time.time(), [], []
@@ -1055,6 +1057,9 @@ def train(args):
                            optimizers=optimizers, schedulers=schedulers)  # fmt: skip
     if state := runs.load_training(accelerator, out / "ppo", objects(), rng):  # --resume
         steps["ppo"], record["warnings"] = state["iteration"], state["warnings"]  # the log goes on at iteration + 1
+    curve = lambda rows: evaluate(objects()["policy"], tokenizer, env, rows, args)  # greedy, as at inference [§4.1]
+    if steps["ppo"] == 0:  # the curve's start: the SFT proxy
+        runs.curve_point(accelerator, out, args, 0, curve)
     policy, value, *optimizers = accelerator.prepare(policy, value, *optimizers)
     mode = "standard" if args.standard_rollout else "tree"  # w/ Standard Rollout [Tab. 4]; binary tree [§3.1]
     rd = lambda k: tokenizer.encode(TEMPLATES[args.templates][k], add_special_tokens=False) + [tokenizer.eos_token_id]
@@ -1075,6 +1080,7 @@ def train(args):
         runs.log_update(accelerator, out, stats, step=it + 1)
         steps["ppo"] = it + 1
         if (it + 1) % args.eval_every == 0 or it + 1 == args.ppo_iterations:
+            runs.curve_point(accelerator, out, args, it + 1, curve)
             state = dict(record, iteration=it + 1)
             runs.save_training(accelerator, out / "ppo", objects()["policy"], tokenizer, state, objects(), rng)
     policy = accelerator.unwrap_model(policy)

@@ -51,7 +51,7 @@ from accelerate.utils import gather_object
 
 from common import retrieval, runs
 from common.data import UserError, load_split, read_jsonl, sample_rows, write_jsonl
-from common.llm import add_lora, chat_prompts, generate, right_pad, unknown_words
+from common.llm import add_lora, chat_prompts, evaluation, generate, right_pad, unknown_words
 from common.metrics import answer_scores, f1_score, summarize
 from common.models import load_model_and_tokenizer, make_llm
 from common.retrieval import CrossEncoderReranker, DenseRetriever, load_retriever, make_encoder, open_retriever
@@ -886,6 +886,7 @@ def path_record(p):
     return record | {"evidence_recall": len(supporting & seen) / len(supporting) if supporting else 1.0}
 
 
+@evaluation
 def evaluate(model, tokenizer, system, rows, args, predictions=None):
     """Greedy paths on the held-out questions: EM, F1, steps and tokens per question, overall and by metadata group."""
     model.eval()
@@ -981,6 +982,9 @@ def train(args):
     etas = runs.per_round(args.eta, args.rounds, "--eta")  # the first --rounds values (apply_preset checked them)
     epochs = [int(e) for e in runs.per_round(args.dpo_epochs, args.rounds, "--dpo_epochs")]
     shard = dpo_rows[accelerator.process_index :: accelerator.num_processes]
+    curve = lambda rows: evaluate(model, tokenizer, system, rows, args)  # the model of the round (greedy [§5.1.3])
+    if state["round"] == 0:  # the curve's start: the SFT model
+        runs.curve_point(accelerator, out, args, 0, curve)
     for rnd in range(state["round"], args.rounds):  # Theta_p from Theta_{p-1} [§4.3.2]
         t0, seed = time.time(), args.seed * 100_003 + rnd * 7919 + accelerator.process_index
         with accelerator.autocast():
@@ -995,6 +999,7 @@ def train(args):
         runs.log_update(accelerator, out, stats, step=rnd + 1)
         steps["dpo"] += n_steps
         stages.setdefault("rounds", []).append(stats)
+        runs.curve_point(accelerator, out, args, rnd + 1, curve)
         runs.save_training(accelerator, out / "dpo", model, tokenizer, saved(rnd + 1), {})
     stages["after"] = evaluate_stage(accelerator, out, "dpo", model, tokenizer, system, test_rows, args, args.rounds)
     accelerator.end_training()

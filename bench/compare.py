@@ -48,11 +48,11 @@ from common.metrics import normalize_answer  # noqa: E402
 
 METHODS = ("smartrag", "c3po", "sparkle", "tearag", "sparcrag")
 TRAIN_MINUTES = {
-    "tearag": 9,
-    "smartrag": 8,
-    "c3po": 7.5,
-    "sparkle": 7,
-    "sparcrag": 6,
+    "sparkle": 20,
+    "c3po": 12,
+    "smartrag": 10,
+    "tearag": 8,
+    "sparcrag": 8,
 }  # one core (README): longest first
 STAGES = ("ppo", "dpo", "sft")  # the checkpoint evaluated: the last stage a run saved
 COLUMNS = [("em", "EM", 3), ("f1", "F1", 3), ("acc", "acc", 3), ("retrievals", "retrievals", 2)]
@@ -393,7 +393,176 @@ def type_table(results, trained):
     return "\n".join(lines)
 
 
-def report(args, results, trained, meta):
+# the learning curves: each method's headline metric and headline cost on the validation subset (runs.curve_point)
+CURVE_COST = {"smartrag": "retrievals", "c3po": "llm_calls", "sparkle": "generated_tokens",
+              "tearag": "generated_tokens", "sparcrag": "tokens"}  # fmt: skip
+CURVE_X = {"smartrag": "PPO iterations", "c3po": "PPO updates", "sparkle": "PPO updates", "tearag": "IP-DPO rounds",
+           "sparcrag": "DPO steps (one offline stage)"}  # fmt: skip
+
+
+def curve(folder):
+    """A run's learning-curve points [(update, val figures, budget)] from its metrics.jsonl, by update (a resumed run
+    logs a point again: the last one counts)."""
+    path, points = Path(folder) / "metrics.jsonl", {}
+    for line in path.read_text().splitlines() if path.is_file() else []:
+        record = json.loads(line)
+        if record.get("stage") == "val":
+            points[record["update"]] = (record["update"], record["val"], record.get("budget", {}))
+    return [points[u] for u in sorted(points)]
+
+
+def budget(folder):
+    """A training run's budget (results.json): SFT and RL/DPO updates, tokens generated in training, CPU and wall
+    seconds."""
+    record = json.loads((Path(folder) / "results.json").read_text())
+    steps, spent = record.get("train_steps") or {}, record.get("budget") or {}
+    rl = sum(v for k, v in steps.items() if k != "sft")
+    return {"sft": steps.get("sft", 0), "rl": rl, "tokens": spent.get("generated_tokens", 0),
+            "cpu_s": spent.get("cpu_s", 0.0), "wall_s": record.get("wall_s", 0.0)}  # fmt: skip
+
+
+def budget_table(budgets):
+    """The training budget of each method: mean ± spread over the seeds."""
+    head = "| method | SFT updates | RL / DPO updates | tokens generated in training | CPU s | wall s |"
+    lines = [head, "|---|---|---|---|---|---|"]
+    for method, by_seed in budgets.items():
+        cells = []
+        for key, digits in (("sft", 0), ("rl", 0), ("tokens", 0), ("cpu_s", 0), ("wall_s", 0)):
+            mean, spread, *_ = stats([b[key] for b in by_seed.values()])
+            cells.append(f"{mean:,.{digits}f} ± {spread:,.{digits}f}" if len(by_seed) > 1 else f"{mean:,.{digits}f}")
+        lines.append(f"| {NAMES[method]} | " + " | ".join(cells) + " |")
+    return "\n".join(lines)
+
+
+def curve_table(curves):
+    """Each method's curve as text: F1 and its headline cost at every point, mean [min, max] over the seeds."""
+    lines = ["| method | update | F1 mean [min, max] | cost | cost mean [min, max] |", "|---|---|---|---|---|"]
+    for method, by_seed in curves.items():
+        for update, f1, cost in curve_stats(method, by_seed):
+            cell = lambda s: f"{s[0]:.3f} [{s[2]:.3f}, {s[3]:.3f}]"
+            lines.append(f"| {NAMES[method]} | {update} | {cell(f1)} | {CURVE_COST[method]} | {cell(cost)} |")
+    return "\n".join(lines)
+
+
+def curve_stats(method, by_seed):
+    """[(update, F1 stats, cost stats)] at the updates every seed's curve holds."""
+    common = sorted(set.intersection(*[{u for u, _, _ in c} for c in by_seed.values()])) if by_seed else []
+    at = lambda c, u: next(v for x, v, _ in c if x == u)
+    figures = lambda u, key: stats([at(c, u)[key] for c in by_seed.values()])
+    return [(u, figures(u, "f1"), figures(u, CURVE_COST[method])) for u in common]
+
+
+def plot_curves(curves, path, single=None):
+    """docs/curves.png: a panel per method, F1 (left axis) and the headline cost (right axis, dashed) on the
+    validation subset against training updates, the mean and min-max band over the seeds, x = 0 the SFT start;
+    `single`: a method, drawn alone (docs/curves/<method>.png)."""
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        print('no curves: matplotlib is missing (pip install -e ".[plot]" or pip install matplotlib)')
+        return None
+    methods = [single] if single else [m for m in curves if curves[m]]
+    fig, axes = plt.subplots(1, len(methods), figsize=(3.4 * len(methods) + 0.6, 3.2), squeeze=False)
+    for ax, method in zip(axes[0], methods):
+        points = curve_stats(method, curves[method])
+        x = [u for u, _, _ in points]
+        cost_ax = ax.twinx()
+        for axis, k, style, color, label in ((ax, 1, "-", "C0", "F1"), (cost_ax, 2, "--", "C3", CURVE_COST[method])):
+            axis.plot(x, [p[k][0] for p in points], style, color=color, marker="o", markersize=3, label=label)
+            axis.fill_between(x, [p[k][2] for p in points], [p[k][3] for p in points], color=color, alpha=0.2)
+            axis.tick_params(axis="y", colors=color)
+        ax.set_ylim(0, 1)
+        ax.axvline(0, color="grey", linewidth=0.8, linestyle=":")
+        ax.annotate("SFT start", (0, 1), xycoords=("data", "axes fraction"), fontsize=7, va="top", ha="left")
+        ax.set_title(NAMES[method], fontsize=10)
+        ax.set_xlabel(CURVE_X[method], fontsize=8)
+        ax.set_ylabel("F1 (validation)", color="C0", fontsize=8)
+        cost_ax.set_ylabel(CURVE_COST[method].replace("_", " ") + " / question", color="C3", fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path, dpi=80)
+    plt.close(fig)
+    return path
+
+
+# each paper's headline claims (the paper's words, in short), what a toy run tests them with ("ours") and the metric
+# (+ the cost it claims to cut); "after vs SFT start": the run's own test evaluations before and after its RL or DPO
+CLAIMS = {
+    "smartrag": dict(claim="PPO on the whole pipeline beats its own SFT warm-up", where="§4.4, Tab. 4",
+                     paper="PopQA F1 45.95 vs 43.87", baseline="the SFT policy", ours="after vs SFT start",
+                     metric="f1"),
+    "smartrag_2": dict(claim="beats RAG that retrieves once with the question", where="Tab. 1",
+                       paper="avg F1 41.25 vs 37.18", baseline="single-shot RAG", ours="vs single-shot RAG",
+                       metric="f1"),
+    "c3po": dict(claim="tree-rollout RL improves the proxy over its warm-up", where="§6.4", paper="acc +1.6 to +4.5",
+                 baseline="the SFT proxy", ours="after vs SFT start", metric="acc"),
+    "c3po_2": dict(claim="a small RL proxy with a frozen LLM beats standard RAG", where="Tab. 1",
+                   paper="avg acc 62.08 vs 51.35", baseline="single-shot RAG", ours="vs single-shot RAG",
+                   metric="acc"),
+    "sparkle": dict(claim="RL training of the proxy matters", where="Tab. 4", paper="avg -4.63 without RL",
+                    baseline="the proxy before RL (ours: after SFT)", ours="after vs SFT start", metric="f1"),
+    "sparkle_2": dict(claim="beats the strongest iterative RAG baseline", where="Tab. 1", paper="avg 56.04 vs 52.24",
+                      baseline="iterative RAG", ours="vs iterative RAG", metric="f1"),
+    "tearag": dict(claim="IP-DPO raises EM over the SFT model with fewer thinking tokens", where="Tab. 6, §5.3.2",
+                   paper="avg EM 45.12 vs 32.56", baseline="the SFT model", ours="after vs SFT start",
+                   metric="em+generated_tokens"),
+    "tearag_2": dict(claim="beats an iterative search agent's EM with ~61% fewer tokens", where="Tab. 6, Fig. 7",
+                     paper="EM 45.12 vs 43.37, 884 vs 2,281 tokens", baseline="iterative RAG",
+                     ours="vs iterative RAG", metric="em+generated_tokens"),
+    "sparcrag": dict(claim="DPO tuning gains F1 over the untuned system at lower token cost", where="App. C.1, Tab. 3",
+                     paper="HotpotQA F1 61.3 vs 55.9, 6.5K vs 20.2K tokens", baseline="untuned SPARC-RAG",
+                     ours="after vs SFT start", metric="f1+tokens"),
+    "sparcrag_2": dict(claim="depth-width scaling beats naive parallel scaling", where="Tab. 1",
+                       paper="HotpotQA F1 55.9 vs 42.4", baseline="naive parallel scaling",
+                       ours="vs naive parallel scaling", metric="f1"),
+}  # fmt: skip
+
+
+def verdict(diffs, lower=False):
+    """ "yes" when every seed's difference has the claimed sign, "mean only" when the mean has it, else "no"."""
+    sign = [-d if lower else d for d in diffs]
+    return "yes" if min(sign) > 0 else "mean only" if sum(sign) > 0 else "no"
+
+
+def claim_diffs(args, method, claim, results):
+    """Per seed: (metric difference, cost difference or None) of the trained method against what it claims to beat."""
+    metric, _, cost = claim["metric"].partition("+")
+    if claim["ours"] == "after vs SFT start":
+        runs_ = [json.loads((run_dir(args, method, s) / "results.json").read_text()) for s in args.seeds]
+        diff = lambda key: [r["after"][key] - r["before"][key] for r in runs_]
+    else:
+        base = next((v for k, v in results.items() if k.startswith(claim["ours"][3:])), None)
+        if base is None:
+            return None, None
+        mine = next(v for k, v in results.items() if k.startswith(NAMES[method] + " ("))
+        diff = lambda key: [mine[s][key] - base[s][key] for s in args.seeds]
+    return diff(metric), diff(cost) if cost else None
+
+
+def claims_table(args, results):
+    """Each paper's headline claim (CLAIMS) beside our figure with its seed spread, and whether it reproduces."""
+    lines = ["| paper | claim | the paper's figure | against | ours: Δ mean [min, max] | reproduced |"]
+    lines.append("|---|---|---|---|---|---|")
+    for key, claim in CLAIMS.items():
+        method = key.split("_")[0]
+        if method not in args.methods:
+            continue
+        metric, cost = claim_diffs(args, method, claim, results)
+        if metric is None:  # a baseline not run (--baselines)
+            continue
+        name = claim["metric"].split("+")
+        cell = lambda d, n: f"{n} {stats(d)[0]:+.3f} [{stats(d)[2]:+.3f}, {stats(d)[3]:+.3f}]"
+        ours, answer = cell(metric, name[0]), f"{name[0]}: {verdict(metric)}"
+        if cost is not None:
+            ours, answer = f"{ours}; {cell(cost, name[1])}", f"{answer}; {name[1]}: {verdict(cost, lower=True)}"
+        text = f"{claim['claim']} [{claim['where']}]"
+        lines.append(f"| {NAMES[method]} | {text} | {claim['paper']} | {claim['baseline']} | {ours} | {answer} |")
+    return "\n".join(lines)
+
+
+def report(args, results, trained, meta, budgets=None, curves=None, claims=""):
     """docs/results.md."""
     seeds = ", ".join(map(str, args.seeds))
     spread = "mean ± spread (max − min) over the seeds" if len(args.seeds) > 1 else "one seed"
@@ -401,24 +570,57 @@ def report(args, results, trained, meta):
         "Every method is its untrained start (its preset's model)"
         if args.untrained
         else f"Every method is its own file's `--train` run with the `--preset {args.preset}` defaults (checkpoints "
-        f"in `{args.runs}/<method>/seed<S>`)"
+        f"in `{args.runs}/<method>/seed<S>`), trained on the same pool, the training split's questions of every type"
     )
+    trained_part = ""
+    if budgets:
+        trained_part = f"""
+## Each paper's headline claim on the toy world
+
+Each claim as the paper states it, the figure the paper reports, and ours: the difference (trained method minus the
+system it claims to beat) per seed, its mean and [min, max] over the seeds. "yes": the difference has the paper's sign
+on every seed; "mean only": in the mean, not on every seed; "no": not in the mean. Start-vs-trained rows use each
+run's own test evaluations (results.json `before`, `after`); rows against a baseline use the table above.
+
+{claims}
+
+## Training budget
+
+Per run, {spread}: optimizer updates of the SFT warm-up and of the RL or preference stage, tokens the trained model
+generated during training (rollouts, sampled paths, pairs; evaluations excluded: `common.llm.TrainingTokens`), the
+run's CPU seconds (loading and its own evaluations included) and wall seconds (beside --jobs {args.jobs} trainings on
+this machine).
+
+{budget_table(budgets)}
+
+## Learning curves
+
+![F1 and the headline cost on the validation subset during training](curves.png)
+
+Every method evaluates greedily on the same fixed validation subset (the first {runs.N_VAL} questions of the data's
+dev split, every type) at fixed points of its RL or preference stage (`runs.curve_point`: x = 0 is the SFT model, then
+every `eval_every` PPO updates, each IP-DPO round, SPARC-RAG's one offline DPO stage at its end); the line is the mean
+over the seeds, the band their min-max. The same points as numbers:
+
+{curve_table(curves)}
+"""
     return f"""# Results: the five methods and the baselines on one split
 
-Written by `{meta["command"]}` ({meta["date"]}, {meta["machine"]}, torch {meta["torch"]}, {args.threads} torch
-thread(s) for the timed evaluations, load average {meta["load"]} as they began and ended; the trainings before
-them: `--jobs {args.jobs}`, one core each). Data:
-`{args.data_dir}`, the first {meta["n"]} questions of its test split for every system; training seeds {seeds};
-{spread}. {trainings}, evaluated greedily by its own `evaluate`; the baselines need no
-training.
+Written by `{meta["command"]}` ({meta["date"]}, {meta["machine"]}, torch {meta["torch"]}; the whole command took
+{meta["wall"]}, trainings included where it ran them: `--jobs {args.jobs}`, one core each; {args.threads} torch
+thread(s) for the timed evaluations, load average {meta["load"]} as they began and ended). Data: `{args.data_dir}`,
+the first {meta["n"]} questions of its test split for every system; training seeds {seeds}; {spread}. {trainings},
+evaluated greedily by its own `evaluate`; the baselines need no training.
 
 {table(results)}
 
-F1 by question type (mean over the seeds), and the question types each method's preset trains on:
+F1 by question type (mean over the seeds), and the question types each method trained on:
 
 {type_table(results, trained)}
 
 ![F1 against generated tokens and LLM calls per question](results.png)
+{trained_part}
+## The columns
 
 - EM, F1, acc: FlashRAG's exact match, token F1 and sub-exact match (`common.metrics`), per question.
 - retrievals: search calls per question (TeaRAG: one hybrid chunk + graph search per step; SPARC-RAG: one per
@@ -491,7 +693,7 @@ def main(argv=None):
 
     import torch
 
-    args = parse_args(argv)
+    args, begin = parse_args(argv), time.time()
     if args.replot:  # the picture of a table edited by hand: methods are the systems named after one
         results = table_results(args.replot)
         Path(args.out).mkdir(parents=True, exist_ok=True)
@@ -522,8 +724,15 @@ def main(argv=None):
     load.append(os.getloadavg()[0])
     order = [s for s in results if s in names] + [s for s in results if s not in names]
     results = {s: results[s] for s in order}
+    budgets, curves, claims = None, None, ""
+    if not args.untrained:  # the training budgets, learning curves and claims of the runs
+        budgets = {m: {s: budget(run_dir(args, m, s)) for s in args.seeds} for m in args.methods}
+        curves = {m: {s: c for s in args.seeds if (c := curve(run_dir(args, m, s)))} for m in args.methods}
+        claims = claims_table(args, results)
     command = "python bench/compare.py" + "".join(f" {a}" for a in (sys.argv[1:] if argv is None else argv))
     meta = {"command": command, "date": time.strftime("%Y-%m-%d"), "torch": torch.__version__, "n": len(rows)}
+    minutes = (time.time() - begin) / 60
+    meta["wall"] = f"{minutes:.0f} minutes" if minutes >= 2 else f"{minutes * 60:.0f} s"
     meta["load"] = " and ".join(f"{x:.1f}" for x in load)  # the 1-minute load average as the evaluations began, ended
     meta["machine"] = (
         f"{platform.machine()} CPU, {os.cpu_count()} cores"
@@ -534,10 +743,15 @@ def main(argv=None):
     out.mkdir(parents=True, exist_ok=True)
     runs_dir.mkdir(parents=True, exist_ok=True)
     (runs_dir / "compare.json").write_text(json.dumps({"meta": meta, "trained_on": trained, "results": results}))
-    (out / "results.md").write_text(report(args, results, trained, meta))
-    picture = plot(results, names, out / "results.png")
+    (out / "results.md").write_text(report(args, results, trained, meta, budgets, curves, claims))
+    pictures = [plot(results, names, out / "results.png")]
+    if curves and any(curves.values()):  # the curves, and each method's panel for its docs page
+        (out / "curves").mkdir(exist_ok=True)
+        pictures.append(plot_curves(curves, out / "curves.png"))
+        pictures += [plot_curves(curves, out / "curves" / f"{m}.png", single=m) for m in curves if curves[m]]
     print(table(results))
-    print(f"wrote {out / 'results.md'}" + (f", {picture}" if picture else "") + f" and {runs_dir / 'compare.json'}")
+    wrote = ", ".join(str(p) for p in pictures if p)
+    print(f"wrote {out / 'results.md'}" + (f", {wrote}" if wrote else "") + f" and {runs_dir / 'compare.json'}")
 
 
 if __name__ == "__main__":

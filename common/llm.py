@@ -9,6 +9,7 @@ tokenizer can only read as its unk token. This module knows nothing of the toy w
 `toy-lm` models and `toy:<world>` reader, and method files load through there.
 """
 
+import functools
 import http.client
 import json
 import os
@@ -165,6 +166,27 @@ def eos_ids_of(model, tokenizer):
     return sorted(i for i in ids if i is not None)
 
 
+class TrainingTokens:
+    """Tokens generate() wrote in this process outside evaluations (functions marked @evaluation): the generation
+    share of a run's training budget, in results.json's "budget"."""
+
+    total, paused = 0, False
+
+
+def evaluation(fn):
+    """Mark an evaluation: the tokens it generates are not counted in TrainingTokens."""
+
+    @functools.wraps(fn)
+    def wrapper(*args, **kwargs):
+        paused, TrainingTokens.paused = TrainingTokens.paused, True
+        try:
+            return fn(*args, **kwargs)
+        finally:
+            TrainingTokens.paused = paused
+
+    return wrapper
+
+
 @torch.no_grad()
 def generate(
     model,
@@ -208,6 +230,7 @@ def generate(
     )
     rows = [finish_row(ids, tokenizer, stop, eos_ids) for ids in output[:, input_ids.shape[1] :].tolist()]
     texts, token_ids, finished = (list(column) for column in zip(*rows))
+    TrainingTokens.total += 0 if TrainingTokens.paused else sum(map(len, token_ids))
     return Generation(texts, token_ids, prompt_ids, finished)
 
 

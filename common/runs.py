@@ -370,6 +370,30 @@ def log_eval(accelerator, out, stage, result, step):
     accelerator.log({f"eval/{k}": v for k, v in result.items() if isinstance(v, float)}, step=step)
 
 
+N_VAL = 100  # the learning curve's validation questions: the first N_VAL of the data's dev split
+
+
+def curve_point(accelerator, out, args, update, evaluate):
+    """A learning-curve point after `update` updates of the RL or preference stage (0: its start, the SFT model):
+    evaluate(rows) greedily on the fixed validation subset, the first N_VAL rows of dev.jsonl (no point without one),
+    logged to metrics.jsonl as {"stage": "val", "update", "val": its numbers, "budget": spent so far} and the trackers.
+    The random states are restored after it: training draws what it would without the curve."""
+    from common.data import load_split  # noqa: PLC0415
+    from common.llm import TrainingTokens  # noqa: PLC0415
+
+    if not (Path(args.data_dir) / "dev.jsonl").is_file():
+        return
+    states = random.getstate(), np.random.get_state(), torch.get_rng_state()
+    with accelerator.autocast():
+        result = evaluate(load_split(args.data_dir, "dev")[:N_VAL])
+    random.setstate(states[0]), np.random.set_state(states[1]), torch.set_rng_state(states[2])  # training draws on
+    val = {k: v for k, v in result.items() if isinstance(v, (int, float)) and not isinstance(v, bool)}
+    budget = {"generated_tokens": TrainingTokens.total, "cpu_s": round(time.process_time(), 1)}
+    record = {"stage": "val", "update": update, "val": val, "budget": budget}
+    append_metrics(Path(out) / "metrics.jsonl", record, accelerator.is_main_process)
+    accelerator.log({f"val/{k}": v for k, v in val.items()}, step=update)
+
+
 def save_training(accelerator, folder, model, tokenizer, state, objects, *rngs):
     """A resumable checkpoint (call it on every process): the model (save_pretrained), `state` plus every process's
     random states (python, numpy, torch and `rngs`), and in training.pt the state dicts of `objects` (name -> an object
@@ -537,7 +561,16 @@ def result_record(method, args, before_sft, before, after, steps, wall, llm_call
             "model": args.model, "dataset": args.data_dir, "n_eval": final["n"], "before_sft": before_sft,
             "before": before, "after": final, "retrievals_per_question": final["retrievals"],
             "llm_calls_per_question": final[llm_calls], "generated_tokens_per_question": final["generated_tokens"],
-            "wall_s": round(wall, 1), "train_steps": steps, "args": asdict(args)}  # fmt: skip
+            "wall_s": round(wall, 1), "train_steps": steps, "budget": budget(steps), "args": asdict(args)}  # fmt: skip
+
+
+def budget(steps):
+    """A run's training budget: its updates (optimizer steps of every stage), the tokens this process generated
+    outside evaluations (common.llm.TrainingTokens) and its CPU seconds (evaluations and loading included)."""
+    from common.llm import TrainingTokens  # noqa: PLC0415
+
+    updates = sum(v for v in (steps or {}).values() if isinstance(v, int))
+    return {"updates": updates, "generated_tokens": TrainingTokens.total, "cpu_s": round(time.process_time(), 1)}
 
 
 TABLE = ("em", "f1", "acc", "reward", "retrievals", "llm_calls", "generated_tokens")  # the end-of-run table's rows

@@ -543,3 +543,16 @@ def test_a_prompt_longer_than_the_context_is_cut_in_the_middle_with_a_warning():
     with pytest.warns(UserWarning):
         assert llm.fit_context([long], model, 3) == [long[:14] + long[-15:]]  # odd room: the tail takes the extra one
     assert llm.fit_context([long], model, 31) == [long]  # no room to cut to (under 2 tokens): left as it is
+
+
+def test_training_tokens_count_what_generate_writes_outside_evaluations(tiny):
+    model, tokenizer = tiny
+    start = llm.TrainingTokens.total
+    written = generate(model, tokenizer, ["a b", "c"], 3, do_sample=False).token_ids
+    assert sum(map(len, written)) > 0 and llm.TrainingTokens.total == start + sum(map(len, written))
+    evaluated = llm.evaluation(lambda: generate(model, tokenizer, ["a b"], 3, do_sample=False))
+    assert evaluated().token_ids  # it generated, and nothing was counted
+    assert llm.TrainingTokens.total == start + sum(map(len, written)) and not llm.TrainingTokens.paused
+    with pytest.raises(ZeroDivisionError):  # an evaluation that fails leaves the counter counting
+        llm.evaluation(lambda: 1 / 0)()
+    assert not llm.TrainingTokens.paused

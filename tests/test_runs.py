@@ -1,10 +1,13 @@
 """common/runs.py: atomic checkpoints that survive a crash, metrics lines, the results contract's files."""
 
+import contextlib
 import json
 import os
+import random
 import shutil
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -703,6 +706,8 @@ def test_result_record_is_the_result_contract():
     before = {"n": 8, "retrievals": 1.5, "llm_calls": 2.0, "policy_calls": 3.0, "generated_tokens": 9.0}
     after = dict(before, retrievals=0.5, llm_calls=1.0, policy_calls=1.0)
     record = runs.result_record("m", Args(), {"n": 8}, before, after, {"sft": 2, "ppo": 3}, 12.345)
+    spent = record.pop("budget")  # updates of every stage; this process's training tokens and CPU seconds so far
+    assert spent["updates"] == 5 and spent["generated_tokens"] >= 0 and 0 < spent["cpu_s"] <= time.process_time() + 0.05
     assert record == {"method": "m", "mode": "train", "preset": "toy", "seed": 1, "model": "toy-lm",
                       "dataset": "data/toy", "n_eval": 8, "before_sft": {"n": 8}, "before": before, "after": after,
                       "retrievals_per_question": 0.5, "llm_calls_per_question": 1.0,
@@ -974,3 +979,54 @@ def test_off_a_terminal_the_libraries_bars_stay_silent(monkeypatch):
     finally:
         hf_logging.enable_progress_bar()
     assert os.environ["HF_HUB_DISABLE_PROGRESS_BARS"] == "0"
+
+
+class CurveAccelerator:
+    """What runs.curve_point uses of an Accelerator."""
+
+    is_main_process = True
+
+    def __init__(self):
+        self.logged = []
+
+    def autocast(self):
+        return contextlib.nullcontext()
+
+    def log(self, values, step):
+        self.logged.append((step, values))
+
+
+def test_curve_point_logs_the_validation_subset_and_leaves_the_training_draws_alone(tmp_path):
+    from dataclasses import dataclass
+
+    import numpy as np
+
+    @dataclass
+    class Args:
+        data_dir: str
+
+    rows = [{"id": str(i), "question": f"q{i}", "golden_answers": ["a"], "metadata": {}} for i in range(150)]
+    (tmp_path / "dev.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    seen = []
+
+    def evaluate(rows):  # an evaluation that draws from every generator, as sampling and shuffles do
+        seen.append([r["id"] for r in rows])
+        random.random(), np.random.rand(), torch.rand(1)
+        return {"f1": 0.25, "n": len(rows), "ok": True, "groups": {"x": {"f1": 1.0}}, "setting": "greedy"}
+
+    draws = lambda: (random.random(), float(np.random.rand()), float(torch.rand(1)))
+    for generator in (random.seed, np.random.seed, torch.manual_seed):
+        generator(3)
+    expected = draws()
+    for generator in (random.seed, np.random.seed, torch.manual_seed):
+        generator(3)
+    accelerator = CurveAccelerator()
+    runs.curve_point(accelerator, tmp_path, Args(str(tmp_path)), 4, evaluate)
+    assert draws() == expected  # training goes on drawing what it would have without the curve
+    assert seen == [[str(i) for i in range(runs.N_VAL)]]  # the first N_VAL dev questions, in file order
+    line = json.loads((tmp_path / "metrics.jsonl").read_text())
+    assert line["stage"] == "val" and line["update"] == 4 and line["val"] == {"f1": 0.25, "n": 100}
+    assert set(line["budget"]) == {"generated_tokens", "cpu_s"}
+    assert accelerator.logged == [(4, {"val/f1": 0.25, "val/n": 100})]
+    runs.curve_point(accelerator, tmp_path / "metrics.jsonl", Args(str(tmp_path / "none")), 5, evaluate)
+    assert len(seen) == 1  # no dev split: no point
