@@ -47,7 +47,7 @@ from accelerate import PartialState
 
 from common import runs
 from common.data import load_split, sample_rows, write_jsonl
-from common.llm import backbone_of, chat_prompts, evaluation, generate, right_pad, unknown_words
+from common.llm import backbone_of, chat_prompts, generate, right_pad, unknown_words
 from common.metrics import answer_scores, cover_em, summarize
 from common.models import load_model_and_tokenizer, make_llm
 from common.retrieval import open_retriever
@@ -1104,7 +1104,7 @@ def node_text(node):
     return " ".join(str(node.get("answer") if node["kind"] == "leaf" else node["text"]).split())
 
 
-@evaluation
+@runs.evaluation
 def evaluate(model, tokenizer, env, rows, args, greedy=True, seed=0, batch=256, predictions=None):
     """Alg. 1 on the rows (greedy or T = 1), batched; a list `predictions` gets each question's path and scores."""
     start, records, (mode, decoding) = time.time(), [], ("greedy", "greedy") if greedy else ("sample", "sampled")

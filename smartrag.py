@@ -50,7 +50,7 @@ from accelerate.utils import broadcast, gather_object
 
 from common import runs
 from common.data import load_split, sample_rows, write_jsonl
-from common.llm import backbone_of, chat_prompts, evaluation, generate, left_pad, right_pad, unknown_words
+from common.llm import backbone_of, chat_prompts, generate, left_pad, right_pad, unknown_words
 from common.metrics import answer_scores, cover_em, f1_score, summarize
 from common.models import is_toy_lm, load_model_and_tokenizer, make_llm
 from common.retrieval import open_retriever
@@ -796,7 +796,7 @@ def episode_record(e):
     return record | ({"hit": cover_em(e["observations"][0], golds)} if e["observations"] else {})
 
 
-@evaluation
+@runs.evaluation
 def evaluate(model, tokenizer, env, rows, args, tag_ids, greedy, seed=0, batch=256):
     """EM, F1, return (gamma = 1), retrieval rate and hit, overall and by metadata group; and the episodes."""
     model.eval()

@@ -50,7 +50,7 @@ from accelerate.utils import gather_object
 
 from common import runs
 from common.data import load_split, sample_rows, write_jsonl
-from common.llm import add_lora, chat_prompts, evaluation, generate, right_pad, unknown_words
+from common.llm import add_lora, chat_prompts, generate, right_pad, unknown_words
 from common.metrics import answer_scores, exact_match, f1_score, normalize_answer, sub_exact_match
 from common.models import load_model_and_tokenizer, make_llm
 from common.retrieval import open_retriever
@@ -770,7 +770,7 @@ def summarize(records, rows):
     return mean(records) | {"groups": {k: {m: v for m, v in mean(g).items() if m in keep} for k, g in groups.items()}}
 
 
-@evaluation
+@runs.evaluation
 def evaluate(ctx, rows, width, depth, early_exit, predictions=None):
     """SPARC-RAG on the rows (split over the processes, gathered in order); `predictions`: a json line per question."""
     start, args = time.time(), ctx["args"]

@@ -46,7 +46,7 @@ from accelerate.utils import gather_object
 
 from common import runs
 from common.data import DataError, load_split, read_jsonl, require_metadata, sample_rows, write_jsonl
-from common.llm import backbone_of, chat_prompts, evaluation, generate, right_pad, unknown_words
+from common.llm import backbone_of, chat_prompts, generate, right_pad, unknown_words
 from common.metrics import answer_scores, doc_recall, f1_score, summarize
 from common.models import is_toy_lm, load_model_and_tokenizer, make_llm
 from common.retrieval import TfidfEncoder, load_corpus, open_retriever
@@ -956,7 +956,7 @@ def prediction_of(tree, record, decoding):
                 prediction=leaf["answer"], context=leaf["docs"], trajectory=path, **record)  # fmt: skip
 
 
-@evaluation
+@runs.evaluation
 def evaluate(model, tokenizer, env, rows, args, greedy=True, seed=0, batch=256, predictions=None):
     """Alg. 1 on the rows (greedy [App. C] or T = 1), batched; a list `predictions` gets each question's path."""
     start, records, trees = time.time(), [], []

@@ -51,7 +51,7 @@ from accelerate.utils import gather_object
 
 from common import retrieval, runs
 from common.data import UserError, load_split, read_jsonl, sample_rows, write_jsonl
-from common.llm import add_lora, chat_prompts, evaluation, generate, right_pad, unknown_words
+from common.llm import add_lora, chat_prompts, generate, right_pad, unknown_words
 from common.metrics import answer_scores, f1_score, summarize
 from common.models import load_model_and_tokenizer, make_llm
 from common.retrieval import CrossEncoderReranker, DenseRetriever, load_retriever, make_encoder, open_retriever
@@ -886,7 +886,7 @@ def path_record(p):
     return record | {"evidence_recall": len(supporting & seen) / len(supporting) if supporting else 1.0}
 
 
-@evaluation
+@runs.evaluation
 def evaluate(model, tokenizer, system, rows, args, predictions=None):
     """Greedy paths on the held-out questions: EM, F1, steps and tokens per question, overall and by metadata group."""
     model.eval()

@@ -9,7 +9,6 @@ tokenizer can only read as its unk token. This module knows nothing of the toy w
 `toy-lm` models and `toy:<world>` reader, and method files load through there.
 """
 
-import functools
 import http.client
 import json
 import os
@@ -23,6 +22,8 @@ from pathlib import Path
 
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer, PreTrainedTokenizerFast, StoppingCriteriaList
+
+from common.runs import TrainingTokens
 
 LLM_SPECS = '"hf:<model name or folder>", "http(s)://<host>/v1" (an OpenAI-compatible endpoint)'
 # A checkpoint's generation_config.json may carry its own processors (Qwen2.5-Instruct: repetition_penalty=1.05).
@@ -164,27 +165,6 @@ def eos_ids_of(model, tokenizer):
     configured = getattr(model.generation_config, "eos_token_id", None)
     ids = set(configured if isinstance(configured, list) else [configured]) | {tokenizer.eos_token_id}
     return sorted(i for i in ids if i is not None)
-
-
-class TrainingTokens:
-    """Tokens generate() wrote in this process outside evaluations (functions marked @evaluation): the generation
-    share of a run's training budget, in results.json's "budget"."""
-
-    total, paused = 0, False
-
-
-def evaluation(fn):
-    """Mark an evaluation: the tokens it generates are not counted in TrainingTokens."""
-
-    @functools.wraps(fn)
-    def wrapper(*args, **kwargs):
-        paused, TrainingTokens.paused = TrainingTokens.paused, True
-        try:
-            return fn(*args, **kwargs)
-        finally:
-            TrainingTokens.paused = paused
-
-    return wrapper
 
 
 @torch.no_grad()

@@ -3,6 +3,7 @@ atomically (a crash never leaves a half-written one) that --resume continues wit
 metrics.jsonl and results.json with the final `RESULT {...}` line; run_main ends a user's mistake in one line."""
 
 import copy
+import functools
 import json
 import math
 import os
@@ -370,6 +371,27 @@ def log_eval(accelerator, out, stage, result, step):
     accelerator.log({f"eval/{k}": v for k, v in result.items() if isinstance(v, float)}, step=step)
 
 
+class TrainingTokens:
+    """Tokens common.llm.generate wrote in this process outside evaluations (functions marked @evaluation): the
+    generation share of a run's training budget, in results.json's "budget"."""
+
+    total, paused = 0, False
+
+
+def evaluation(fn):
+    """Mark an evaluation: the tokens it generates are not counted in TrainingTokens."""
+
+    @functools.wraps(fn)
+    def wrapper(*args, **kwargs):
+        paused, TrainingTokens.paused = TrainingTokens.paused, True
+        try:
+            return fn(*args, **kwargs)
+        finally:
+            TrainingTokens.paused = paused
+
+    return wrapper
+
+
 N_VAL = 100  # the learning curve's validation questions: the first N_VAL of the data's dev split
 
 
@@ -379,7 +401,6 @@ def curve_point(accelerator, out, args, update, evaluate):
     logged to metrics.jsonl as {"stage": "val", "update", "val": its numbers, "budget": spent so far} and the trackers.
     The random states are restored after it: training draws what it would without the curve."""
     from common.data import load_split  # noqa: PLC0415
-    from common.llm import TrainingTokens  # noqa: PLC0415
 
     if not (Path(args.data_dir) / "dev.jsonl").is_file():
         return
@@ -566,9 +587,7 @@ def result_record(method, args, before_sft, before, after, steps, wall, llm_call
 
 def budget(steps):
     """A run's training budget: its updates (optimizer steps of every stage), the tokens this process generated
-    outside evaluations (common.llm.TrainingTokens) and its CPU seconds (evaluations and loading included)."""
-    from common.llm import TrainingTokens  # noqa: PLC0415
-
+    outside evaluations (TrainingTokens) and its CPU seconds (evaluations and loading included)."""
     updates = sum(v for v in (steps or {}).values() if isinstance(v, int))
     return {"updates": updates, "generated_tokens": TrainingTokens.total, "cpu_s": round(time.process_time(), 1)}
 

@@ -54,6 +54,12 @@ def check_contract(out_dir, stdout):
         assert all(round(results[side][k], 4) == v for k, v in head.get(side, {}).items()), (side, head)
     written = (Path(out_dir) / "results.json").resolve()  # the path as given: relative to the run's working folder
     assert written == Path(head["results"]).resolve() or written.as_posix().endswith("/" + head["results"]), head
+    if results["mode"] == "train":  # the budget, and the learning curve where the data has a dev split
+        assert results["budget"]["updates"] == sum(results["train_steps"].values()) and results["budget"]["cpu_s"] > 0
+        dev = Path(results["args"]["data_dir"]) / "dev.jsonl"
+        lines = (Path(out_dir) / "metrics.jsonl").read_text().splitlines() if dev.is_file() else []
+        updates = [record["update"] for record in map(json.loads, lines) if record.get("stage") == "val"]
+        assert not dev.is_file() or (0 in updates and len(updates) >= 2), updates  # the SFT start and later
     return results
 
 

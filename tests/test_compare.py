@@ -7,6 +7,7 @@ import os
 import subprocess
 import sys
 from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
 
@@ -58,8 +59,63 @@ def test_compare_trains_once_reuses_the_run_and_reports_uniform_costs(tmp_path):
     )
     if (out / "results.png").exists():  # matplotlib installed (the dev extra)
         assert (out / "results.png").stat().st_size < 100_000
+    points = compare().curve(runs_dir / "sparcrag" / "seed0")  # the untuned start and the end of its DPO stage
+    steps = json.loads((runs_dir / "sparcrag" / "seed0" / "results.json").read_text())["train_steps"]["dpo"]
+    assert [u for u, _, _ in points] == [0, steps] and all(v["n"] == 100 for _, v, _ in points)
+    assert "## Training budget" in table and "| SPARC-RAG | 6 | " in table  # its 6 SFT updates
+    assert "| SPARC-RAG | depth-width scaling beats naive parallel scaling [Tab. 1] |" in table
+    if (out / "results.png").exists():
+        assert (out / "curves.png").is_file() and (out / "curves" / "sparcrag.png").is_file()
     run("compare.py", *flags, "--baselines", "none")  # again: the finished run is reused, not trained again
     assert len(commands()) == 1
+
+
+def compare():
+    """bench/compare.py as a module."""
+    sys.path.insert(0, str(ROOT / "bench"))
+    import compare
+
+    return compare
+
+
+def test_curves_budgets_and_claims_read_the_runs_as_written(tmp_path):
+    c = compare()
+    for seed, (f1s, tokens) in enumerate([((0.5, 0.6, 0.7), (30, 20, 10)), ((0.3, 0.6, 0.9), (40, 40, 40))]):
+        folder = tmp_path / "tearag" / f"seed{seed}"
+        folder.mkdir(parents=True)
+        lines = [{"stage": "val", "update": u, "val": {"f1": f, "generated_tokens": t}, "budget": {"cpu_s": 1.0}}
+                 for u, f, t in zip((0, 1, 2), f1s, tokens)]  # fmt: skip
+        lines.insert(2, {"stage": "val", "update": 1, "val": {"f1": 0.0, "generated_tokens": 0}})  # resumed: last wins
+        lines.insert(1, {"losses/dpo": 0.5, "round": 1})
+        (folder / "metrics.jsonl").write_text("".join(json.dumps(line) + "\n" for line in lines))
+        results = {"train_steps": {"sft": 100, "dpo": 7 + seed}, "budget": {"generated_tokens": 50, "cpu_s": 9.5},
+                   "wall_s": 12.0, "before": {"em": 0.5, "generated_tokens": 60.0},
+                   "after": {"em": 0.5 + 0.1 * (seed - 0.5), "generated_tokens": 50.0}}  # fmt: skip
+        (folder / "results.json").write_text(json.dumps(results))
+    curves = {"tearag": {s: c.curve(tmp_path / "tearag" / f"seed{s}") for s in (0, 1)}}
+    assert [(u, v["f1"]) for u, v, _ in curves["tearag"][0]] == [(0, 0.5), (1, 0.0), (2, 0.7)]
+    [(u0, f0, t0), _, (u2, f2, t2)] = c.curve_stats("tearag", curves["tearag"])
+    assert (
+        (u0, u2) == (0, 2) and f0 == pytest.approx((0.4, 0.2, 0.3, 0.5)) and f2 == pytest.approx((0.8, 0.2, 0.7, 0.9))
+    )
+    assert t2 == pytest.approx((25, 30, 10, 40))  # tokens: mean, spread, min, max
+    assert c.budget(tmp_path / "tearag" / "seed1") == {"sft": 100, "rl": 8, "tokens": 50, "cpu_s": 9.5, "wall_s": 12.0}
+    assert "| TeaRAG | 100 ± 0 | 8 ± 1 | 50 ± 0 | 10 ± 0 | 12 ± 0 |" in c.budget_table(
+        {"tearag": {s: c.budget(tmp_path / "tearag" / f"seed{s}") for s in (0, 1)}}
+    )
+    args = SimpleNamespace(runs=str(tmp_path), seeds=[0, 1], methods=["tearag"])
+    em, tokens = c.claim_diffs(args, "tearag", c.CLAIMS["tearag"], {})
+    assert em == pytest.approx([-0.05, 0.05]) and tokens == pytest.approx([-10, -10])
+    assert (c.verdict(em), c.verdict([0.1, 0.2]), c.verdict([-0.1, -0.2])) == ("no", "yes", "no")
+    assert (c.verdict([-0.1, 0.3]), c.verdict(tokens, lower=True)) == ("mean only", "yes")
+    results = {
+        "TeaRAG (dpo)": {0: {"em": 0.7, "generated_tokens": 50.0}, 1: {"em": 0.8, "generated_tokens": 40.0}},
+        "iterative RAG, 3 retrievals (IRCoT-style)": {s: {"em": 0.75, "generated_tokens": 20.0} for s in (0, 1)},
+    }
+    assert c.claim_diffs(args, "tearag", c.CLAIMS["tearag_2"], results) == (pytest.approx([-0.05, 0.05]), [30, 20])
+    row = c.claims_table(args, results).splitlines()[-1]
+    assert "em +0.000 [-0.050, +0.050]; generated_tokens +25.000 [+20.000, +30.000]" in row
+    assert row.endswith("| em: no; generated_tokens: no |")  # the mean difference is 0: not reproduced
 
 
 def test_compare_evaluates_every_method_with_its_own_code(tmp_path):

@@ -17,7 +17,7 @@ import torch
 from tokenizers import Tokenizer, models, pre_tokenizers
 from transformers import PreTrainedTokenizerFast, Qwen2Config, Qwen2ForCausalLM
 
-from common import llm
+from common import llm, runs
 from common.llm import (
     Generation,
     LLMRequestError,
@@ -547,12 +547,12 @@ def test_a_prompt_longer_than_the_context_is_cut_in_the_middle_with_a_warning():
 
 def test_training_tokens_count_what_generate_writes_outside_evaluations(tiny):
     model, tokenizer = tiny
-    start = llm.TrainingTokens.total
+    start = runs.TrainingTokens.total
     written = generate(model, tokenizer, ["a b", "c"], 3, do_sample=False).token_ids
-    assert sum(map(len, written)) > 0 and llm.TrainingTokens.total == start + sum(map(len, written))
-    evaluated = llm.evaluation(lambda: generate(model, tokenizer, ["a b"], 3, do_sample=False))
+    assert sum(map(len, written)) > 0 and runs.TrainingTokens.total == start + sum(map(len, written))
+    evaluated = runs.evaluation(lambda: generate(model, tokenizer, ["a b"], 3, do_sample=False))
     assert evaluated().token_ids  # it generated, and nothing was counted
-    assert llm.TrainingTokens.total == start + sum(map(len, written)) and not llm.TrainingTokens.paused
+    assert runs.TrainingTokens.total == start + sum(map(len, written)) and not runs.TrainingTokens.paused
     with pytest.raises(ZeroDivisionError):  # an evaluation that fails leaves the counter counting
-        llm.evaluation(lambda: 1 / 0)()
-    assert not llm.TrainingTokens.paused
+        runs.evaluation(lambda: 1 / 0)()
+    assert not runs.TrainingTokens.paused

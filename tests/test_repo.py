@@ -34,7 +34,8 @@ def code_rows(source):
 
 
 # the files still over the cap, held at their size until they reach it: the paper's prompts word for word (125-180
-# rows), its ablations and (TeaRAG) its graph retrieval leave no room without packing or dropping paper content
+# rows), its ablations and (TeaRAG) its graph retrieval leave no room without packing or dropping paper content; the
+# learning curve's points took each file 4-6 rows
 OVER_THE_CAP = {"c3po.py": 969, "sparkle.py": 944, "tearag.py": 871, "sparcrag.py": 752}
 
 
@@ -86,8 +87,8 @@ def test_common_plumbing_stays_small():
     # trusts, the same for every method (the run's end table and short RESULT line, grouped --help with the presets'
     # values, one-line flag errors with declared ranges, evaluation folders, checkpoints refused across methods); +20:
     # the toy world a run reads (--world), refused flag combinations as one line and exit 2; +15: the cross-encoder
-    # reranker
-    assert sum(sizes.values()) <= 1435, sizes
+    # reranker; +35: the learning curve's points and a run's training budget (tokens generated outside evaluations)
+    assert sum(sizes.values()) <= 1470, sizes
 
 
 def test_the_index_builder_stays_small():

@@ -707,7 +707,9 @@ def test_result_record_is_the_result_contract():
     after = dict(before, retrievals=0.5, llm_calls=1.0, policy_calls=1.0)
     record = runs.result_record("m", Args(), {"n": 8}, before, after, {"sft": 2, "ppo": 3}, 12.345)
     spent = record.pop("budget")  # updates of every stage; this process's training tokens and CPU seconds so far
-    assert spent["updates"] == 5 and spent["generated_tokens"] >= 0 and 0 < spent["cpu_s"] <= time.process_time() + 0.05
+    assert (
+        spent["updates"] == 5 and spent["generated_tokens"] >= 0 and 0 < spent["cpu_s"] <= time.process_time() + 0.05
+    )
     assert record == {"method": "m", "mode": "train", "preset": "toy", "seed": 1, "model": "toy-lm",
                       "dataset": "data/toy", "n_eval": 8, "before_sft": {"n": 8}, "before": before, "after": after,
                       "retrievals_per_question": 0.5, "llm_calls_per_question": 1.0,
