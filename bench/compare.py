@@ -422,21 +422,24 @@ def budget(folder):
     """A training run's budget (results.json): SFT and RL/DPO updates, tokens generated in training, CPU and wall
     seconds."""
     record = json.loads((Path(folder) / "results.json").read_text())
-    steps, spent = record.get("train_steps") or {}, record.get("budget") or {}
+    steps, spent = record.get("train_steps") or {}, record.get("budget") or {}  # no budget: a run from before it
     rl = sum(v for k, v in steps.items() if k != "sft")
-    return {"sft": steps.get("sft", 0), "rl": rl, "tokens": spent.get("generated_tokens", 0),
-            "cpu_s": spent.get("cpu_s", 0.0), "wall_s": record.get("wall_s", 0.0)}  # fmt: skip
+    return {"sft": steps.get("sft", 0), "rl": rl, "tokens": spent.get("generated_tokens"), "cpu_s": spent.get("cpu_s"),
+            "wall_s": record.get("wall_s", 0.0)}  # fmt: skip
 
 
 def budget_table(budgets):
     """The training budget of each method: mean ± spread over the seeds."""
-    head = "| method | SFT updates | RL / DPO updates | tokens generated in training | CPU s | wall s |"
+    head = "| method | SFT steps | RL / DPO updates | tokens generated in training | CPU s | wall s |"
     lines = [head, "|---|---|---|---|---|---|"]
     for method, by_seed in budgets.items():
         cells = []
-        for key, digits in (("sft", 0), ("rl", 0), ("tokens", 0), ("cpu_s", 0), ("wall_s", 0)):
-            mean, spread, *_ = stats([b[key] for b in by_seed.values()])
-            cells.append(f"{mean:,.{digits}f} ± {spread:,.{digits}f}" if len(by_seed) > 1 else f"{mean:,.{digits}f}")
+        for key in ("sft", "rl", "tokens", "cpu_s", "wall_s"):
+            if None in (values := [b[key] for b in by_seed.values()]):
+                cells.append("-")
+                continue
+            mean, spread, *_ = stats(values)
+            cells.append(f"{mean:,.0f} ± {spread:,.0f}" if len(by_seed) > 1 else f"{mean:,.0f}")
         lines.append(f"| {NAMES[method]} | " + " | ".join(cells) + " |")
     return "\n".join(lines)
 
@@ -452,11 +455,20 @@ def curve_table(curves):
 
 
 def curve_stats(method, by_seed):
-    """[(update, F1 stats, cost stats)] at the updates every seed's curve holds."""
-    common = sorted(set.intersection(*[{u for u, _, _ in c} for c in by_seed.values()])) if by_seed else []
-    at = lambda c, u: next(v for x, v, _ in c if x == u)
-    figures = lambda u, key: stats([at(c, u)[key] for c in by_seed.values()])
-    return [(u, figures(u, "f1"), figures(u, CURVE_COST[method])) for u in common]
+    """[(update, F1 stats, cost stats)] at each point of the seeds' curves: by position when every seed logged the
+    same number of points (SPARC-RAG's end falls at a seed's own DPO step count: x is their mean), else at the
+    updates every seed holds."""
+    curves = list(by_seed.values())
+    if curves and len({len(c) for c in curves}) == 1:
+        columns = list(zip(*curves))
+    else:
+        common = sorted(set.intersection(*[{u for u, _, _ in c} for c in curves])) if curves else []
+        columns = [[next(p for p in c if p[0] == u) for c in curves] for u in common]
+    figures = lambda points, key: stats([v[key] for _, v, _ in points])
+    return [
+        (round(sum(u for u, _, _ in points) / len(points)), figures(points, "f1"), figures(points, CURVE_COST[method]))
+        for points in columns
+    ]
 
 
 def plot_curves(curves, path, single=None):
@@ -540,9 +552,10 @@ def claim_diffs(args, method, claim, results):
         runs_ = [json.loads((run_dir(args, method, s) / "results.json").read_text()) for s in args.seeds]
         diff = lambda key: [r["after"][key] - r["before"][key] for r in runs_]
     else:
-        base = next((v for k, v in results.items() if k.startswith(claim["ours"][3:])), None)
-        if base is None:
+        bases = [v for k, v in results.items() if k.startswith(claim["ours"][3:])]
+        if not bases:
             return None, None
+        base = max(bases, key=lambda v: stats([v[s][metric] for s in args.seeds])[0])  # the strongest of them
         mine = next(v for k, v in results.items() if k.startswith(NAMES[method] + " ("))
         diff = lambda key: [mine[s][key] - base[s][key] for s in args.seeds]
     return diff(metric), diff(cost) if cost else None
@@ -579,7 +592,8 @@ def report(args, results, trained, meta, budgets=None, curves=None, claims=""):
         else f"Every method is its own file's `--train` run with the `--preset {args.preset}` defaults (checkpoints "
         f"in `{args.runs}/<method>/seed<S>`), trained on the same pool, the training split's questions of every type"
     )
-    trained_part = ""
+    trained_part, drawn = "", curves and any(curves.values())
+    picture = "\n![F1 and the headline cost on the validation subset during training](curves.png)\n" if drawn else ""
     if budgets:
         trained_part = f"""
 ## Each paper's headline claim on the toy world
@@ -593,21 +607,20 @@ run's own test evaluations (results.json `before`, `after`); rows against a base
 
 ## Training budget
 
-Per run, {spread}: optimizer updates of the SFT warm-up and of the RL or preference stage, tokens the trained model
-generated during training (rollouts, sampled paths, pairs; evaluations excluded: `runs.TrainingTokens`), the
-run's CPU seconds (loading and its own evaluations included) and wall seconds (beside --jobs {args.jobs} trainings on
-this machine).
+Per run, {spread}: the SFT warm-up's optimizer steps; the RL or preference stage's updates as each method counts them
+(SmartRAG, C-3PO, SPARKLE: PPO iterations, each several optimizer steps; TeaRAG, SPARC-RAG: DPO optimizer steps);
+the tokens the trained model generated in training (rollouts, sampled paths, pair collection; evaluations and a frozen
+LLM's replies excluded: `runs.TrainingTokens`); the CPU seconds of all its processes (loading and its own evaluations
+included) and its wall seconds (beside --jobs {args.jobs} trainings on this machine).
 
 {budget_table(budgets)}
 
 ## Learning curves
-
-![F1 and the headline cost on the validation subset during training](curves.png)
-
+{picture}
 Every method evaluates greedily on the same fixed validation subset (the first {runs.N_VAL} questions of the data's
 dev split, every type) at fixed points of its RL or preference stage (`runs.curve_point`: x = 0 is the SFT model, then
-every `eval_every` PPO updates, each IP-DPO round, SPARC-RAG's one offline DPO stage at its end); the line is the mean
-over the seeds, the band their min-max. The same points as numbers:
+every `eval_every` PPO updates, each IP-DPO round, SPARC-RAG's one offline DPO stage at its end, x its seeds' mean
+step count); the line is the mean over the seeds, the band their min-max. The same points as numbers:
 
 {curve_table(curves)}
 """

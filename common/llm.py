@@ -23,7 +23,7 @@ from pathlib import Path
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer, PreTrainedTokenizerFast, StoppingCriteriaList
 
-from common.runs import TrainingTokens
+from common.runs import TrainingTokens, evaluation
 
 LLM_SPECS = '"hf:<model name or folder>", "http(s)://<host>/v1" (an OpenAI-compatible endpoint)'
 # A checkpoint's generation_config.json may carry its own processors (Qwen2.5-Instruct: repetition_penalty=1.05).
@@ -285,6 +285,7 @@ class HFChatLLM:
         self.model.eval()
         self.batch_size = batch_size
 
+    @evaluation  # a frozen LLM's replies: not the trained model's generation
     def chat(self, messages_lists, temperature=0.0, top_p=1.0, max_tokens=256, stop=(), seed=None):
         """One reply per conversation; temperature 0 means greedy."""
         replies = []

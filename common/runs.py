@@ -372,14 +372,15 @@ def log_eval(accelerator, out, stage, result, step):
 
 
 class TrainingTokens:
-    """Tokens common.llm.generate wrote in this process outside evaluations (functions marked @evaluation): the
-    generation share of a run's training budget, in results.json's "budget"."""
+    """Tokens common.llm.generate wrote in this process outside the functions marked @evaluation (evaluations, a
+    frozen local LLM's replies): the trained model's generation in training; with cpu_before (the CPU seconds a
+    resumed checkpoint had spent), a run's budget (spent)."""
 
-    total, paused = 0, False
+    total, paused, cpu_before = 0, False, 0.0
 
 
 def evaluation(fn):
-    """Mark an evaluation: the tokens it generates are not counted in TrainingTokens."""
+    """Mark a function whose generations are not the trained model's training: they are not counted."""
 
     @functools.wraps(fn)
     def wrapper(*args, **kwargs):
@@ -390,6 +391,18 @@ def evaluation(fn):
             TrainingTokens.paused = paused
 
     return wrapper
+
+
+def spent():
+    """What the run has spent so far over all its processes (call it on every process): the tokens generated in
+    training (TrainingTokens) and the CPU seconds, loading and evaluations included, since the run began."""
+    from accelerate import PartialState
+
+    values = torch.tensor([TrainingTokens.total, TrainingTokens.cpu_before + time.process_time()], dtype=torch.float64)
+    if (state := PartialState()).num_processes > 1:
+        values = values.to(state.device)
+        torch.distributed.all_reduce(values)
+    return {"generated_tokens": int(values[0].item()), "cpu_s": round(values[1].item(), 1)}
 
 
 N_VAL = 100  # the learning curve's validation questions: the first N_VAL of the data's dev split
@@ -409,8 +422,7 @@ def curve_point(accelerator, out, args, update, evaluate):
         result = evaluate(load_split(args.data_dir, "dev")[:N_VAL])
     random.setstate(states[0]), np.random.set_state(states[1]), torch.set_rng_state(states[2])  # training draws on
     val = {k: v for k, v in result.items() if isinstance(v, (int, float)) and not isinstance(v, bool)}
-    budget = {"generated_tokens": TrainingTokens.total, "cpu_s": round(time.process_time(), 1)}
-    record = {"stage": "val", "update": update, "val": val, "budget": budget}
+    record = {"stage": "val", "update": update, "val": val, "budget": spent()}
     append_metrics(Path(out) / "metrics.jsonl", record, accelerator.is_main_process)
     accelerator.log({f"val/{k}": v for k, v in val.items()}, step=update)
 
@@ -422,11 +434,11 @@ def save_training(accelerator, folder, model, tokenizer, state, objects, *rngs):
     from accelerate.utils import gather_object
 
     accelerator.wait_for_everyone()
-    states = gather_object([rng_states(*rngs)])
+    states, budget = gather_object([rng_states(*rngs)]), spent()
     if accelerator.is_main_process:
         as_dict = lambda o: o if isinstance(o, dict) else o.state_dict()
         tensors = {k: [as_dict(x) for x in o] if isinstance(o, list) else as_dict(o) for k, o in objects.items()}
-        save_checkpoint(folder, model, tokenizer, state | {"rng": states}, {"training.pt": tensors})
+        save_checkpoint(folder, model, tokenizer, state | {"rng": states, "spent": budget}, {"training.pt": tensors})
 
 
 def load_training(accelerator, folder, objects, *rngs):
@@ -445,6 +457,8 @@ def load_training(accelerator, folder, objects, *rngs):
                 raise SystemExit(f"{folder}: training.pt does not fit this model ({unexpected[:3]} ...)")
     if len(state["rng"]) == accelerator.num_processes:  # draw on as the uninterrupted run would
         set_rng_states(state["rng"][accelerator.process_index], *rngs)
+    if accelerator.is_main_process and "spent" in state:  # the budget goes on (summed over processes: counted once)
+        TrainingTokens.total, TrainingTokens.cpu_before = state["spent"]["generated_tokens"], state["spent"]["cpu_s"]
     return state
 
 
@@ -586,10 +600,9 @@ def result_record(method, args, before_sft, before, after, steps, wall, llm_call
 
 
 def budget(steps):
-    """A run's training budget: its updates (optimizer steps of every stage), the tokens this process generated
-    outside evaluations (TrainingTokens) and its CPU seconds (evaluations and loading included)."""
-    updates = sum(v for v in (steps or {}).values() if isinstance(v, int))
-    return {"updates": updates, "generated_tokens": TrainingTokens.total, "cpu_s": round(time.process_time(), 1)}
+    """A run's training budget: its stages' updates as each counts them (SFT steps, PPO iterations, DPO optimizer
+    steps) and what it spent (spent: tokens generated in training, CPU seconds, over all processes)."""
+    return {"updates": sum(v for v in (steps or {}).values() if isinstance(v, int))} | spent()
 
 
 TABLE = ("em", "f1", "acc", "reward", "retrievals", "llm_calls", "generated_tokens")  # the end-of-run table's rows

@@ -62,7 +62,8 @@ def test_compare_trains_once_reuses_the_run_and_reports_uniform_costs(tmp_path):
     points = compare().curve(runs_dir / "sparcrag" / "seed0")  # the untuned start and the end of its DPO stage
     steps = json.loads((runs_dir / "sparcrag" / "seed0" / "results.json").read_text())["train_steps"]["dpo"]
     assert [u for u, _, _ in points] == [0, steps] and all(v["n"] == 100 for _, v, _ in points)
-    assert "## Training budget" in table and "| SPARC-RAG | 6 | " in table  # its 6 SFT updates
+    assert "## Training budget" in table and "| SPARC-RAG | 6 | " in table  # its 6 SFT steps
+    assert f"| SPARC-RAG | 0 | {points[0][1]['f1']:.3f} [" in table and f"| SPARC-RAG | {steps} | " in table
     assert "| SPARC-RAG | depth-width scaling beats naive parallel scaling [Tab. 1] |" in table
     if (out / "results.png").exists():
         assert (out / "curves.png").is_file() and (out / "curves" / "sparcrag.png").is_file()
@@ -99,6 +100,9 @@ def test_curves_budgets_and_claims_read_the_runs_as_written(tmp_path):
         (u0, u2) == (0, 2) and f0 == pytest.approx((0.4, 0.2, 0.3, 0.5)) and f2 == pytest.approx((0.8, 0.2, 0.7, 0.9))
     )
     assert t2 == pytest.approx((25, 30, 10, 40))  # tokens: mean, spread, min, max
+    ends = {0: [(0, {"f1": 0.5, "tokens": 9}, {}), (12, {"f1": 0.7, "tokens": 5}, {})],
+            1: [(0, {"f1": 0.3, "tokens": 9}, {}), (15, {"f1": 0.5, "tokens": 7}, {})]}  # fmt: skip
+    assert [(u, f[0]) for u, f, _ in c.curve_stats("sparcrag", ends)] == [(0, pytest.approx(0.4)), (14, 0.6)]
     assert c.budget(tmp_path / "tearag" / "seed1") == {"sft": 100, "rl": 8, "tokens": 50, "cpu_s": 9.5, "wall_s": 12.0}
     assert "| TeaRAG | 100 ± 0 | 8 ± 1 | 50 ± 0 | 10 ± 0 | 12 ± 0 |" in c.budget_table(
         {"tearag": {s: c.budget(tmp_path / "tearag" / f"seed{s}") for s in (0, 1)}}
@@ -113,6 +117,9 @@ def test_curves_budgets_and_claims_read_the_runs_as_written(tmp_path):
         "iterative RAG, 3 retrievals (IRCoT-style)": {s: {"em": 0.75, "generated_tokens": 20.0} for s in (0, 1)},
     }
     assert c.claim_diffs(args, "tearag", c.CLAIMS["tearag_2"], results) == (pytest.approx([-0.05, 0.05]), [30, 20])
+    results["iterative RAG, 2 retrievals (IRCoT-style)"] = {s: {"em": 0.9, "generated_tokens": 9.0} for s in (0, 1)}
+    assert c.claim_diffs(args, "tearag", c.CLAIMS["tearag_2"], results)[0] == pytest.approx([-0.2, -0.1])  # strongest
+    del results["iterative RAG, 2 retrievals (IRCoT-style)"]
     row = c.claims_table(args, results).splitlines()[-1]
     assert "em +0.000 [-0.050, +0.050]; generated_tokens +25.000 [+20.000, +30.000]" in row
     assert row.endswith("| em: no; generated_tokens: no |")  # the mean difference is 0: not reproduced

@@ -566,7 +566,9 @@ def test_save_and_load_training_round_trip(tmp_path, tiny):
     weights_only = {"weight": value.weight.detach().clone()}  # a state dict itself, of part of the critic
     objects = dict(policy=model, value=weights_only, optimizers=optimizers, schedulers=schedulers)
     assert runs.load_training(accelerator, folder, objects, rng) is None  # nothing saved yet
+    runs.TrainingTokens.total, runs.TrainingTokens.cpu_before = 1234, 1000.0  # what the run has spent so far
     runs.save_training(accelerator, folder, model, tokenizer, {"iteration": 2}, objects, rng)
+    runs.TrainingTokens.total, runs.TrainingTokens.cpu_before = 0, 0.0  # a new process resumes
     saved = torch.load(folder / "training.pt", weights_only=True)
     assert set(saved) == set(objects) and len(saved["optimizers"]) == len(saved["schedulers"]) == 2
     assert set(saved["value"]) == {"weight"} and (folder / "model.safetensors").is_file()
@@ -579,6 +581,9 @@ def test_save_and_load_training_round_trip(tmp_path, tiny):
     targets = dict(policy=fresh, value=fresh_value, optimizers=fresh_optimizers, schedulers=fresh_schedulers)
     state = runs.load_training(accelerator, folder, targets, fresh_rng)
     assert state["iteration"] == 2 and len(state["rng"]) == 1  # one process
+    assert state["spent"]["generated_tokens"] == 1234 and state["spent"]["cpu_s"] > 1000  # the budget goes on
+    assert runs.spent()["generated_tokens"] == 1234 and runs.spent()["cpu_s"] > state["spent"]["cpu_s"]
+    runs.TrainingTokens.total, runs.TrainingTokens.cpu_before = 0, 0.0  # the other tests' process
     assert [random.random(), np.random.rand(), torch.rand(1).item(), fresh_rng.random()] == drawn
     assert all(torch.equal(a, b) for a, b in zip(fresh.state_dict().values(), model.state_dict().values()))
     assert torch.equal(fresh_value.weight, value.weight) and torch.equal(fresh_value.bias, bias)  # bias: not saved
@@ -708,7 +713,9 @@ def test_result_record_is_the_result_contract():
     record = runs.result_record("m", Args(), {"n": 8}, before, after, {"sft": 2, "ppo": 3}, 12.345)
     spent = record.pop("budget")  # updates of every stage; this process's training tokens and CPU seconds so far
     assert (
-        spent["updates"] == 5 and spent["generated_tokens"] >= 0 and 0 < spent["cpu_s"] <= time.process_time() + 0.05
+        spent["updates"] == 5
+        and spent["generated_tokens"] >= 0
+        and 0 < spent["cpu_s"] <= runs.TrainingTokens.cpu_before + time.process_time() + 0.05
     )
     assert record == {"method": "m", "mode": "train", "preset": "toy", "seed": 1, "model": "toy-lm",
                       "dataset": "data/toy", "n_eval": 8, "before_sft": {"n": 8}, "before": before, "after": after,
