@@ -673,6 +673,11 @@ def table_results(path):
     return results
 
 
+def bars(figures):
+    """An error bar from stats(): [[mean - min], [max - mean]], never below 0 (equal values' mean can round off)."""
+    return [[max(figures[0] - figures[2], 0.0)], [max(figures[3] - figures[0], 0.0)]]
+
+
 def plot(results, methods, path):
     """results.png: F1 against generated tokens and against LLM calls per question, min-max bars over the seeds."""
     try:
@@ -691,7 +696,7 @@ def plot(results, methods, path):
         for ax, key in zip(axes, ("generated_tokens", "llm_calls")):
             x = stats([f[key] for f in by_seed.values()])
             ax.errorbar(
-                x[0], y[0], xerr=[[x[0] - x[2]], [x[3] - x[0]]], yerr=[[y[0] - y[2]], [y[3] - y[0]]],
+                x[0], y[0], xerr=bars(x), yerr=bars(y),
                 marker=markers[i % len(markers)], markersize=7, capsize=2, linestyle="none",
                 markerfacecolor=None if is_method else "white", label=system,
             )  # fmt: skip

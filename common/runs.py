@@ -394,13 +394,13 @@ def evaluation(fn):
 
 
 def spent():
-    """What the run has spent so far over all its processes (call it on every process): the tokens generated in
-    training (TrainingTokens) and the CPU seconds, loading and evaluations included, since the run began."""
+    """What the run has spent so far over all its processes (call it on every process, before end_training): the
+    tokens generated in training (TrainingTokens) and the CPU seconds, loading and evaluations included."""
     from accelerate import PartialState
 
     values = torch.tensor([TrainingTokens.total, TrainingTokens.cpu_before + time.process_time()], dtype=torch.float64)
-    if (state := PartialState()).num_processes > 1:
-        values = values.to(state.device)
+    if torch.distributed.is_initialized() and torch.distributed.get_world_size() > 1:  # (not after end_training)
+        values = values.to(PartialState().device)
         torch.distributed.all_reduce(values)
     return {"generated_tokens": int(values[0].item()), "cpu_s": round(values[1].item(), 1)}
 

@@ -994,7 +994,9 @@ def test_trains_on_a_freshly_generated_world(tmp_path):
     assert done.returncode == 0, done.stderr[-3000:]
     results = check_contract(out, done.stdout)
     assert results["dataset"] == str(world) and results["args"]["base_llm"] == f"toy:{world}"
-    assert results["before_sft"]["em"] <= 0.02 and results["before"]["em"] >= 0.1  # raw start -> after SFT
+    assert (
+        results["before_sft"]["em"] <= 0.05 and results["before"]["em"] >= 0.1
+    )  # raw start (yes/no by chance) -> SFT
     assert json.loads((out / "sft" / "run_state.json").read_text())["data_dir"] == str(world)  # remembers its world
 
 
