@@ -410,16 +410,16 @@ N_VAL = 100  # the learning curve's validation questions: the first N_VAL of the
 
 def curve_point(accelerator, out, args, update, evaluate):
     """A learning-curve point after `update` updates of the RL or preference stage (0: its start, the SFT model):
-    evaluate(rows) greedily on the fixed validation subset, the first N_VAL rows of dev.jsonl (no point without one),
-    logged to metrics.jsonl as {"stage": "val", "update", "val": its numbers, "budget": spent so far} and the trackers.
-    The random states are restored after it: training draws what it would without the curve."""
+    evaluate(rows) greedily on the fixed validation subset, the first N_VAL rows of dev.jsonl (at most --n_eval; no
+    point without a dev split), logged to metrics.jsonl as {"stage": "val", "update", "val": its numbers, "budget":
+    spent so far} and the trackers. The random states are restored after it: training draws what it would without."""
     from common.data import load_split  # noqa: PLC0415
 
     if not (Path(args.data_dir) / "dev.jsonl").is_file():
         return
     states = random.getstate(), np.random.get_state(), torch.get_rng_state()
     with accelerator.autocast():
-        result = evaluate(load_split(args.data_dir, "dev")[:N_VAL])
+        result = evaluate(load_split(args.data_dir, "dev")[: min(N_VAL, getattr(args, "n_eval", None) or N_VAL)])
     random.setstate(states[0]), np.random.set_state(states[1]), torch.set_rng_state(states[2])  # training draws on
     val = {k: v for k, v in result.items() if isinstance(v, (int, float)) and not isinstance(v, bool)}
     record = {"stage": "val", "update": update, "val": val, "budget": spent()}

@@ -1039,3 +1039,7 @@ def test_curve_point_logs_the_validation_subset_and_leaves_the_training_draws_al
     assert accelerator.logged == [(4, {"val/f1": 0.25, "val/n": 100})]
     runs.curve_point(accelerator, tmp_path / "metrics.jsonl", Args(str(tmp_path / "none")), 5, evaluate)
     assert len(seen) == 1  # no dev split: no point
+    short = Args(str(tmp_path))
+    short.n_eval = 7  # a run that evaluates 7 test questions validates on 7
+    runs.curve_point(accelerator, tmp_path, short, 6, evaluate)
+    assert seen[-1] == [str(i) for i in range(7)]
