@@ -146,9 +146,10 @@ def train_one(args, method, seed):
 
 
 def train_all(args):
-    """Every (method, seed) run that is missing, --jobs at a time: seed by seed, the longest first."""
+    """Every (method, seed) run that is missing, --jobs at a time: seed by seed, the longest first. Returns how many
+    runs it trained or resumed."""
     todo = [(m, s) for s in args.seeds for m in sorted(args.methods, key=lambda m: -TRAIN_MINUTES[m])]
-    failed = []
+    failed, ran = [], 0
     with ThreadPoolExecutor(max_workers=max(args.jobs, 1)) as pool, tqdm(total=len(todo), desc="training") as bar:
         for future in as_completed([pool.submit(train_one, args, m, s) for m, s in todo]):
             method, seed, how = future.result()
@@ -156,8 +157,10 @@ def train_all(args):
             bar.update()
             if how.startswith("failed"):
                 failed.append(f"{method} seed {seed} {how}")
+            ran += how != "reused"
     if failed:
         raise SystemExit("training failed: " + "; ".join(failed))
+    return ran
 
 
 # --------------------------------------------------------------------------- evaluation (in process, timed)
@@ -449,7 +452,8 @@ def curve_table(curves):
     lines = ["| method | update | F1 mean [min, max] | cost | cost mean [min, max] |", "|---|---|---|---|---|"]
     for method, by_seed in curves.items():
         for update, f1, cost in curve_stats(method, by_seed):
-            cell = lambda s: f"{s[0]:.3f} [{s[2]:.3f}, {s[3]:.3f}]"
+            digits = lambda s: 1 if s[0] >= 10 else 3  # tokens: one decimal
+            cell = lambda s: f"{s[0]:.{digits(s)}f} [{s[2]:.{digits(s)}f}, {s[3]:.{digits(s)}f}]"
             lines.append(f"| {NAMES[method]} | {update} | {cell(f1)} | {CURVE_COST[method]} | {cell(cost)} |")
     return "\n".join(lines)
 
@@ -627,10 +631,10 @@ step count); the line is the mean over the seeds, the band their min-max. The sa
     return f"""# Results: the five methods and the baselines on one split
 
 Written by `{meta["command"]}` ({meta["date"]}, {meta["machine"]}, torch {meta["torch"]}; the whole command took
-{meta["wall"]}, trainings included where it ran them: `--jobs {args.jobs}`, one core each; {args.threads} torch
-thread(s) for the timed evaluations, load average {meta["load"]} as they began and ended). Data: `{args.data_dir}`,
-the first {meta["n"]} questions of its test split for every system; training seeds {seeds}; {spread}. {trainings},
-evaluated greedily by its own `evaluate`; the baselines need no training.
+{meta["wall"]}; trainings `--jobs {args.jobs}` at a time, one core each, each run's wall time in the budget table;
+{args.threads} torch thread(s) for the timed evaluations, load average {meta["load"]} as they began and ended).
+Data: `{args.data_dir}`, the first {meta["n"]} questions of its test split for every system; training seeds
+{seeds}; {spread}. {trainings}, evaluated greedily by its own `evaluate`; the baselines need no training.
 
 {table(results)}
 
@@ -728,8 +732,7 @@ def main(argv=None):
         return None
     torch.set_num_threads(args.threads)
     rows = load_split(args.data_dir, "test")[: args.n_eval]
-    if not args.untrained:
-        train_all(args)
+    n_trained = 0 if args.untrained else train_all(args)
     accelerator, load = runs.make_accelerator(), [os.getloadavg()[0]]
     results, trained, names = {}, {}, {}
     jobs = [(m, s) for m in args.methods for s in args.seeds] + [("baselines", s) for s in args.seeds]
@@ -758,6 +761,8 @@ def main(argv=None):
     meta = {"command": command, "date": time.strftime("%Y-%m-%d"), "torch": torch.__version__, "n": len(rows)}
     minutes = (time.time() - begin) / 60
     meta["wall"] = f"{minutes:.0f} minutes" if minutes >= 2 else f"{minutes * 60:.0f} s"
+    total = 0 if args.untrained else len(args.methods) * len(args.seeds)
+    meta["wall"] += f" (it trained {n_trained} of the {total} runs and reused the others)" if total else ""
     meta["load"] = " and ".join(f"{x:.1f}" for x in load)  # the 1-minute load average as the evaluations began, ended
     meta["machine"] = (
         f"{platform.machine()} CPU, {os.cpu_count()} cores"
