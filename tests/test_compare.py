@@ -61,7 +61,7 @@ def test_compare_trains_once_reuses_the_run_and_reports_uniform_costs(tmp_path):
         assert (out / "results.png").stat().st_size < 100_000
     points = compare().curve(runs_dir / "sparcrag" / "seed0")  # the untuned start and the end of its DPO stage
     steps = json.loads((runs_dir / "sparcrag" / "seed0" / "results.json").read_text())["train_steps"]["dpo"]
-    assert [u for u, _, _ in points] == [0, steps] and all(v["n"] == 100 for _, v, _ in points)
+    assert [u for u, _, _ in points] == [0, steps] and all(v["n"] == 6 for _, v, _ in points)  # at most --n_eval
     assert "## Training budget" in table and "| SPARC-RAG | 6 | " in table  # its 6 SFT steps
     assert f"| SPARC-RAG | 0 | {points[0][1]['f1']:.3f} [" in table and f"| SPARC-RAG | {steps} | " in table
     assert "| SPARC-RAG | depth-width scaling beats naive parallel scaling [Tab. 1] |" in table
