@@ -778,9 +778,9 @@ def train(args):
         runs.curve_point(accelerator, out, args, 0, curve)
     policy, ppo_steps = ppo(accelerator, out, policy, tokenizer, tag_ids, env, train_rows, args, world, curve)
     after = evaluate_stage(accelerator, out, "ppo", policy, tokenizer, env, test_rows, args, tag_ids, step=ppo_steps)
+    accelerator.end_training()
     steps, seconds = {"sft": sft_steps, "ppo": ppo_steps}, time.time() - start
     results = runs.result_record("smartrag", args, before_sft, before, after, steps, seconds, "policy_calls")
-    accelerator.end_training()  # after the budget's sum over the processes (runs.spent)
     runs.write_results(out, results | {"warnings": warnings}, accelerator.is_main_process, rows=TABLE_ROWS)
 
 

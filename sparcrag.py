@@ -870,9 +870,9 @@ def train(args):
     runs.curve_point(accelerator, out, args, state["steps"], curve)  # one offline DPO stage [§3.4]: its end
     evaluations = {"stage": "eval"} | {k: results[k] for k in ("before", "before_adaptive", "after")}
     runs.append_metrics(out / "metrics.jsonl", evaluations, accelerator.is_main_process)
+    accelerator.end_training()
     results["warnings"] = state.get("warnings", [])  # the stages that trained on nothing (runs.nothing_to_train)
     record = result_record(args, results, {"sft": n_sft, "dpo": state["steps"]}, time.time() - start, state["pairs"])
-    accelerator.end_training()  # after the budget's sum over the processes (runs.spent)
     runs.write_results(out, record, accelerator.is_main_process, TABLE)
 
 

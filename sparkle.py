@@ -1085,8 +1085,8 @@ def train(args):
             runs.save_training(accelerator, out / "ppo", objects()["policy"], tokenizer, state, objects(), rng)
     policy = accelerator.unwrap_model(policy)
     after = evaluate_stage(accelerator, out, "ppo", policy, tokenizer, env, test_rows, args, step=steps["ppo"])
+    accelerator.end_training()
     results = runs.result_record("sparkle", args, before_sft, before, after, steps, time.time() - start)
-    accelerator.end_training()  # after the budget's sum over the processes (runs.spent)
     runs.write_results(out, results | {"warnings": record["warnings"]}, accelerator.is_main_process, TABLE)
 
 

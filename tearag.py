@@ -1002,9 +1002,9 @@ def train(args):
         runs.curve_point(accelerator, out, args, rnd + 1, curve)
         runs.save_training(accelerator, out / "dpo", model, tokenizer, saved(rnd + 1), {})
     stages["after"] = evaluate_stage(accelerator, out, "dpo", model, tokenizer, system, test_rows, args, args.rounds)
+    accelerator.end_training()
     wall, before_sft = time.time() - start, stages.get("before_sft")
     results = runs.result_record("tearag", args, before_sft, stages["before"], stages["after"], steps, wall)
-    accelerator.end_training()  # after the budget's sum over the processes (runs.spent)
     results |= {"rounds": stages.get("rounds", []), "warnings": stages["warnings"]}
     runs.write_results(out, results, accelerator.is_main_process, rows=ROWS)
 

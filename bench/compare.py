@@ -614,7 +614,7 @@ run's own test evaluations (results.json `before`, `after`); rows against a base
 Per run, {spread}: the SFT warm-up's optimizer steps; the RL or preference stage's updates as each method counts them
 (SmartRAG, C-3PO, SPARKLE: PPO iterations, each several optimizer steps; TeaRAG, SPARC-RAG: DPO optimizer steps);
 the tokens the trained model generated in training (rollouts, sampled paths, pair collection; evaluations and a frozen
-LLM's replies excluded: `runs.TrainingTokens`); the CPU seconds of all its processes (loading and its own evaluations
+LLM's replies excluded: `runs.TrainingTokens`); its main process's CPU seconds (loading and its own evaluations
 included) and its wall seconds (beside --jobs {args.jobs} trainings on this machine).
 
 {budget_table(budgets)}

@@ -394,15 +394,13 @@ def evaluation(fn):
 
 
 def spent():
-    """What the run has spent so far over all its processes (call it on every process, before end_training): the
-    tokens generated in training (TrainingTokens) and the CPU seconds, loading and evaluations included."""
-    from accelerate import PartialState
-
-    values = torch.tensor([TrainingTokens.total, TrainingTokens.cpu_before + time.process_time()], dtype=torch.float64)
-    if torch.distributed.is_initialized() and torch.distributed.get_world_size() > 1:  # (not after end_training)
-        values = values.to(PartialState().device)
-        torch.distributed.all_reduce(values)
-    return {"generated_tokens": int(values[0].item()), "cpu_s": round(values[1].item(), 1)}
+    """What the run has spent so far in this process: the tokens generated in training (TrainingTokens) and the CPU
+    seconds, loading and evaluations included. Summed over processes only through a checkpoint's record (no
+    collective here: a run with several processes reports its main process's share)."""
+    return {
+        "generated_tokens": TrainingTokens.total,
+        "cpu_s": round(TrainingTokens.cpu_before + time.process_time(), 1),
+    }
 
 
 N_VAL = 100  # the learning curve's validation questions: the first N_VAL of the data's dev split
@@ -457,7 +455,7 @@ def load_training(accelerator, folder, objects, *rngs):
                 raise SystemExit(f"{folder}: training.pt does not fit this model ({unexpected[:3]} ...)")
     if len(state["rng"]) == accelerator.num_processes:  # draw on as the uninterrupted run would
         set_rng_states(state["rng"][accelerator.process_index], *rngs)
-    if accelerator.is_main_process and "spent" in state:  # the budget goes on (summed over processes: counted once)
+    if accelerator.is_main_process and "spent" in state:  # the budget goes on (the main process's, as recorded)
         TrainingTokens.total, TrainingTokens.cpu_before = state["spent"]["generated_tokens"], state["spent"]["cpu_s"]
     return state
 
@@ -601,7 +599,7 @@ def result_record(method, args, before_sft, before, after, steps, wall, llm_call
 
 def budget(steps):
     """A run's training budget: its stages' updates as each counts them (SFT steps, PPO iterations, DPO optimizer
-    steps) and what it spent (spent: tokens generated in training, CPU seconds, over all processes)."""
+    steps) and what it spent (spent: tokens generated in training, CPU seconds; the main process's)."""
     return {"updates": sum(v for v in (steps or {}).values() if isinstance(v, int))} | spent()
 
 

@@ -88,7 +88,7 @@ def test_common_plumbing_stays_small():
     # values, one-line flag errors with declared ranges, evaluation folders, checkpoints refused across methods); +20:
     # the toy world a run reads (--world), refused flag combinations as one line and exit 2; +15: the cross-encoder
     # reranker; +45: the learning curve's points and a run's training budget (tokens generated outside evaluations,
-    # CPU seconds, summed over the processes and carried through a resume)
+    # CPU seconds, carried through a resume)
     assert sum(sizes.values()) <= 1480, sizes
 
 
