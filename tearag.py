@@ -31,6 +31,7 @@ Toy-world adaptations (the toy preset's values, PRESETS; the toy machinery lives
 10. Toy preset: full fine-tuning of a 0.6M model; SFT by steps on all types (sft_single_steps off), sft_distractors.
 11. Toy preset: the compact templates, the question without the instruction (the paper's: the system turn).
 12. Toy world only: SFT paths are entity-renamed (augment_p) so that the tiny model reads instead of memorising.
+13. Toy preset: the SFT starts on comparison and yes/no paths alone (sft_curriculum) before the whole mix.
 """
 
 import json
@@ -40,6 +41,7 @@ import re
 import time
 from collections import Counter, defaultdict
 from dataclasses import asdict, dataclass, field, replace
+from functools import partial
 from pathlib import Path
 from typing import NamedTuple
 
@@ -112,6 +114,7 @@ class Args:
     weight_decay: float = arg(0.001, "AdamW weight decay of SFT and DPO [§5.1.3: 0.001]", low=0.0, flag=False)
     micro_batch_size: int | None = arg(None, "SFT paths or DPO pairs per forward pass", low=1)
     augment_p: float | None = arg(None, "toy world: entity-renaming probability of an SFT path", low=0.0, flag=False)
+    sft_curriculum: str | None = arg(None, "toy: 'types:share:lr', share x sft_steps on those types first", flag=False)
     rounds: int = arg(3, "IP-DPO rounds [§5.5.1: TeaRAG-1..3]", low=0, group="IP-DPO [§4.3.2, §5.1.3]")
     n_rollouts: int = arg(8, "sampled paths per question R [§5.1.3: 8]", low=1)
     temperature: float = arg(1.0, "sampling temperature of the rollouts (ours: 1.0)", flag=False)
@@ -140,6 +143,7 @@ PRESETS = {  # field: (toy, paper), for the fields left at None; any flag overri
     "sft_distractors": (3, 0),  # ours: 3 retrieved items beside the golden ones (header item 10)
     "micro_batch_size": (64, 2),  # memory only: every loss is the same for any micro-batch
     "augment_p": (1.0, 0.0),  # toy world only: every SFT path renamed (header item 12)
+    "sft_curriculum": ("comparison,yes_no:2/3:1e-3", ""),  # toy: 600 steps on comparisons first (header item 13)
     "dpo_epochs": ("1,1,1", "2,2,1"),  # toy: one epoch a round
     "dpo_lr": (2e-4, 1e-4),
     "rollout_batch": (96, 64),  # throughput only
@@ -777,14 +781,14 @@ def adamw(accelerator, model, lr, weight_decay, steps):
     return model, optimizer, scheduler
 
 
-def sft(accelerator, model, tokenizer, examples, args, world, out):
-    """Masked next-token loss on the SFT paths [Eq. 4, §5.1.3]; the mean loss logged 20 times in the run."""
+def sft(accelerator, model, tokenizer, examples, args, world, out, stage="sft"):
+    """Masked next-token loss on the SFT paths [Eq. 4, §5.1.3]; the mean loss logged 20 times, as <stage>/loss."""
     rng = random.Random(args.seed)
     steps = args.sft_steps or math.ceil(len(examples) / args.sft_batch_size)  # [§5.1.3] one epoch, a short last batch
     model, optimizer, scheduler = adamw(accelerator, model, args.sft_lr, args.weight_decay, steps)
     model.train()
     order, losses, logged, mb = [], [], 0, args.micro_batch_size
-    bar = runs.progress(range(steps), "SFT", disable=not accelerator.is_local_main_process)
+    bar = runs.progress(range(steps), stage, disable=not accelerator.is_local_main_process)
     for step in bar:
         if not order or (len(order) < args.sft_batch_size and args.sft_steps):
             order += rng.sample(range(len(examples)), len(examples))
@@ -801,7 +805,8 @@ def sft(accelerator, model, tokenizer, examples, args, world, out):
         bar.set_postfix(loss=f"{sum(losses[-20:]) / len(losses[-20:]):.3f}", refresh=False)
         if (step + 1) % max(steps // 20, 1) == 0 or step + 1 == steps:  # the mean since the last line
             recent, logged = losses[logged:], len(losses)
-            runs.log_update(accelerator, out, {"sft/step": step + 1, "sft/loss": sum(recent) / len(recent)}, step + 1)
+            line = {f"{stage}/step": step + 1, f"{stage}/loss": sum(recent) / len(recent)}
+            runs.log_update(accelerator, out, line, step + 1)
     return accelerator.unwrap_model(model), steps
 
 
@@ -975,6 +980,9 @@ def train(args):
         accelerator.print(f"SFT: {len(examples)} paths from {len(sft_rows)} questions")
         # simplification: toy renaming (header item 12)
         world = load_world(args.world) if args.augment_p and args.world else None
+        if args.sft_curriculum:  # simplification: the toy SFT starts on comparison paths (header item 13)
+            first, stage = toy.curriculum(args, sft_rows, partial(sft_examples, system=system, args=args))
+            model, steps["curriculum"] = sft(accelerator, model, tokenizer, first, stage, world, out, "curriculum")
         model, steps["sft"] = sft(accelerator, model, tokenizer, examples, args, world, out)
         stages["before"] = evaluate_stage(accelerator, out, "sft", model, tokenizer, system, test_rows, args, 0)
         state = saved(0)

@@ -603,6 +603,7 @@ TEARAG_PAPER = {  # flag: value under --preset paper, and where the paper gives 
     "temperature": 1.0,  # not in the paper (ours; Fig. 13 evaluates 0.2-1.0)
     "rollout_batch": 64,  # not in the paper: questions per batched rollout (throughput)
     "augment_p": 0.0,  # toy world only: off
+    "sft_curriculum": "",  # toy world only: off (one SFT stage on the whole mix, §4.3.1)
 }
 
 

@@ -622,6 +622,25 @@ def test_sft_summaries_use_every_template(system):
     assert len(steps) >= 30 and {opening(s["summary"]) for s in steps} == {0, 1, 2}
 
 
+def test_the_toy_curriculum_takes_its_types_a_share_of_the_sft_steps_and_its_rate():
+    """The toy SFT's first stage (header item 13): the paths of the curriculum's types alone, built with the run's
+    seed; share x sft_steps rounded, its own learning rate; the toy preset's 2/3 of 900 steps on comparison and yes/no
+    paths; no path, no step."""
+    from dataclasses import replace
+
+    from common.toy.tearag import curriculum
+
+    rows = [{"metadata": {"type": t}, "id": i} for i, t in enumerate(["one_hop", "comparison", "yes_no", "two_hop"])]
+    build = lambda rows, rng: [(r["id"], rng.random()) for r in rows]
+    args = T.apply_preset(runs.parse_args(T.Args, ["--train", "--seed", "3"], method="tearag"))
+    first, stage = curriculum(args, rows + [{"question": "no metadata"}], build)
+    assert first == build(rows[1:3], __import__("random").Random(3)) and (stage.sft_steps, stage.sft_lr) == (600, 1e-3)
+    assert (args.sft_steps, args.sft_lr) == (900, 2e-3)  # the whole mix's stage keeps its own
+    first, stage = curriculum(replace(args, sft_curriculum="two_hop:1/2:0.5", sft_steps=5, sft_lr=1.0), rows, build)
+    assert [i for i, _ in first] == [3] and (stage.sft_steps, stage.sft_lr) == (2, 0.5)  # round(2.5): even
+    assert curriculum(replace(args, sft_curriculum="three_hop:1/2:0.5"), rows, build)[1].sft_steps == 0
+
+
 # --------------------------------------------------------------------------- the knowledge graph's triplets [§4.1]
 def test_parse_triplets_reads_what_a_chat_model_writes():
     """After the <think> block (its "x; y; z" is no triplet), numbered or bulleted lines with or without <>, two on
@@ -895,11 +914,12 @@ def test_a_round_without_pairs_warns_and_the_sft_loss_is_logged(tmp_path):
                  "--n_eval", "4", "--rounds", "1", "--max_new_tokens", "8", "--report_to", "tensorboard")  # fmt: skip
     assert result.returncode == 0, result.stderr[-3000:]
     results = check_contract(out, result.stdout)
-    assert results["rounds"][0]["pairs"] == 0 and results["train_steps"] == {"sft": 2, "dpo": 0}
+    assert results["rounds"][0]["pairs"] == 0 and results["train_steps"] == {"curriculum": 1, "sft": 2, "dpo": 0}
     assert results["warnings"] == ["IP-DPO round 1: 0 preference pairs"]
     assert "warning: IP-DPO round 1 trained on nothing (0 preference pairs)" in result.stdout.splitlines()
     logged = [json.loads(line) for line in (out / "metrics.jsonl").open()]
     assert [m["sft/step"] for m in logged if "sft/loss" in m] == [1, 2]
+    assert [m["curriculum/step"] for m in logged if "curriculum/loss" in m] == [1]  # the toy curriculum: 2/3 of 2
     assert list((out / "tensorboard").rglob("events.out.tfevents.*"))
 
 

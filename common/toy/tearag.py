@@ -4,8 +4,11 @@ oracle agent that writes the paper's step format from a question's metadata (the
 tests/test_paper_rehearsal.py)."""
 
 import math
+import random
 import re
 from collections import Counter
+from dataclasses import replace
+from fractions import Fraction
 
 import numpy as np
 
@@ -45,6 +48,20 @@ def renamed(texts, world, rng, p):
     if world is not None and rng.random() < p:
         return rename_entities(texts, world, rng, popular="free")
     return texts
+
+
+def curriculum(args, rows, build):
+    """The toy SFT's first stage, args.sft_curriculum 'types:share:lr' -> (the SFT paths of the rows of those metadata
+    types, build(rows, rng=random.Random(args.seed)); the args of that stage: sft_steps = share x args.sft_steps,
+    rounded (0 without a path), and sft_lr = lr).
+    Trained on every type at once, the tiny model learns the chains' two copy rules (the question's first name, the
+    last summary's answer) and never a comparison's second step, which names the question's second entity; trained
+    on comparison and yes/no paths first, it does, and keeps it through the whole mix (docs/tearag.md)."""
+    types, share, lr = args.sft_curriculum.split(":")
+    wanted = set(types.split(","))
+    steps = round(Fraction(share) * args.sft_steps)
+    paths = build([r for r in rows if (r.get("metadata") or {}).get("type") in wanted], rng=random.Random(args.seed))
+    return paths, replace(args, sft_steps=steps if paths else 0, sft_lr=float(lr))
 
 
 # ---------------------------------------------------------------- the oracle agent (the policy in the rehearsal)
