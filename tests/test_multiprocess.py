@@ -23,7 +23,8 @@ FLAGS = {  # method: (flags, the train_steps the run must report)
                  "6", "--n_eval", "3", "--sft_batch_size", "3", "--sft_steps", "2", "--ppo_iterations", "2",
                  "--rollout_batch", "1", "--ppo_batch_size", "8", "--max_new_tokens", "16"], {"sft": 2, "ppo": 2}),
     "tearag": (["--sft_steps", "4", "--n_dpo", "6", "--n_rollouts", "2", "--n_eval", "12", "--rounds", "1", "--eta",
-                "1", "--dpo_epochs", "1", "--rollout_batch", "6", "--max_new_tokens", "32"], {"sft": 4, "dpo": 0}),
+                "1", "--dpo_epochs", "1", "--rollout_batch", "6", "--max_new_tokens", "32"],
+               {"curriculum": 3, "sft": 4, "dpo": 0}),  # the toy curriculum: 2/3 of --sft_steps, rounded
     "sparcrag": (["--n_train", "12", "--n_eval", "6", "--sft_steps", "6", "--dpo_epochs", "1",
                   "--untuned_depth", "2", "--depth", "2", "--max_new_tokens", "96", "--seed", "0"],
                  {"sft": 6, "dpo": 1}),  # two adapters: the evaluator's 1 step (6 warm-up steps: no rewrite pair)

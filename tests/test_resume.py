@@ -23,7 +23,7 @@ CASES = {  # method: (flags, the checkpoint whose appearance triggers the kill, 
     "sparkle": (PPO, "ppo", "sft/step=8", {"sft": 8, "ppo": 6}),
     "tearag": (["--sft_steps", "4", "--n_dpo", "6", "--n_rollouts", "2", "--n_eval", "12", "--rounds", "3", "--eta",
                 "1,1,1", "--dpo_epochs", "1,1,1", "--rollout_batch", "6", "--max_new_tokens", "32"], "dpo", "SFT: ",
-               {"sft": 4, "dpo": 0}),
+               {"curriculum": 3, "sft": 4, "dpo": 0}),  # the toy curriculum: 2/3 of --sft_steps, rounded
     "sparcrag": (["--n_train", "12", "--n_eval", "6", "--sft_steps", "6", "--dpo_epochs", "1",
                   "--untuned_depth", "2", "--depth", "2", "--max_new_tokens", "96", "--seed", "0"], "sft", "warm-up: ",
                  {"sft": 6, "dpo": 2}),  # the toy preset's two adapters
