@@ -982,6 +982,7 @@ def train(args):
         world = load_world(args.world) if args.augment_p and args.world else None
         if args.sft_curriculum:  # simplification: the toy SFT starts on comparison paths (header item 13)
             first, stage = toy.curriculum(args, sft_rows, partial(sft_examples, system=system, args=args))
+            accelerator.print(f"curriculum: {len(first)} paths of {args.sft_curriculum.split(':')[0]} first")
             model, steps["curriculum"] = sft(accelerator, model, tokenizer, first, stage, world, out, "curriculum")
         model, steps["sft"] = sft(accelerator, model, tokenizer, examples, args, world, out)
         stages["before"] = evaluate_stage(accelerator, out, "sft", model, tokenizer, system, test_rows, args, 0)

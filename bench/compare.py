@@ -616,7 +616,8 @@ Per run, {spread}: the SFT warm-up's optimizer steps; the RL or preference stage
 (SmartRAG, C-3PO, SPARKLE: PPO iterations, each several optimizer steps; TeaRAG, SPARC-RAG: DPO optimizer steps);
 the tokens the trained model generated in training (rollouts, sampled paths, pair collection; evaluations and a frozen
 LLM's replies excluded: `runs.TrainingTokens`); its main process's CPU seconds (loading and its own evaluations
-included) and its wall seconds (beside --jobs {args.jobs} trainings on this machine).
+included; a resumed run's go on from its last checkpoint's) and its wall seconds (beside --jobs {args.jobs} trainings
+on this machine).
 
 {budget_table(budgets)}
 

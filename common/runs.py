@@ -45,6 +45,7 @@ def save_checkpoint(folder, model, tokenizer, state, tensors=None):
     tokenizer.save_pretrained(tmp)
     for name, value in (tensors or {}).items():
         torch.save(value, tmp / name)
+    state = {"spent": spent()} | state  # the budget so far (this process's; save_training's: the main process's)
     (tmp / STATE).write_text(json.dumps(state))  # written last: its presence marks a complete checkpoint
     shutil.rmtree(old, ignore_errors=True)
     if folder.exists():
@@ -122,6 +123,8 @@ def start_run(args, method, stages=("sft", "ppo")):
             if k not in NOT_COMPARED and before.get(k, defaults[k] if before else None) != v
         ]:
             raise SystemExit(f"--resume: {out / stage} was trained with other arguments ({'; '.join(changed)})")
+    if budgets := [state["spent"] for state in saved.values() if "spent" in state]:  # the last stage's goes on
+        TrainingTokens.total, TrainingTokens.cpu_before = budgets[-1]["generated_tokens"], budgets[-1]["cpu_s"]
     return out
 
 

@@ -1,6 +1,7 @@
 """A training run killed mid-way (SIGKILL, nothing flushed) and started again with --resume continues from its last
 checkpoint, not from the start, and ends with the result contract; for every method."""
 
+import json
 import os
 import signal
 import subprocess
@@ -46,8 +47,11 @@ def test_a_killed_run_resumes_from_its_last_checkpoint(method, tmp_path):
     log.close()
     assert fresh_only in (tmp_path / "first.log").read_text()  # what the fresh run printed before its checkpoint
     assert not (out / "results.json").exists()
+    spent = json.loads((out / stage / "run_state.json").read_text())["spent"]  # the budget at the checkpoint
     again = subprocess.run([*command, "--resume"], cwd=tmp_path, env=env, capture_output=True, text=True, timeout=900)
     assert again.returncode == 0, again.stderr[-3000:]
     assert fresh_only not in again.stdout  # continued from the checkpoint: the warm-up did not run again
     results = check_contract(out, again.stdout)
     assert results["method"] == method and results["train_steps"] == steps
+    budget = results["budget"]  # it goes on from the checkpoint's
+    assert budget["cpu_s"] > spent["cpu_s"] and budget["generated_tokens"] >= spent["generated_tokens"]

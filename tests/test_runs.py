@@ -27,13 +27,19 @@ def tiny():
     return load_toy_lm(TINY)
 
 
+def unbudgeted(state):
+    """A checkpoint's state without the budget save_checkpoint adds (this process's tokens and CPU seconds)."""
+    assert state["spent"]["cpu_s"] > 0 and state["spent"]["generated_tokens"] >= 0
+    return {k: v for k, v in state.items() if k != "spent"}
+
+
 def test_checkpoint_round_trip_and_replace(tmp_path, tiny):
     model, tokenizer = tiny
     folder = tmp_path / "ppo"
     assert runs.load_state(folder) is None
     runs.save_checkpoint(folder, model, tokenizer, {"iteration": 1}, {"extra.pt": {"w": torch.ones(2)}})
     runs.save_checkpoint(folder, model, tokenizer, {"iteration": 2})
-    assert runs.load_state(folder) == {"iteration": 2}
+    assert unbudgeted(runs.load_state(folder)) == {"iteration": 2}
     assert not (folder / "extra.pt").exists()  # replaced whole, not merged
     assert sorted(p.name for p in tmp_path.iterdir()) == ["ppo"]  # no .tmp / .old left behind
     assert (folder / "model.safetensors").is_file() and (folder / "tokenizer.json").is_file()
@@ -51,11 +57,11 @@ def test_a_crash_never_loses_the_last_complete_checkpoint(tmp_path, tiny, monkey
     monkeypatch.setattr(type(model), "save_pretrained", crash)
     with pytest.raises(KeyboardInterrupt):
         runs.save_checkpoint(folder, model, tokenizer, {"step": 2})
-    assert runs.load_state(folder) == {"step": 1}
+    assert unbudgeted(runs.load_state(folder)) == {"step": 1}
     monkeypatch.setattr(type(model), "save_pretrained", original)
     runs.save_checkpoint(folder, model, tokenizer, {"step": 3})  # a stale .tmp is cleared
     folder.rename(tmp_path / "sft.old")  # killed between the two renames: only the set-aside copy exists
-    assert runs.load_state(folder) == {"step": 3} and (folder / runs.STATE).is_file()
+    assert unbudgeted(runs.load_state(folder)) == {"step": 3} and (folder / runs.STATE).is_file()
 
 
 class Crash(Exception):
@@ -114,7 +120,7 @@ def set_weights(model, version):
 
 def assert_checkpoint(folder, version, reference):
     """folder holds checkpoint `version` whole: its state, weights, other tensors, and the files of a clean save."""
-    assert runs.load_state(folder) == {"version": version}
+    assert unbudgeted(runs.load_state(folder)) == {"version": version}
     weights, files = load_file(folder / "model.safetensors"), reference["files"]
     assert weights.keys() == reference["weights"].keys()
     assert all(torch.equal(weights[k], reference["weights"][k]) for k in weights)
@@ -206,7 +212,7 @@ def test_a_save_after_a_crash_between_the_renames_keeps_the_checkpoint_set_aside
             runs.save_checkpoint(folder, model, tokenizer, *set_weights(model, version))
         assert not folder.exists()
     monkeypatch.undo()
-    assert runs.load_state(folder) == {"version": 1}
+    assert unbudgeted(runs.load_state(folder)) == {"version": 1}
     weights = load_file(folder / "model.safetensors")
     assert all(torch.equal(weights[k], expected[k]) for k in expected)
     with torch.no_grad():
@@ -369,6 +375,36 @@ def test_a_run_gets_a_name_and_its_own_folder_and_resumes_only_when_asked(tmp_pa
     with pytest.raises(SystemExit, match=r"other arguments \(lr: None -> 0.2\)"):
         runs.start_run(Args(run_name="pre", resume=True, lr=0.2), "m")
     assert runs.start_run(Args(run_name="pre", resume=True), "m") == Path("runs/pre")  # the new argument's default
+
+
+def test_a_resumed_run_goes_on_from_the_budget_of_its_last_checkpoint(tmp_path, tiny, monkeypatch):
+    """An SFT-only checkpoint (save_checkpoint) records the budget too; --resume takes the last stage's."""
+    from dataclasses import dataclass
+
+    @dataclass
+    class Args:
+        output_dir: str | None = None
+        run_name: str | None = None
+        resume: bool = False
+        seed: int = 0
+
+    monkeypatch.setattr(runs.TrainingTokens, "cpu_before", 0.0)
+    monkeypatch.setattr(runs.TrainingTokens, "total", 0)
+    model, tokenizer = tiny
+    for stage, tokens, cpu in (("sft", 0, 300.0), ("ppo", 55, 900.0)):  # what the run had spent at each save
+        runs.TrainingTokens.total, runs.TrainingTokens.cpu_before = tokens, cpu
+        runs.save_checkpoint(tmp_path / "run" / stage, model, tokenizer, {"args": {"seed": 0}})
+        assert runs.load_state(tmp_path / "run" / stage)["spent"]["cpu_s"] >= cpu
+        runs.TrainingTokens.total, runs.TrainingTokens.cpu_before = 0, 0.0  # a new process
+        runs.start_run(Args(output_dir=str(tmp_path / "run"), resume=True), "m", stages=(stage,))
+        assert runs.TrainingTokens.total == tokens and runs.TrainingTokens.cpu_before >= cpu  # that stage's
+        runs.TrainingTokens.total, runs.TrainingTokens.cpu_before = 0, 0.0
+    runs.start_run(Args(output_dir=str(tmp_path / "run"), resume=True), "m")  # sft and ppo: the later one's
+    assert runs.TrainingTokens.total == 55 and 900 <= runs.TrainingTokens.cpu_before < 1200
+    recorded = {"args": {"seed": 0}, "spent": {"generated_tokens": 3, "cpu_s": 7.0}}  # save_training's own record
+    runs.save_checkpoint(tmp_path / "old" / "sft", model, tokenizer, recorded)
+    runs.start_run(Args(output_dir=str(tmp_path / "old"), resume=True), "m")  # a state's own record is kept
+    assert (runs.TrainingTokens.total, runs.TrainingTokens.cpu_before) == (3, 7.0)
 
 
 def test_random_states_round_trip_through_json():

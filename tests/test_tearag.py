@@ -920,6 +920,9 @@ def test_a_round_without_pairs_warns_and_the_sft_loss_is_logged(tmp_path):
     logged = [json.loads(line) for line in (out / "metrics.jsonl").open()]
     assert [m["sft/step"] for m in logged if "sft/loss" in m] == [1, 2]
     assert [m["curriculum/step"] for m in logged if "curriculum/loss" in m] == [1]  # the toy curriculum: 2/3 of 2
+    first = int(re.search(r"^curriculum: (\d+) paths of comparison,yes_no first$", result.stdout, re.M)[1])
+    every = int(re.search(r"^SFT: (\d+) paths from", result.stdout, re.M)[1])
+    assert 0 < first < every / 2  # the curriculum trains on its types' paths alone, not the whole mix
     assert list((out / "tensorboard").rglob("events.out.tfevents.*"))
 
 
