@@ -8,6 +8,7 @@ import shutil
 import subprocess
 import sys
 import time
+from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
@@ -337,57 +338,49 @@ def test_a_refused_flag_combination_exits_2_and_a_dry_runs_missing_file_1(capsys
         assert exit_.value.code == code
 
 
+@dataclass
+class RunArgs:
+    """A run's arguments as start_run reads them."""
+
+    output_dir: str | None = None
+    run_name: str | None = None
+    resume: bool = False
+    seed: int = 0
+    lr: float = 0.1
+    eval_every: int = 5
+
+
 def test_a_run_gets_a_name_and_its_own_folder_and_resumes_only_when_asked(tmp_path, tiny, monkeypatch):
-    from dataclasses import dataclass
-
-    @dataclass
-    class Args:
-        output_dir: str | None = None
-        run_name: str | None = None
-        resume: bool = False
-        seed: int = 0
-        lr: float = 0.1
-        eval_every: int = 5
-
     monkeypatch.chdir(tmp_path)
     monkeypatch.setattr(runs.time, "strftime", lambda fmt: "20260102-030405")
-    args = Args(seed=1)
+    args = RunArgs(seed=1)
     assert runs.start_run(args, "m") == Path("runs/m__1__20260102-030405")  # <method>__<seed>__<timestamp>
     assert args.run_name == "m__1__20260102-030405" and args.output_dir == "runs/m__1__20260102-030405"
-    named = Args(run_name="mine")
+    named = RunArgs(run_name="mine")
     assert runs.start_run(named, "m") == Path("runs/mine") and named.output_dir == "runs/mine"
-    assert runs.start_run(Args(output_dir=str(tmp_path / "x")), "m") == tmp_path / "x"  # --output_dir overrides
+    assert runs.start_run(RunArgs(output_dir=str(tmp_path / "x")), "m") == tmp_path / "x"  # --output_dir overrides
     model, tokenizer = tiny
-    runs.save_checkpoint(tmp_path / "runs/mine/ppo", model, tokenizer, {"args": vars(Args(run_name="mine"))})
+    runs.save_checkpoint(tmp_path / "runs/mine/ppo", model, tokenizer, {"args": vars(RunArgs(run_name="mine"))})
     with pytest.raises(SystemExit, match=r"runs/mine holds a checkpoint \(ppo\): pass --resume"):
-        runs.start_run(Args(run_name="mine"), "m")
+        runs.start_run(RunArgs(run_name="mine"), "m")
     with pytest.raises(SystemExit, match=r"other arguments \(seed: 0 -> 1; lr: 0.1 -> 0.2\)"):
-        runs.start_run(Args(run_name="mine", resume=True, seed=1, lr=0.2), "m")
-    resumed = Args(run_name="mine", resume=True, eval_every=1)  # checkpoint frequency does not change the result
+        runs.start_run(RunArgs(run_name="mine", resume=True, seed=1, lr=0.2), "m")
+    resumed = RunArgs(run_name="mine", resume=True, eval_every=1)  # checkpoint frequency does not change the result
     assert runs.start_run(resumed, "m") == Path("runs/mine")
     with pytest.raises(SystemExit, match=r"no checkpoint in runs/other \(name the run to continue: --run_name"):
-        runs.start_run(Args(run_name="other", resume=True), "m")
+        runs.start_run(RunArgs(run_name="other", resume=True), "m")
     runs.save_checkpoint(tmp_path / "old/sft", model, tokenizer, {"steps": 3})  # saved before runs kept their args
     with pytest.raises(SystemExit, match="other arguments"):
-        runs.start_run(Args(output_dir="old", resume=True), "m")
-    before_lr = {k: v for k, v in vars(Args(run_name="pre")).items() if k != "lr"}  # saved before --lr existed
+        runs.start_run(RunArgs(output_dir="old", resume=True), "m")
+    before_lr = {k: v for k, v in vars(RunArgs(run_name="pre")).items() if k != "lr"}  # saved before --lr existed
     runs.save_checkpoint(tmp_path / "runs/pre/sft", model, tokenizer, {"args": before_lr})
     with pytest.raises(SystemExit, match=r"other arguments \(lr: None -> 0.2\)"):
-        runs.start_run(Args(run_name="pre", resume=True, lr=0.2), "m")
-    assert runs.start_run(Args(run_name="pre", resume=True), "m") == Path("runs/pre")  # the new argument's default
+        runs.start_run(RunArgs(run_name="pre", resume=True, lr=0.2), "m")
+    assert runs.start_run(RunArgs(run_name="pre", resume=True), "m") == Path("runs/pre")  # the new argument's default
 
 
 def test_a_resumed_run_goes_on_from_the_budget_of_its_last_checkpoint(tmp_path, tiny, monkeypatch):
     """An SFT-only checkpoint (save_checkpoint) records the budget too; --resume takes the last stage's."""
-    from dataclasses import dataclass
-
-    @dataclass
-    class Args:
-        output_dir: str | None = None
-        run_name: str | None = None
-        resume: bool = False
-        seed: int = 0
-
     monkeypatch.setattr(runs.TrainingTokens, "cpu_before", 0.0)
     monkeypatch.setattr(runs.TrainingTokens, "total", 0)
     model, tokenizer = tiny
@@ -396,14 +389,14 @@ def test_a_resumed_run_goes_on_from_the_budget_of_its_last_checkpoint(tmp_path, 
         runs.save_checkpoint(tmp_path / "run" / stage, model, tokenizer, {"args": {"seed": 0}})
         assert runs.load_state(tmp_path / "run" / stage)["spent"]["cpu_s"] >= cpu
         runs.TrainingTokens.total, runs.TrainingTokens.cpu_before = 0, 0.0  # a new process
-        runs.start_run(Args(output_dir=str(tmp_path / "run"), resume=True), "m", stages=(stage,))
+        runs.start_run(RunArgs(output_dir=str(tmp_path / "run"), resume=True), "m", stages=(stage,))
         assert runs.TrainingTokens.total == tokens and runs.TrainingTokens.cpu_before >= cpu  # that stage's
         runs.TrainingTokens.total, runs.TrainingTokens.cpu_before = 0, 0.0
-    runs.start_run(Args(output_dir=str(tmp_path / "run"), resume=True), "m")  # sft and ppo: the later one's
+    runs.start_run(RunArgs(output_dir=str(tmp_path / "run"), resume=True), "m")  # sft and ppo: the later one's
     assert runs.TrainingTokens.total == 55 and 900 <= runs.TrainingTokens.cpu_before < 1200
     recorded = {"args": {"seed": 0}, "spent": {"generated_tokens": 3, "cpu_s": 7.0}}  # save_training's own record
     runs.save_checkpoint(tmp_path / "old" / "sft", model, tokenizer, recorded)
-    runs.start_run(Args(output_dir=str(tmp_path / "old"), resume=True), "m")  # a state's own record is kept
+    runs.start_run(RunArgs(output_dir=str(tmp_path / "old"), resume=True), "m")  # a state's own record is kept
     assert (runs.TrainingTokens.total, runs.TrainingTokens.cpu_before) == (3, 7.0)
 
 

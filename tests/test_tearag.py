@@ -626,6 +626,7 @@ def test_the_toy_curriculum_takes_its_types_a_share_of_the_sft_steps_and_its_rat
     """The toy SFT's first stage (header item 13): the paths of the curriculum's types alone, built with the run's
     seed; share x sft_steps rounded, its own learning rate; the toy preset's 2/3 of 900 steps on comparison and yes/no
     paths; no path, no step."""
+    import random
     from dataclasses import replace
 
     from common.toy.tearag import curriculum
@@ -634,7 +635,7 @@ def test_the_toy_curriculum_takes_its_types_a_share_of_the_sft_steps_and_its_rat
     build = lambda rows, rng: [(r["id"], rng.random()) for r in rows]
     args = T.apply_preset(runs.parse_args(T.Args, ["--train", "--seed", "3"], method="tearag"))
     first, stage = curriculum(args, rows + [{"question": "no metadata"}], build)
-    assert first == build(rows[1:3], __import__("random").Random(3)) and (stage.sft_steps, stage.sft_lr) == (600, 1e-3)
+    assert first == build(rows[1:3], random.Random(3)) and (stage.sft_steps, stage.sft_lr) == (600, 1e-3)
     assert (args.sft_steps, args.sft_lr) == (900, 2e-3)  # the whole mix's stage keeps its own
     first, stage = curriculum(replace(args, sft_curriculum="two_hop:1/2:0.5", sft_steps=5, sft_lr=1.0), rows, build)
     assert [i for i, _ in first] == [3] and (stage.sft_steps, stage.sft_lr) == (2, 0.5)  # round(2.5): even
