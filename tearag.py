@@ -659,14 +659,12 @@ def rollout(model, tokenizer, system, rows, args, n_samples=1, greedy=True, seed
     """n_samples reasoning paths per question [§4.2, Fig. 3], each turn one generate call and one retrieval for all."""
     prompts = encode_prompts(tokenizer, [r["question"] for r in rows], args.templates)
     paths = [ReasoningPath(r, p) for r, p in zip(rows, prompts) for _ in range(n_samples)]
-    sampling = {"do_sample": not greedy, "temperature": args.temperature, "stop": [REF_OPEN]}
-    for turn in range(args.max_steps + 2):  # at most 5 retrievals, a 6th header cut, the forced answer
+    sampling = dict(max_new_tokens=args.max_new_tokens, do_sample=not greedy, temperature=args.temperature)
+    for turn_seed in range(seed, seed + args.max_steps + 2):  # at most 5 retrievals, a 6th header cut, the answer
         live = [p for p in paths if not p.done]
         if not live:
             break
-        gen = generate(
-            model, tokenizer, [p.prompt + p.ids for p in live], args.max_new_tokens, **sampling, seed=seed + turn
-        )
+        gen = generate(model, tokenizer, [p.prompt + p.ids for p in live], **sampling, stop=[REF_OPEN], seed=turn_seed)
         headers = [model_turn(p, ids, text, tokenizer, args) for p, ids, text in zip(live, gen.token_ids, gen.texts)]
         asking = [(p, h) for p, h in zip(live, headers) if h is not None]
         contexts = system.retrieve([h.subquery for _, h in asking], [h.entities for _, h in asking]) if asking else []
@@ -704,9 +702,9 @@ def sft_steps(row, system, rng):
         others = [it for it in others if (it["kind"], it["id"]) not in gold][: system.args.sft_distractors]
         for t in support + others:  # (4) the golden paragraph, triplets (and distractors) at random places
             context.insert(rng.randint(0, len(context)), t)
-        facts = " and ".join(item_text(t) for t in support)
-        summary = rng.choice(SUMMARIES).format(facts=facts, answer=answer)  # (5)
-        steps.append({"entities": entities, "subquery": sub, "context": context, "summary": summary, "answer": answer})
+        facts, template = " and ".join(item_text(t) for t in support), rng.choice(SUMMARIES)  # (5)
+        steps.append(dict(entities=entities, subquery=sub, context=context, answer=answer, facts=facts))
+        steps[-1].update(template=template, summary=template.format(facts=facts, answer=answer))
     return steps
 
 
@@ -724,7 +722,9 @@ def sft_examples(rows, system, args, rng):
             segments = []
             for i, s in enumerate(path, 1):
                 header, block = step_header(i, s["entities"], s["subquery"]), reference_block(s["context"])
-                segments += [(header, True), (block, False), (f"Summary: {s['summary']}\n", True)]
+                # the last summary implies the path's answer [Tab. 11]: a comparison's, not its last step's (ours)
+                summary = s["template"].format(facts=s["facts"], answer=answer) if i == len(path) else s["summary"]
+                segments += [(header, True), (block, False), (f"Summary: {summary}\n", True)]
             out.append((question, segments + [(f"Final answer: {answer}", True)]))
     return out
 

@@ -622,6 +622,27 @@ def test_sft_summaries_use_every_template(system):
     assert len(steps) >= 30 and {opening(s["summary"]) for s in steps} == {0, 1, 2}
 
 
+def test_a_whole_paths_last_summary_implies_the_questions_answer(system):
+    """Tab. 11: the last summary implies the answer that the path then gives. A comparison's answer is no step's: its
+    whole path's last summary keeps that step's facts and template and concludes with the question's answer; the first
+    summary and each step as a 1-hop question conclude with their step's answer; a chain's summaries are its steps'."""
+    from random import Random
+
+    rows = [json.loads(line) for line in (WORLD / "train.jsonl").open()]
+    for kind in ("yes_no", "comparison", "two_hop"):
+        row = next(r for r in rows if r["metadata"]["type"] == kind and T.sft_steps(r, system, Random(0)))
+        golden, subs = row["golden_answers"][0], row["metadata"]["sub_answers"]
+        steps = T.sft_steps(row, system, Random(0))
+        examples = T.sft_examples([row], system, SimpleNamespace(sft_single_steps=True), Random(0))
+        summaries = [[text for text, _ in segments if text.startswith("Summary:")] for _, segments in examples]
+        assert (golden == subs[-1]) == (kind == "two_hop") and len(summaries) == 3
+        assert summaries[0][0] == f"Summary: {steps[0]['summary']}\n" and steps[0]["summary"].endswith(f": {subs[0]}.")
+        assert summaries[0][1].endswith(f": {golden}.\n") and steps[1]["facts"] in summaries[0][1]
+        assert summaries[0][1].startswith(f"Summary: {steps[1]['template'].split('{')[0]}")
+        assert summaries[1:] == [[f"Summary: {s['summary']}\n"] for s in steps]  # the steps as 1-hop questions
+        assert all(s["summary"].endswith(f": {a}.") for s, a in zip(steps, subs))
+
+
 def test_the_toy_curriculum_takes_its_types_a_share_of_the_sft_steps_and_its_rate():
     """The toy SFT's first stage (header item 13): the paths of the curriculum's types alone, built with the run's
     seed; share x sft_steps rounded, its own learning rate; the toy preset's 2/3 of 900 steps on comparison and yes/no

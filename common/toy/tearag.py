@@ -113,7 +113,7 @@ def oracle_tearag(row, path, rng=None, noise=0.0):
     if tails[hop] is None:
         return f"Summary: No evidence states {RELATIONS[rels[hop]][4].format(h=head(hop))}.\nFinal answer: unknown"
     summary = f"Summary: The fact {head(hop)} {RELATIONS[rels[hop]][3]} {tails[hop]} logically implies the answer: "
-    summary += f"{tails[hop]}.\n"
+    summary += f"{answer if comparison and hop == 1 else tails[hop]}.\n"  # the last implies the answer (Tab. 11)
     if hop + 1 < len(rels):
         return summary + step(hop + 1)
     if (len(hops) > 1 and hops[-1] == hops[-2]) or (wrong and rng.random() < 0.5):
