@@ -643,6 +643,29 @@ def test_a_whole_paths_last_summary_implies_the_questions_answer(system):
         assert all(s["summary"].endswith(f": {a}.") for s, a in zip(steps, subs))
 
 
+def test_the_toy_oracle_ends_a_comparisons_last_summary_with_its_answer():
+    """The rehearsal's policy writes the same paths: the first summary ends with the first year, the last (Tab. 11)
+    with the comparison's answer, which the final answer repeats; a chain's last summary ends with its tail."""
+    from common.toy.tearag import oracle_tearag
+
+    rows = [json.loads(line) for line in (WORLD / "train.jsonl").open()]
+    passages = {d["id"]: d["contents"] for d in map(json.loads, (WORLD / "corpus.jsonl").open())}
+    for kind in ("yes_no", "comparison", "two_hop"):
+        row = next(r for r in rows if r["metadata"]["type"] == kind and r["metadata"]["answerable"])
+        golden, subs, docs = (
+            row["golden_answers"][0],
+            row["metadata"]["sub_answers"],
+            row["metadata"]["supporting_doc_ids"],
+        )
+        path = ""
+        for doc in docs:
+            path += oracle_tearag(row, path) + f"\nEvidence 1: {passages[str(doc)]}\n</Reference>\n"
+        turn = oracle_tearag(row, path)
+        summaries = re.findall(r"answer: (\S+)\.\n", path + turn)
+        assert (golden == subs[-1]) == (kind == "two_hop") and summaries == [subs[0], golden]
+        assert turn.endswith(f"Final answer: {golden}")
+
+
 def test_the_toy_curriculum_takes_its_types_a_share_of_the_sft_steps_and_its_rate():
     """The toy SFT's first stage (header item 13): the paths of the curriculum's types alone, built with the run's
     seed; share x sft_steps rounded, its own learning rate; the toy preset's 2/3 of 900 steps on comparison and yes/no
